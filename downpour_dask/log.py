@@ -1,0 +1,204 @@
+"""The experiment log of one training run: pushes, evaluations and events as pandas DataFrames.
+
+Every run of :class:`~downpour_dask.DownpourSGD` produces an :class:`Experiment`.  It is the
+record a user analyses afterwards (accuracy against wall time, staleness, failures), and it is
+saved in safe formats only -- parquet tables plus a JSON config -- so loading a run never
+executes code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+#: Columns of :attr:`Experiment.pushes`, one row per replica push.
+PUSH_COLUMNS = {
+    "time": "float64",  # seconds since fit started, when the push was acknowledged
+    "replica": "int64",
+    "step": "int64",  # the replica's step count when it pushed
+    "loss": "float64",  # mean training loss over the minibatches accrued in this push
+    "examples": "int64",  # examples accrued in this push
+    "staleness": "int64",  # max over shards of updates applied between fetch and push
+    "version": "int64",  # min over shards of the version after applying this push
+    "accepted": "bool",  # False when a shard refused the push (non-finite gradient)
+}
+#: Columns of :attr:`Experiment.evals`; ``accuracy`` for classifiers, ``r2`` for regression.
+EVAL_COLUMNS = {
+    "time": "float64",
+    "version": "int64",
+    "examples_seen": "int64",
+    "loss": "float64",
+}
+#: Columns of :attr:`Experiment.events`.
+EVENT_COLUMNS = {"time": "float64", "kind": "object", "detail": "object"}
+
+_FILES = ("config.json", "pushes.parquet", "evals.parquet", "events.parquet")
+
+
+def empty_frame(columns: dict[str, str]) -> pd.DataFrame:
+    """An empty DataFrame with the given column dtypes."""
+    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in columns.items()})
+
+
+class Experiment:
+    """Pushes, evaluations and events of one run, plus the run's configuration.
+
+    Parameters
+    ----------
+    config : dict
+        JSON-serialisable description of the run (estimator arguments, model, data sizes).
+    pushes, evals, events : DataFrame, optional
+        The three logs; see :data:`PUSH_COLUMNS`, :data:`EVAL_COLUMNS`, :data:`EVENT_COLUMNS`.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any] | None = None,
+        pushes: pd.DataFrame | None = None,
+        evals: pd.DataFrame | None = None,
+        events: pd.DataFrame | None = None,
+    ):
+        self.config: dict[str, Any] = dict(config or {})
+        self.pushes = pushes if pushes is not None else empty_frame(PUSH_COLUMNS)
+        self.evals = evals if evals is not None else empty_frame(EVAL_COLUMNS)
+        self.events = events if events is not None else empty_frame(EVENT_COLUMNS)
+
+    def __repr__(self) -> str:
+        return (
+            f"Experiment(pushes={len(self.pushes)} rows, evals={len(self.evals)} rows, "
+            f"events={len(self.events)} rows)"
+        )
+
+    # -- summary ---------------------------------------------------------------------------------
+    def summary(self) -> dict[str, float]:
+        """Headline numbers of the run: final/best score, throughput and staleness.
+
+        Returns
+        -------
+        dict
+            ``duration`` (s), ``pushes``, ``examples``, ``examples_per_s``, ``pushes_per_s``,
+            ``staleness_mean``, ``staleness_p95``, ``refused_pushes``, ``failures`` and, when
+            the run was evaluated, ``final_<metric>`` / ``best_<metric>`` / ``final_loss``.
+        """
+        p, e = self.pushes, self.evals
+        stop = self.events.loc[self.events["kind"] == "stop", "time"]
+        duration = float(stop.iloc[-1]) if len(stop) else float(p["time"].max() if len(p) else 0)
+        out: dict[str, float] = {
+            "duration": duration,
+            "pushes": float(len(p)),
+            "examples": float(p["examples"].sum()) if len(p) else 0.0,
+        }
+        out["examples_per_s"] = out["examples"] / duration if duration > 0 else float("nan")
+        out["pushes_per_s"] = out["pushes"] / duration if duration > 0 else float("nan")
+        stale = p["staleness"].to_numpy() if len(p) else np.zeros(0)
+        out["staleness_mean"] = float(stale.mean()) if len(stale) else float("nan")
+        out["staleness_p95"] = float(np.percentile(stale, 95)) if len(stale) else float("nan")
+        out["refused_pushes"] = float((~p["accepted"].astype(bool)).sum()) if len(p) else 0.0
+        failure_kinds = ("replica_failed", "shard_lost")
+        out["failures"] = float(self.events["kind"].isin(failure_kinds).sum())
+        metric = self.metric
+        if len(e) and metric in e:
+            out[f"final_{metric}"] = float(e[metric].iloc[-1])
+            out[f"best_{metric}"] = float(e[metric].max())
+            out["final_loss"] = float(e["loss"].iloc[-1])
+        return out
+
+    @property
+    def metric(self) -> str:
+        """Name of the evaluation score column: ``"accuracy"`` or ``"r2"``."""
+        return "r2" if "r2" in self.evals.columns else "accuracy"
+
+    def time_to(self, target: float) -> float:
+        """Seconds from the start of fit until an evaluation first reached ``target`` score.
+
+        Returns ``nan`` if the run never reached it.
+        """
+        e = self.evals
+        if not len(e) or self.metric not in e:
+            return float("nan")
+        hit = e.loc[e[self.metric] >= target, "time"]
+        return float(hit.iloc[0]) if len(hit) else float("nan")
+
+    # -- persistence -----------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], overwrite: bool = False) -> Path:
+        """Write the run to directory ``path`` as ``config.json`` plus three parquet files.
+
+        The files are written into a temporary sibling directory that is renamed into place, so an
+        interrupted save never leaves a half-written run directory behind.
+
+        Raises
+        ------
+        FileExistsError
+            If ``path`` exists and ``overwrite`` is False.
+        """
+        target = Path(path)
+        if target.exists() and not overwrite:
+            raise FileExistsError(f"run directory {str(target)!r} exists; pass overwrite=True")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            with open(tmp / "config.json", "w") as f:
+                json.dump(self.config, f, indent=2, sort_keys=True, default=_json_default)
+            self.pushes.to_parquet(tmp / "pushes.parquet", index=False)
+            self.evals.to_parquet(tmp / "evals.parquet", index=False)
+            events = self.events.astype({"kind": str, "detail": str})
+            events.to_parquet(tmp / "events.parquet", index=False)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Experiment:
+        """Read a run directory written by :meth:`save` (parquet and JSON only: no pickles).
+
+        Raises
+        ------
+        FileNotFoundError
+            If ``path`` is not a run directory (names the missing file).
+        """
+        src = Path(path)
+        missing = [name for name in _FILES if not (src / name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{str(src)!r} is not a run directory: missing {', '.join(missing)}"
+            )
+        with open(src / "config.json") as f:
+            config = json.load(f)
+        return cls(
+            config,
+            pd.read_parquet(src / "pushes.parquet"),
+            pd.read_parquet(src / "evals.parquet"),
+            pd.read_parquet(src / "events.parquet"),
+        )
+
+    # -- plots -----------------------------------------------------------------------------------
+    def plot(self, ax: Any = None) -> Any:
+        """Plot the evaluation score against wall time (needs matplotlib, the ``plot`` extra)."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 4))
+        if len(self.evals) and self.metric in self.evals:
+            ax.plot(self.evals["time"], self.evals[self.metric], marker=".")
+        ax.set_xlabel("seconds since fit started")
+        ax.set_ylabel(f"test {self.metric}")
+        return ax
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (tuple, set)):
+        return list(obj)
+    raise TypeError(f"config value of type {type(obj).__name__} is not JSON-serialisable")

@@ -1,0 +1,69 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from downpour_dask import Experiment
+
+
+def _experiment():
+    pushes = pd.DataFrame(
+        {
+            "time": [0.1, 0.2, 0.3],
+            "replica": [0, 1, 0],
+            "step": [0, 0, 1],
+            "loss": [2.0, 1.9, 1.5],
+            "examples": [32, 32, 32],
+            "staleness": [0, 1, 3],
+            "version": [1, 2, 3],
+            "accepted": [True, True, False],
+        }
+    )
+    evals = pd.DataFrame(
+        {"time": [0.5, 1.0], "version": [2, 3], "examples_seen": [64, 96], "loss": [1.8, 1.2],
+         "accuracy": [0.5, 0.9]}
+    )
+    events = pd.DataFrame({"time": [0.0, 1.2], "kind": ["start", "stop"], "detail": ["", "done"]})
+    return Experiment({"n_replicas": 2, "shape": (1, 2)}, pushes, evals, events)
+
+
+def test_save_and_load_round_trip_without_pickles(tmp_path):
+    run = _experiment()
+    path = run.save(tmp_path / "runs" / "a")
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json", "evals.parquet", "events.parquet", "pushes.parquet"
+    ]
+    assert json.loads((path / "config.json").read_text())["shape"] == [1, 2]
+    back = Experiment.load(path)
+    pd.testing.assert_frame_equal(back.pushes, run.pushes)
+    pd.testing.assert_frame_equal(back.evals, run.evals)
+    assert list(back.events["kind"]) == ["start", "stop"]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["a"]  # no temporary left over
+
+
+def test_save_refuses_to_overwrite_and_leaves_nothing_half_written(tmp_path):
+    run = _experiment()
+    run.save(tmp_path / "a")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        run.save(tmp_path / "a")
+    bad = Experiment({"oops": object()}, run.pushes, run.evals, run.events)
+    with pytest.raises(TypeError, match="not JSON-serialisable"):
+        bad.save(tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_load_names_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a run directory: missing config.json"):
+        Experiment.load(tmp_path)
+
+
+def test_summary_and_time_to_target():
+    run = _experiment()
+    s = run.summary()
+    assert s["duration"] == 1.2 and s["pushes"] == 3 and s["examples"] == 96
+    assert s["examples_per_s"] == pytest.approx(80.0)
+    assert s["staleness_mean"] == pytest.approx(4 / 3)
+    assert s["staleness_p95"] == pytest.approx(np.percentile([0, 1, 3], 95))
+    assert s["refused_pushes"] == 1 and s["final_accuracy"] == 0.9 and s["best_accuracy"] == 0.9
+    assert run.time_to(0.8) == 1.0 and np.isnan(run.time_to(0.95))
