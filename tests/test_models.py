@@ -1,0 +1,439 @@
+"""Models: gradients against finite differences of an independent float64 reference loss,
+the ``out=`` contract, predictions and scores on hand-checkable cases, data validation,
+configs, pickling and initialisation."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from downpour_dask import models
+from downpour_dask.models import (
+    MLP,
+    LinearRegression,
+    LogisticRegression,
+    SoftmaxRegression,
+    from_config,
+)
+
+CASES = {
+    "linear": lambda: LinearRegression(4),
+    "linear-3out-l2": lambda: LinearRegression(4, 3, l2=0.3),
+    "logistic": lambda: LogisticRegression(4),
+    "logistic-l2": lambda: LogisticRegression(4, l2=0.3),
+    "softmax": lambda: SoftmaxRegression(4, 3),
+    "softmax-l2": lambda: SoftmaxRegression(4, 3, l2=0.3),
+    "mlp-relu-softmax": lambda: MLP(4, (5,), 3),
+    "mlp-tanh-softmax-l2": lambda: MLP(4, (5, 3), 3, activation="tanh", l2=0.3),
+    "mlp-relu-linear-l2": lambda: MLP(4, (6, 5, 3), 2, output="linear", l2=0.3),
+    "mlp-tanh-linear-1out": lambda: MLP(4, (5,), 1, activation="tanh", output="linear"),
+}
+
+
+def make_data(model, n=11, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, model.n_inputs)).astype(np.float32)
+    if model.is_classifier:
+        y = rng.integers(0, model.n_classes, n)
+    elif model.n_outputs == 1:
+        y = rng.normal(size=n).astype(np.float32)
+    else:
+        y = rng.normal(size=(n, model.n_outputs)).astype(np.float32)
+    return X, y
+
+
+def make_params(model, seed=1):
+    """Initial parameters plus noise, so biases are non-zero and every term matters."""
+    params = model.init(np.random.default_rng(seed))
+    return params + np.random.default_rng(seed + 1).normal(0, 0.2, params.size).astype(np.float32)
+
+
+def reference_loss(model, params, X, y):
+    """The documented objective, written out plainly in float64 (independent of the engine)."""
+    views = model.layout.views(np.asarray(params, np.float64))
+    names = model.layout.names
+    layers = [(views[w], views[b]) for w, b in zip(names[::2], names[1::2], strict=True)]
+    a = np.asarray(X, np.float64)
+    for i, (W, b) in enumerate(layers):
+        z = a @ W + b
+        if i < len(layers) - 1:
+            a = np.maximum(z, 0) if model.activation == "relu" else np.tanh(z)
+    if isinstance(model, LogisticRegression):
+        p = 1 / (1 + np.exp(-z[:, 0]))
+        data = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+    elif model.is_classifier:
+        log_softmax = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        data = -np.mean(log_softmax[np.arange(len(y)), y])
+    else:
+        data = 0.5 * np.mean(((z - np.reshape(y, z.shape)) ** 2).sum(axis=1))
+    return data + 0.5 * model.l2 * sum((W**2).sum() for W, _ in layers)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loss_matches_reference(case):
+    model = CASES[case]()
+    X, y = make_data(model)
+    params = make_params(model)
+    expected = reference_loss(model, params, X, y)
+    loss32, _ = model.loss_and_grad(params, X, y)
+    assert loss32 == pytest.approx(expected, rel=1e-5)
+    assert model.loss(params, X, y) == pytest.approx(expected, rel=1e-5)
+    loss64, _ = model.loss_and_grad(params.astype(np.float64), X.astype(np.float64), y)
+    assert loss64 == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradient_matches_finite_differences(case):
+    model = CASES[case]()
+    X, y = make_data(model)
+    p64 = make_params(model).astype(np.float64)
+    h = 1e-6
+    numeric = np.empty_like(p64)
+    for i in range(p64.size):
+        step = np.zeros_like(p64)
+        step[i] = h
+        numeric[i] = (
+            reference_loss(model, p64 + step, X, y) - reference_loss(model, p64 - step, X, y)
+        ) / (2 * h)
+    _, grad64 = model.loss_and_grad(p64, X.astype(np.float64), y)
+    assert grad64.dtype == np.float64
+    np.testing.assert_allclose(grad64, numeric, rtol=1e-6, atol=1e-8)
+    _, grad32 = model.loss_and_grad(p64.astype(np.float32), X, y)
+    assert grad32.dtype == np.float32 and grad32.shape == (model.layout.size,)
+    np.testing.assert_allclose(grad32, numeric, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["linear-3out-l2", "logistic-l2", "mlp-tanh-softmax-l2"])
+def test_l2_adds_l2_times_weights_and_spares_biases(case):
+    model = CASES[case]()
+    plain = from_config({**model.get_config(), "l2": 0.0})
+    X, y = make_data(model)
+    params = make_params(model)
+    loss, grad = model.loss_and_grad(params, X, y)
+    plain_loss, plain_grad = plain.loss_and_grad(params, X, y)
+    views, diff = model.layout.views(params), model.layout.views(grad - plain_grad)
+    penalty = 0.0
+    for name in model.layout.names:
+        if name.startswith("W"):
+            np.testing.assert_allclose(diff[name], 0.3 * views[name], rtol=1e-4, atol=1e-6)
+            penalty += 0.5 * 0.3 * float((views[name].astype(np.float64) ** 2).sum())
+        else:
+            np.testing.assert_allclose(diff[name], 0.0, atol=1e-6)
+    assert loss - plain_loss == pytest.approx(penalty, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_out_is_filled_and_returned_and_params_untouched(case):
+    model = CASES[case]()
+    X, y = make_data(model)
+    params = make_params(model)
+    before = params.copy()
+    loss, fresh = model.loss_and_grad(params, X, y)
+    out = np.full(model.layout.size, np.nan, dtype=np.float32)
+    loss_out, returned = model.loss_and_grad(params, X, y, out=out)
+    assert returned is out and loss_out == loss
+    np.testing.assert_array_equal(out, fresh)
+    np.testing.assert_array_equal(params, before)
+
+
+def test_out_must_fit():
+    model = MLP(4, (5,), 3)
+    X, y = make_data(model)
+    params = model.init(np.random.default_rng(0))
+    for bad in (
+        np.empty(3, np.float32),
+        np.empty(model.layout.size, np.float64),
+        np.empty(2 * model.layout.size, np.float32)[::2],
+        params,
+    ):
+        with pytest.raises(ValueError, match="out must be a contiguous float32 vector"):
+            model.loss_and_grad(params, X, y, out=bad)
+    with pytest.raises(ValueError, match=r"X must have shape \(n_samples >= 1, 4\)"):
+        model.loss_and_grad(params, X[:, :3], y)
+
+
+def test_workspaces_are_reused_across_batch_sizes():
+    """A model that saw a big batch must still be right on smaller and larger ones."""
+    model = MLP(4, (6, 5), 3, activation="tanh", l2=0.1)
+    X, y = make_data(model, n=40)
+    params = make_params(model)
+    for n in (40, 7, 1, 23, 40):
+        loss, grad = model.loss_and_grad(params, X[:n], y[:n])
+        fresh = MLP(4, (6, 5), 3, activation="tanh", l2=0.1)
+        loss_f, grad_f = fresh.loss_and_grad(params, X[:n], y[:n])
+        assert loss == loss_f
+        np.testing.assert_array_equal(grad, grad_f)
+
+
+def test_regression_accepts_column_targets():
+    model = LinearRegression(4)
+    X, y = make_data(model)
+    params = make_params(model)
+    loss, grad = model.loss_and_grad(params, X, y)
+    loss_col, grad_col = model.loss_and_grad(params, X, y[:, None])
+    assert loss == loss_col
+    np.testing.assert_array_equal(grad, grad_col)
+
+
+@pytest.mark.parametrize("case", ["softmax-l2", "logistic", "mlp-relu-linear-l2"])
+def test_evaluation_in_row_blocks_matches_one_block(case, monkeypatch):
+    model = CASES[case]()
+    X, y = make_data(model, n=10)
+    params = make_params(model)
+    loss, _ = model.loss_and_grad(params, X, y)
+    pred = model.predict(params, X)
+    monkeypatch.setattr(models, "_CHUNK", 3)
+    assert model.loss(params, X, y) == pytest.approx(loss, rel=1e-6)
+    np.testing.assert_allclose(model.predict(params, X), pred, rtol=1e-6)
+
+
+def test_softmax_predict_proba_and_accuracy_by_hand():
+    model = SoftmaxRegression(3, 3)
+    params = model.layout.zeros()
+    model.layout.views(params)["W"][:] = np.eye(3)  # logits = X
+    X = np.array([[1, 0, 0], [0, 2, 1], [0, 0, 5], [3, 1, 0]], dtype=np.float32)
+    y = np.array([0, 1, 1, 0])
+    pred = model.predict(params, X)
+    assert pred.dtype == np.int64
+    np.testing.assert_array_equal(pred, [0, 1, 2, 0])
+    assert model.score(params, X, y) == 0.75  # 3 of 4 right
+    proba = model.predict_proba(params, X)
+    assert proba.shape == (4, 3)
+    np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-6)
+    # softmax([1, 0, 0])[0] = e / (e + 2)
+    assert proba[0, 0] == pytest.approx(0.5761168847658291, rel=1e-6)
+
+
+def test_logistic_predict_proba_and_accuracy_by_hand():
+    model = LogisticRegression(2)
+    params = model.layout.zeros()
+    views = model.layout.views(params)
+    views["W"][:, 0] = [1.0, -1.0]
+    views["b"][:] = 0.5
+    X = np.array([[2, 1], [0, 3], [1, 1]], dtype=np.float32)  # z = [1.5, -2.5, 0.5]
+    np.testing.assert_array_equal(model.predict(params, X), [1, 0, 1])
+    assert model.score(params, X, np.array([1, 1, 1])) == pytest.approx(2 / 3)
+    proba = model.predict_proba(params, X)
+    assert proba.shape == (3, 2)
+    assert proba[0, 1] == pytest.approx(0.8175744761936437, rel=1e-6)  # 1 / (1 + e^-1.5)
+    np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-6)
+
+
+def test_r2_by_hand():
+    model = LinearRegression(1, 2)
+    params = model.layout.zeros()
+    views = model.layout.views(params)
+    views["W"][:] = [[2.0, 0.0]]
+    views["b"][:] = [1.0, 3.0]
+    X = np.array([[0], [1], [2], [3]], dtype=np.float32)  # predictions [1, 3, 5, 7] and 3s
+    y = np.array([[1, 2], [2, 4], [5, 3], [8, 3]], dtype=np.float32)
+    pred = model.predict(params, X)
+    assert pred.shape == (4, 2) and pred.dtype == np.float32
+    # column 0: SSE = 0 + 1 + 0 + 1 = 2, mean 4, SST = 9 + 4 + 1 + 16 = 30 -> 1 - 2/30
+    # column 1: SSE = 1 + 1 + 0 + 0 = 2, mean 3, SST = 1 + 1 + 0 + 0 = 2 -> 0
+    assert model.score(params, X, y) == pytest.approx((1 - 2 / 30 + 0.0) / 2)
+    single = LinearRegression(1)
+    p1 = single.layout.zeros()
+    single.layout.views(p1)["W"][:] = 2.0
+    single.layout.views(p1)["b"][:] = 1.0
+    assert single.predict(p1, X).shape == (4,)
+    assert single.score(p1, X, y[:, 0]) == pytest.approx(1 - 2 / 30)
+    # constant targets: perfect fit scores 1, anything else 0 (as scikit-learn)
+    assert single.score(p1, X[:1], np.array([1.0])) == 1.0
+    assert single.score(p1, X[:2], np.array([0.0, 0.0])) == 0.0
+
+
+def test_predict_proba_needs_a_classifier():
+    model = LinearRegression(2)
+    with pytest.raises(TypeError, match="predict_proba needs a classifier"):
+        model.predict_proba(model.layout.zeros(), np.zeros((1, 2), np.float32))
+
+
+def test_check_data_converts():
+    model = MLP(3, (4,), 3)
+    X = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
+    Xc, yc = model.check_data(X, [2.0, 0.0])
+    assert Xc.dtype == np.float32 and Xc.flags.c_contiguous
+    assert yc.dtype == np.int64
+    np.testing.assert_array_equal(yc, [2, 0])
+    assert model.check_data(X)[1] is None
+    _, yb = LogisticRegression(3).check_data(X, np.array([True, False]))
+    np.testing.assert_array_equal(yb, [1, 0])
+    _, yr = LinearRegression(3).check_data(X, [[1], [2]])
+    assert yr.shape == (2,) and yr.dtype == np.float32
+    _, yr2 = LinearRegression(3, 2).check_data(X, np.ones((2, 2), np.int64))
+    assert yr2.shape == (2, 2) and yr2.dtype == np.float32
+
+
+def _with(value, row, col, base=None):
+    X = np.zeros((5, 4)) if base is None else base.copy()
+    X[row, col] = value
+    return X
+
+
+CLF, REG, REG2 = MLP(4, (3,), 3), LinearRegression(4), LinearRegression(4, 2)
+GOOD_X = np.zeros((5, 4))
+
+
+@pytest.mark.parametrize(
+    "model, X, y, exc, match",
+    [
+        (CLF, np.zeros(4), None, ValueError, r"X must be a 2-D array .* 1-D array of shape \(4,\)"),
+        (CLF, np.zeros((0, 4)), None, ValueError, r"X is empty: got 0 samples"),
+        (
+            MLP(784),
+            np.zeros((2, 10)),
+            None,
+            ValueError,
+            r"X has 10 features, but MLP expects 784 features \(n_inputs\)",
+        ),
+        (
+            CLF,
+            _with(np.nan, 2, 1),
+            None,
+            ValueError,
+            r"X contains 1 NaN or infinite value\(s\), first in row 2",
+        ),
+        (
+            CLF,
+            _with(np.inf, 3, 0, _with(-np.inf, 4, 2)),
+            None,
+            ValueError,
+            r"2 NaN .* first in row 3",
+        ),
+        (CLF, _with(1e39, 1, 1), None, ValueError, r"X contains 1 NaN or infinite .*float32"),
+        (
+            CLF,
+            [["a", "b", "c", "d"]],
+            None,
+            TypeError,
+            r"X must contain real numbers .* got dtype <U1",
+        ),
+        (CLF, [[1, None, 2, 3]], None, ValueError, r"X contains 1 NaN"),  # None is missing
+        (CLF, [[1, object(), 2, 3]], None, TypeError, r"X must contain real numbers"),
+        (CLF, [[1, 2, 3, 4], [1, 2]], None, ValueError, r"X must be a rectangular array"),
+        (CLF, GOOD_X, [0, 1, 2, 0], ValueError, r"X has 5 rows, y has 4 rows"),
+        (CLF, GOOD_X, 1, ValueError, r"y has a scalar"),
+        (
+            CLF,
+            GOOD_X,
+            [0, 10, 12, 1, 10],
+            ValueError,
+            r"y contains labels \[10, 12\] outside the model's classes 0\.\.2",
+        ),
+        (CLF, GOOD_X, [0, -1, 1, 1, 2], ValueError, r"labels \[-1\] outside"),
+        (LogisticRegression(4), GOOD_X, [0, 1, 2, 1, 0], ValueError, r"classes 0\.\.1"),
+        (
+            CLF,
+            GOOD_X,
+            [0, 0.5, 1, 1, 2],
+            ValueError,
+            r"integer class labels 0\.\.2, got .*\[0\.5\]",
+        ),
+        (CLF, GOOD_X, [0, np.nan, 1, 1, 2], ValueError, r"integer class labels"),
+        (CLF, GOOD_X, ["a", "b", "a", "a", "b"], TypeError, r"y must contain real numbers"),
+        (CLF, GOOD_X, np.eye(5, 3), ValueError, r"y must be a 1-D array of class labels.*one-hot"),
+        (REG, GOOD_X, [0, np.nan, 1, 1, 2], ValueError, r"y contains 1 NaN or infinite .* row 1"),
+        (
+            REG,
+            GOOD_X,
+            np.zeros((5, 2)),
+            ValueError,
+            r"y has shape \(5, 2\), but LinearRegression expects 1 target.*\(n_samples,\)",
+        ),
+        (REG2, GOOD_X, np.zeros((5, 3)), ValueError, r"expects 2 target.*\(n_samples, 2\)"),
+        (REG2, GOOD_X, np.zeros(5), ValueError, r"y has shape \(5,\), but .* expects 2"),
+    ],
+)
+def test_check_data_errors(model, X, y, exc, match):
+    with pytest.raises(exc, match=match):
+        model.check_data(X, y)
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: MLP(0), ValueError, r"n_inputs must be >= 1, got 0"),
+        (lambda: MLP(2.5), TypeError, r"n_inputs must be an int, got float"),
+        (lambda: LinearRegression(True), TypeError, r"n_inputs must be an int, got bool"),
+        (lambda: MLP(4, (8, 0)), ValueError, r"hidden\[1\] must be >= 1, got 0"),
+        (lambda: MLP(4, "12"), TypeError, r"hidden must be a sequence"),
+        (lambda: MLP(4, activation="sigmoid"), ValueError, r"activation must be one of \('relu'"),
+        (lambda: MLP(4, output="sigmoid"), ValueError, r"output must be one of \('softmax'"),
+        (lambda: MLP(4, n_outputs=1), ValueError, r"n_outputs must be >= 2, got 1"),
+        (lambda: LinearRegression(4, 0), ValueError, r"n_outputs must be >= 1"),
+        (lambda: SoftmaxRegression(4, 1), ValueError, r"n_classes must be >= 2, got 1"),
+        (lambda: LogisticRegression(4, l2=-0.1), ValueError, r"l2 must be a finite number >= 0"),
+        (lambda: SoftmaxRegression(4, 3, l2=float("nan")), ValueError, r"l2 must be a finite"),
+        (lambda: LinearRegression(4, l2="0.1"), TypeError, r"l2 must be a real number, got str"),
+    ],
+)
+def test_constructor_errors(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_structure_and_names():
+    mlp = MLP(784, (256, 64), 10)
+    assert mlp.layout.names == ["W0", "b0", "W1", "b1", "W2", "b2"]
+    assert mlp.layout.shapes["W1"] == (256, 64) and mlp.n_classes == 10 and mlp.is_classifier
+    assert MLP(4, 8).hidden == (8,) and MLP(4, np.array([3, 2])).hidden == (3, 2)
+    logistic = LogisticRegression(5)
+    assert (logistic.n_outputs, logistic.n_classes, logistic.layout.shapes["W"]) == (1, 2, (5, 1))
+    softmax = SoftmaxRegression(5, 4)
+    assert softmax.n_outputs == softmax.n_classes == 4
+    regression = MLP(3, (2,), 2, output="linear")
+    assert not regression.is_classifier and not hasattr(regression, "n_classes")
+    assert LinearRegression(3).layout.names == ["W", "b"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_config_round_trip(case):
+    model = CASES[case]()
+    config = json.loads(json.dumps(model.get_config()))
+    assert config["type"] == type(model).__name__
+    rebuilt = from_config(config)
+    assert rebuilt == model and type(rebuilt) is type(model) and hash(rebuilt) == hash(model)
+    assert rebuilt.layout == model.layout
+
+
+def test_config_errors_and_inequality():
+    with pytest.raises(ValueError, match=r"config\['type'\] must be one of .*'MLP'.*got 'CNN'"):
+        from_config({"type": "CNN", "n_inputs": 3})
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['depth'\]"):
+        from_config({"type": "LinearRegression", "n_inputs": 3, "depth": 2})
+    assert MLP(4, (5,), 3) != MLP(4, (5,), 3, l2=0.1)
+    assert MLP(4, (5,), 3) != SoftmaxRegression(4, 3)
+
+
+def test_pickle_drops_workspaces():
+    model = MLP(784, (256,), 10, l2=1e-4)
+    X, y = make_data(model, n=64)
+    params = model.init(np.random.default_rng(0))
+    loss, grad = model.loss_and_grad(params, X, y)
+    assert model._ws  # populated: activations, deltas and the l2 scratch (~1 MB)
+    blob = pickle.dumps(model)
+    assert len(blob) < 2000
+    clone = pickle.loads(blob)
+    assert clone._ws == {} and model._ws and clone == model
+    loss_c, grad_c = clone.loss_and_grad(params, X, y)
+    assert loss_c == loss
+    np.testing.assert_array_equal(grad_c, grad)
+
+
+def test_init_is_deterministic_and_scaled():
+    model = MLP(784, (256,), 10)
+    a, b = model.init(np.random.default_rng(7)), model.init(np.random.default_rng(7))
+    assert a.dtype == np.float32 and a.shape == (model.layout.size,)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, model.init(np.random.default_rng(8)))
+    views = model.layout.views(a)
+    assert not views["b0"].any() and not views["b1"].any()
+    assert views["W0"].std() == pytest.approx(np.sqrt(2 / 784), rel=0.05)  # He normal (ReLU)
+    limit = np.sqrt(6 / (256 + 10))  # Glorot uniform output layer
+    assert np.abs(views["W1"]).max() <= limit and np.abs(views["W1"]).max() > 0.9 * limit
+    tanh = MLP(20, (30,), 5, activation="tanh").init(np.random.default_rng(0))
+    assert np.abs(tanh[: 20 * 30]).max() <= np.sqrt(6 / 50)

@@ -1,0 +1,219 @@
+"""Update rules: hand-computed steps, in-place semantics, staleness scaling, state, configs."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from downpour_dask import optim
+from downpour_dask.optim import OPTIMIZERS, from_config, make
+
+
+def run(rule, p0, grads, **kwargs):
+    """Apply ``grads`` in order from ``p0``; return (params after each step, final state)."""
+    params = np.array(p0, dtype=np.float32)
+    state = rule.init(params.size)
+    history = []
+    for g in grads:
+        rule.update(params, np.array(g, dtype=np.float32), state, **kwargs)
+        history.append(params.copy())
+    return history, state
+
+
+def test_sgd_by_hand():
+    # lr 0.1: [1, -2, 0.5] - 0.1 * [0.5, 1, 0] = [0.95, -2.1, 0.5]
+    #         [0.95, -2.1, 0.5] - 0.1 * [-1, 2, 4] = [1.05, -2.3, 0.1]
+    (p1, p2), state = run(optim.sgd(0.1), [1.0, -2.0, 0.5], [[0.5, 1.0, 0.0], [-1.0, 2.0, 4.0]])
+    np.testing.assert_allclose(p1, [0.95, -2.1, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(p2, [1.05, -2.3, 0.1], rtol=1e-6)
+    assert state == {}
+
+
+def test_momentum_by_hand():
+    # lr 0.1, momentum 0.9
+    # v1 = g1 = [0.5, 1, 0]                                 p1 = [0.95, -2.1, 0.5]
+    # v2 = 0.9 v1 + g2 = [0.45 - 1, 0.9 + 2, 0 + 4]
+    #    = [-0.55, 2.9, 4]                                  p2 = [1.005, -2.39, 0.1]
+    # v3 = 0.9 v2 + 0 = [-0.495, 2.61, 3.6]                 p3 = [1.0545, -2.651, -0.26]
+    grads = [[0.5, 1.0, 0.0], [-1.0, 2.0, 4.0], [0.0, 0.0, 0.0]]
+    (p1, p2, p3), state = run(optim.momentum(0.1, momentum=0.9), [1.0, -2.0, 0.5], grads)
+    np.testing.assert_allclose(p1, [0.95, -2.1, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(p2, [1.005, -2.39, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(p3, [1.0545, -2.651, -0.26], rtol=1e-6)
+    np.testing.assert_allclose(state["velocity"], [-0.495, 2.61, 3.6], rtol=1e-6)
+
+
+def test_adagrad_by_hand():
+    # lr 0.1; the third coordinate never sees a gradient (eps only guards its 0/0)
+    # acc1 = [9, 16, 0]   step1 = 0.1 * [3/3, 4/4, 0] = [0.1, 0.1, 0]     p1 = [0.9, -2.1, 0.5]
+    # acc2 = [25, 25, 0]  step2 = 0.1 * [4/5, -3/5, 0] = [0.08, -0.06, 0] p2 = [0.82, -2.04, 0.5]
+    grads = [[3.0, 4.0, 0.0], [4.0, -3.0, 0.0]]
+    (p1, p2), state = run(optim.adagrad(0.1), [1.0, -2.0, 0.5], grads)
+    np.testing.assert_allclose(p1, [0.9, -2.1, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(p2, [0.82, -2.04, 0.5], rtol=1e-6)
+    np.testing.assert_array_equal(state["sum_sq"], [25.0, 25.0, 0.0])
+
+
+def test_adam_by_hand():
+    # lr 0.1, beta1 0.9, beta2 0.999; g1 = [1, -4], g2 = [0, -4]
+    # step 1: m = [0.1, -0.4], v = [0.001, 0.016]; m_hat = [1, -4], v_hat = [1, 16]
+    #         step = 0.1 * [1/1, -4/4] = [0.1, -0.1]                       p1 = [0.9, -1.9]
+    # step 2: m = 0.9 m + 0.1 g2 = [0.09, -0.76]; v = 0.999 v + 0.001 g2^2 = [0.000999, 0.031984]
+    #         m_hat = m / 0.19 = [9/19, -4]; v_hat = v / 0.001999 = [999/1999, 16]
+    #         coordinate 0: (9/19) / sqrt(999/1999) = 0.4736842 / 0.7069299 = 0.6700583
+    #         p2 = [0.9 - 0.06700583, -1.9 + 0.1] = [0.83299417, -1.8]
+    (p1, p2), state = run(optim.adam(0.1), [1.0, -2.0], [[1.0, -4.0], [0.0, -4.0]])
+    np.testing.assert_allclose(p1, [0.9, -1.9], rtol=1e-6)
+    np.testing.assert_allclose(p2, [0.83299417, -1.8], rtol=1e-6)
+    np.testing.assert_allclose(state["m"], [0.09, -0.76], rtol=1e-6)
+    np.testing.assert_allclose(state["v"], [0.000999, 0.031984], rtol=1e-6)
+    assert state["t"].shape == () and state["t"].dtype == np.int64 and int(state["t"]) == 2
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_update_is_in_place(name):
+    rule = make(name, 0.1)
+    params = np.array([1.0, -2.0, 0.5], dtype=np.float32)
+    grad = np.array([0.5, 1.0, -1.0], dtype=np.float32)
+    state = rule.init(3)
+    arrays_before = {k: v for k, v in state.items()}
+    grad_before = grad.copy()
+    assert rule.update(params, grad, state) is None
+    assert params.dtype == np.float32
+    assert not np.array_equal(params, [1.0, -2.0, 0.5])
+    np.testing.assert_array_equal(grad, grad_before)  # the gradient is left alone
+    for key, arr in arrays_before.items():
+        assert state[key] is arr  # same arrays, updated in place
+    for arr in state.values():
+        assert arr.dtype in (np.float32, np.int64)
+
+
+def test_base_rules_ignore_staleness_but_honour_rate_scale():
+    (fresh,), _ = run(optim.sgd(0.1), [0.0, 0.0], [[1.0, -2.0]])
+    (stale,), _ = run(optim.sgd(0.1), [0.0, 0.0], [[1.0, -2.0]], staleness=7)
+    (half,), _ = run(optim.sgd(0.1), [0.0, 0.0], [[1.0, -2.0]], rate_scale=0.5)
+    np.testing.assert_allclose(fresh, [-0.1, 0.2], rtol=1e-6)
+    np.testing.assert_array_equal(stale, fresh)
+    np.testing.assert_allclose(half, [-0.05, 0.1], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "staleness, expected",
+    [
+        (0, [-0.1, 0.2]),  # staleness 0 and 1: the plain sgd step
+        (1, [-0.1, 0.2]),
+        (4, [-0.025, 0.05]),  # a quarter step
+    ],
+)
+def test_staleness_aware_sgd_divides_the_rate(staleness, expected):
+    rule = optim.staleness_aware(optim.sgd(0.1))
+    assert rule.name == "staleness_aware_sgd" and rule.learning_rate == 0.1
+    (p,), _ = run(rule, [0.0, 0.0], [[1.0, -2.0]], staleness=staleness)
+    np.testing.assert_allclose(p, expected, rtol=1e-6)
+
+
+def test_staleness_aware_combines_with_rate_scale_and_stateful_rules():
+    # sgd: 0.1 * 0.5 / 2 = 0.025 per unit of gradient
+    (p,), _ = run(make("staleness_aware_sgd", 0.1), [0.0], [[2.0]], staleness=2, rate_scale=0.5)
+    np.testing.assert_allclose(p, [-0.05], rtol=1e-6)
+    # adagrad, staleness 2: acc = [9, 16], step = (0.1 / 2) * [3/3, 4/4] = [0.05, 0.05]
+    (p,), state = run(make("staleness_aware_adagrad", 0.1), [1.0, -2.0], [[3.0, 4.0]], staleness=2)
+    np.testing.assert_allclose(p, [0.95, -2.05], rtol=1e-6)
+    assert set(state) == {"sum_sq"}  # the inner rule's state
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_survives_savez_without_pickle(name):
+    rule = make(name, 0.05)
+    rng = np.random.default_rng(0)
+    grads = rng.normal(size=(3, 5)).astype(np.float32)
+    params = rng.normal(size=5).astype(np.float32)
+    state = rule.init(5)
+    rule.update(params, grads[0], state, staleness=3)
+    buffer = io.BytesIO()
+    np.savez(buffer, **state)
+    buffer.seek(0)
+    with np.load(buffer, allow_pickle=False) as saved:
+        loaded = {key: saved[key] for key in saved.files}
+    assert sorted(loaded) == sorted(state)
+    for key, arr in state.items():
+        assert loaded[key].dtype == arr.dtype and loaded[key].shape == arr.shape
+        np.testing.assert_array_equal(loaded[key], arr)
+    # carrying on from the reloaded state matches carrying on from the original
+    a, b = params.copy(), params.copy()
+    for g in grads[1:]:
+        rule.update(a, g, state, staleness=3)
+        rule.update(b, g, loaded, staleness=3)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_init_sizes_and_errors():
+    assert optim.adam(0.1).init(4)["m"].shape == (4,)
+    with pytest.raises(ValueError, match="size must be an int >= 0"):
+        optim.adam(0.1).init(-1)
+    with pytest.raises(ValueError, match="grad must have the shape of params"):
+        optim.sgd(0.1).update(np.zeros(3, np.float32), np.zeros(4, np.float32), {})
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: make("rmsprop", 0.1), ValueError, r"one of sgd, momentum.*got 'rmsprop'"),
+        (lambda: make("SGD", 0.1), ValueError, r"got 'SGD'"),
+        (lambda: make("sgd", 0.0), ValueError, r"learning_rate must be a finite number > 0, got 0"),
+        (lambda: make("adam", -1), ValueError, r"learning_rate must be .*> 0"),
+        (lambda: make("sgd", float("nan")), ValueError, r"learning_rate .* got nan"),
+        (lambda: make("sgd", float("inf")), ValueError, r"learning_rate"),
+        (lambda: make("sgd", "0.1"), TypeError, r"learning_rate must be a real number, got str"),
+        (lambda: make("sgd", True), TypeError, r"learning_rate"),
+        (lambda: make("sgd", 0.1, momentum=0.9), TypeError, r"unknown option.*'momentum'.*none"),
+        (lambda: make("momentum", 0.1, momentum=1.0), ValueError, r"momentum must be .*< 1"),
+        (lambda: make("adam", 0.1, beta2=-0.1), ValueError, r"beta2 must be"),
+        (lambda: make("adagrad", 0.1, eps=0), ValueError, r"eps must be a finite number > 0"),
+        (
+            lambda: optim.staleness_aware(optim.staleness_aware(optim.sgd(0.1))),
+            TypeError,
+            r"not already staleness-aware",
+        ),
+        (lambda: from_config({"learning_rate": 0.1}), ValueError, r"'name' and 'learning_rate'"),
+    ],
+)
+def test_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_config_round_trip(name):
+    rule = make(name, 0.05)
+    config = json.loads(json.dumps(rule.get_config()))
+    assert config["name"] == name and config["learning_rate"] == 0.05
+    rebuilt = from_config(config)
+    assert rebuilt == rule and type(rebuilt) is type(rule) and rebuilt.name == name
+    assert hash(rebuilt) == hash(rule)
+
+
+def test_config_keeps_hyperparameters():
+    rule = make("staleness_aware_adam", 0.01, beta1=0.8, eps=1e-6)
+    assert rule.get_config() == {
+        "name": "staleness_aware_adam",
+        "learning_rate": 0.01,
+        "beta1": 0.8,
+        "beta2": 0.999,
+        "eps": 1e-6,
+    }
+    assert from_config(rule.get_config()) == rule
+    assert make("adam", 0.01) != make("adam", 0.02)
+    assert OPTIMIZERS == (
+        "sgd",
+        "momentum",
+        "adagrad",
+        "adam",
+        "staleness_aware_sgd",
+        "staleness_aware_momentum",
+        "staleness_aware_adagrad",
+        "staleness_aware_adam",
+    )
