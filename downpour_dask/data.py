@@ -45,7 +45,9 @@ class Dataset:
         if y.ndim not in (1, 2):
             raise ValueError(f"y must be a 1-D or 2-D array, got shape {y.shape}")
         if len(X) != len(y):
-            raise ValueError(f"X and y must have the same number of rows, got {len(X)} and {len(y)}")
+            raise ValueError(
+                f"X and y must have the same number of rows, got {len(X)} and {len(y)}"
+            )
         self.X, self.y, self.name = X, y, name
 
     @property
@@ -66,7 +68,7 @@ class Dataset:
         return f"Dataset({label}rows={self.n_rows}, features={self.n_features})"
 
     def partition(self, n_parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Split into ``n_parts`` contiguous ``(X, y)`` subsets whose sizes differ by at most one row.
+        """Split into ``n_parts`` contiguous ``(X, y)`` subsets whose sizes differ by at most one.
 
         The subsets are views (no copy) and together hold every row exactly once.
 
@@ -125,8 +127,8 @@ def minibatches(
     for start in range(0, n, size):
         idx = order[start : start + size]
         k = len(idx)
-        np.take(X, idx, axis=0, out=xbuf[:k])
-        np.take(y, idx, axis=0, out=ybuf[:k])
+        np.take(X, idx, axis=0, out=xbuf[:k], mode="clip")  # indices are valid;
+        np.take(y, idx, axis=0, out=ybuf[:k], mode="clip")  # "raise" would buffer
         yield xbuf[:k], ybuf[:k]
 
 
@@ -176,7 +178,7 @@ def load(name: str) -> tuple[Dataset, Dataset]:
     parts = []
     for split in ("train", "test"):
         frame = pd.read_parquet(root / info["files"][split])
-        X = frame.drop(columns="label").to_numpy(dtype=np.float32) / scale
+        X = np.ascontiguousarray(frame.drop(columns="label").to_numpy(dtype=np.float32)) / scale
         y = frame["label"].to_numpy(dtype=np.int64)
         parts.append(Dataset(X, y, name=f"{name}:{split}"))
     return parts[0], parts[1]

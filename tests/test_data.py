@@ -11,6 +11,7 @@ def test_shipped_datasets_load_with_fixed_splits_scaled_to_unit_range():
         assert train.n_features == test.n_features == features
         assert train.n_rows + test.n_rows == rows
         assert train.X.dtype == np.float32 and train.y.dtype == np.int64
+        assert train.X.flags["C_CONTIGUOUS"]  # rows are gathered per batch: keep them dense
         assert 0.0 <= train.X.min() and train.X.max() <= 1.0 and train.X.max() > 0.9
         assert set(np.unique(train.y)) == set(range(10))
     assert datasets.available() == ["digits", "mnist5k"]
