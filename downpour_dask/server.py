@@ -1,0 +1,318 @@
+"""The sharded parameter server: one Dask actor per shard, and a client-side view over all of them.
+
+:class:`ParameterServerShard` owns one contiguous range of the flat parameter vector, the update
+rule's per-coordinate state for that range (e.g. Adagrad's sums of squared gradients, which is
+where the paper keeps them) and a *version*: the number of updates it has applied.  Shards know
+nothing of each other, so different shards may have applied different numbers of updates at any
+moment -- the second level of asynchrony in Downpour SGD.
+
+All sync methods of the actors on one worker run on that worker's single actor thread, so each
+shard's methods never run concurrently with each other: a pull always sees a consistent slice.
+
+:class:`ParameterServer` is the view the driver and the replicas hold: it places the shards on
+distinct workers, cuts pushes and assembles pulls by range, and reports per-shard statistics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import Counter
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+from distributed import Client
+
+from .optim import UpdateRule
+from .params import DTYPE, split_range
+
+
+class PullReply(NamedTuple):
+    """What a shard returns to :meth:`ParameterServerShard.pull`.
+
+    ``applied_through`` / ``applied_ahead`` tell the calling replica which of its own pushes these
+    values already contain: every push numbered ``<= applied_through`` and those in
+    ``applied_ahead`` (pushes that overtook an earlier one on the network).
+    """
+
+    values: np.ndarray
+    version: int
+    stop: bool
+    applied_through: int
+    applied_ahead: tuple[int, ...]
+
+
+class PushReply(NamedTuple):
+    """What a shard returns to :meth:`ParameterServerShard.push`."""
+
+    version: int  # the shard's version after this push
+    staleness: int  # updates the shard applied between the pusher's fetch and this push
+    accepted: bool  # False: refused (non-finite gradient, or a duplicate)
+    stop: bool  # the run is over: the replica should finish
+
+
+class _SeqTracker:
+    """Which push numbers of one replica session a shard has processed.
+
+    ``through`` is the largest n such that pushes 0..n were all processed; ``ahead`` holds the few
+    processed pushes above it (pushes may overtake each other on the network).
+    """
+
+    __slots__ = ("through", "ahead")
+
+    def __init__(self) -> None:
+        self.through = -1
+        self.ahead: set[int] = set()
+
+    def seen(self, seq: int) -> bool:
+        return seq <= self.through or seq in self.ahead
+
+    def add(self, seq: int) -> None:
+        self.ahead.add(seq)
+        while self.through + 1 in self.ahead:
+            self.through += 1
+            self.ahead.discard(self.through)
+
+
+class ParameterServerShard:
+    """A Dask actor owning parameters ``[start, stop)``, their update-rule state and a version.
+
+    Parameters
+    ----------
+    shard_id : int
+    start, stop : int
+        The element range of the flat parameter vector this shard owns.
+    values : ndarray
+        Initial values of that range (copied, stored as float32).
+    rule : UpdateRule
+        How pushed gradients are applied (see :mod:`downpour_dask.optim`).
+    """
+
+    def __init__(self, shard_id: int, start: int, stop: int, values: np.ndarray, rule: UpdateRule):
+        if values.shape != (stop - start,):
+            raise ValueError(
+                f"shard {shard_id}: values has shape {values.shape}, expected {(stop - start,)}"
+            )
+        self.shard_id, self.start, self.stop = shard_id, start, stop
+        self.values = np.array(values, dtype=DTYPE, copy=True)
+        self.rule = rule
+        self.state = rule.init(stop - start)
+        self.version = 0
+        self.stopped = False
+        self.accepted_by_replica: Counter[int] = Counter()
+        self.refused = 0
+        self.duplicates = 0
+        self.examples = 0
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self._seqs: dict[tuple[int, str], _SeqTracker] = {}
+        self._events: list[tuple[float, str, str]] = []
+
+    def pull(self, replica: int = -1, session: str = "") -> PullReply:
+        """A consistent copy of this shard's values, its version and the stop flag."""
+        tracker = self._seqs.get((replica, session)) or _SeqTracker()
+        return PullReply(
+            self.values.copy(), self.version, self.stopped, tracker.through, tuple(tracker.ahead)
+        )
+
+    def push(
+        self,
+        grad: np.ndarray,
+        fetched_version: int,
+        replica: int,
+        *,
+        seq: int | None = None,
+        session: str = "",
+        examples: int = 0,
+    ) -> PushReply:
+        """Apply one accumulated gradient with the update rule; return the new version.
+
+        A gradient containing NaN or inf is refused: the parameters are left untouched, the
+        refusal is counted and recorded as a ``gradient_refused`` event.  A push whose ``seq``
+        this replica session already delivered is ignored, so a retried push is applied once.
+        """
+        if grad.shape != self.values.shape:
+            raise ValueError(
+                f"shard {self.shard_id} owns {self.values.shape[0]} parameters, got a gradient of "
+                f"shape {grad.shape}"
+            )
+        staleness = max(0, self.version - int(fetched_version))
+        tracker = None
+        if seq is not None:
+            tracker = self._seqs.setdefault((replica, session), _SeqTracker())
+            if tracker.seen(seq):
+                self.duplicates += 1
+                return PushReply(self.version, staleness, False, self.stopped)
+            tracker.add(seq)
+        # Sum in float64: finite iff every element is finite, without a temporary the grad's size.
+        if not math.isfinite(float(np.add.reduce(grad, dtype=np.float64))):
+            self.refused += 1
+            bad = int(np.count_nonzero(~np.isfinite(grad)))
+            self._events.append(
+                (
+                    time.time(),
+                    "gradient_refused",
+                    f"shard {self.shard_id}: replica {replica} pushed {bad} non-finite values; "
+                    f"parameters left unchanged",
+                )
+            )
+            return PushReply(self.version, staleness, False, self.stopped)
+        self.rule.update(self.values, grad, self.state, staleness=staleness)
+        self.version += 1
+        self.accepted_by_replica[replica] += 1
+        self.examples += int(examples)
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        return PushReply(self.version, staleness, True, self.stopped)
+
+    def request_stop(self) -> None:
+        """Raise the stop flag that pulls and pushes report to replicas."""
+        self.stopped = True
+
+    def status(self) -> dict[str, Any]:
+        """Counters of this shard: version, accepted/refused/duplicate pushes, staleness."""
+        accepted = sum(self.accepted_by_replica.values())
+        return {
+            "shard": self.shard_id,
+            "start": self.start,
+            "stop": self.stop,
+            "version": self.version,
+            "accepted": accepted,
+            "refused": self.refused,
+            "duplicates": self.duplicates,
+            "examples": self.examples,
+            "staleness_mean": self.staleness_sum / accepted if accepted else 0.0,
+            "staleness_max": self.staleness_max,
+            "accepted_by_replica": dict(self.accepted_by_replica),
+            "stopped": self.stopped,
+        }
+
+    def events(self, since: int = 0) -> list[tuple[float, str, str]]:
+        """Events recorded by this shard (``time``, ``kind``, ``detail``), from index ``since``."""
+        return self._events[since:]
+
+
+class ParameterServer:
+    """The client-side view over the K shards of one parameter vector.
+
+    Build it with :meth:`create`.  It pickles to its actor handles and ranges only, so it can be
+    passed to replica tasks, which then talk to the shards worker-to-worker.
+
+    Attributes
+    ----------
+    shards : list of Actor
+    ranges : list of (start, stop)
+    workers : list of str
+        Address of the worker holding each shard.
+    size : int
+        Length of the full parameter vector.
+    """
+
+    def __init__(
+        self, shards: list, ranges: list[tuple[int, int]], workers: list[str], futures=None
+    ):
+        self.shards, self.ranges, self.workers = shards, ranges, workers
+        self.size = ranges[-1][1]
+        self._futures = futures or []
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_futures"] = []  # futures stay with the driver, which keeps the actors alive
+        return state
+
+    @property
+    def n_shards(self) -> int:
+        """Number of shards."""
+        return len(self.shards)
+
+    @classmethod
+    def create(
+        cls,
+        client: Client,
+        initial: np.ndarray,
+        n_shards: int,
+        rule: UpdateRule,
+        workers: list[str] | None = None,
+        timeout: float = 60.0,
+    ) -> ParameterServer:
+        """Start ``n_shards`` shard actors holding ``initial``, on distinct workers where possible.
+
+        Shard i goes to ``workers[i % len(workers)]`` (default: all the cluster's workers, sorted),
+        so with at least K workers no two shards share a worker and its actor thread.
+        """
+        if workers is None:
+            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        if not workers:
+            raise RuntimeError("the Dask cluster has no workers to hold parameter-server shards")
+        ranges = split_range(initial.shape[0], n_shards)
+        token = uuid.uuid4().hex[:8]
+        futures, placed = [], []
+        for i, (lo, hi) in enumerate(ranges):
+            address = workers[i % len(workers)]
+            futures.append(
+                client.submit(
+                    ParameterServerShard,
+                    i,
+                    lo,
+                    hi,
+                    np.ascontiguousarray(initial[lo:hi], dtype=DTYPE),
+                    rule,
+                    actor=True,
+                    workers=[address],
+                    allow_other_workers=False,
+                    pure=False,
+                    key=f"ps-shard-{i}-{token}",
+                )
+            )
+            placed.append(address)
+        shards = [f.result(timeout=timeout) for f in futures]
+        return cls(shards, ranges, placed, futures)
+
+    def _gather(self, calls: list, timeout: float) -> list:
+        return [c.result(timeout=timeout) for c in calls]
+
+    def pull(self, timeout: float = 60.0) -> tuple[np.ndarray, list[int]]:
+        """The full parameter vector assembled from every shard, and each shard's version."""
+        replies = self._gather([s.pull() for s in self.shards], timeout)
+        out = np.empty(self.size, dtype=DTYPE)
+        for (lo, hi), reply in zip(self.ranges, replies):
+            out[lo:hi] = reply.values
+        return out, [r.version for r in replies]
+
+    def push(
+        self,
+        grad: np.ndarray,
+        fetched_versions: list[int],
+        replica: int = -1,
+        timeout: float = 60.0,
+    ) -> list[PushReply]:
+        """Push a full-length gradient, cut by range, to every shard; wait for the replies."""
+        calls = [
+            s.push(grad[lo:hi], v, replica)
+            for s, (lo, hi), v in zip(self.shards, self.ranges, fetched_versions)
+        ]
+        return self._gather(calls, timeout)
+
+    def request_stop(self, timeout: float = 60.0) -> None:
+        """Tell every shard to report the stop flag to replicas."""
+        self._gather([s.request_stop() for s in self.shards], timeout)
+
+    def status(self, timeout: float = 60.0) -> pd.DataFrame:
+        """One row per shard: range, worker, version, accepted/refused pushes, staleness."""
+        rows = self._gather([s.status() for s in self.shards], timeout)
+        frame = pd.DataFrame(rows)
+        frame.insert(3, "worker", self.workers)
+        return frame
+
+    def events(self, timeout: float = 60.0) -> list[tuple[float, str, str]]:
+        """All events the shards recorded, in time order."""
+        found = self._gather([s.events() for s in self.shards], timeout)
+        return sorted(e for shard_events in found for e in shard_events)
+
+    def close(self) -> None:
+        """Release the actors (they are deleted once no future refers to them)."""
+        for f in self._futures:
+            f.release()
+        self._futures = []

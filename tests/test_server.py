@@ -1,0 +1,95 @@
+"""The parameter server on a real local cluster: placement, pull/push semantics, refusals."""
+
+import numpy as np
+import pytest
+
+from downpour_dask import optim
+from downpour_dask.server import ParameterServer
+
+TIMEOUT = 30
+
+
+@pytest.fixture
+def server(client):
+    initial = np.arange(10, dtype=np.float32)
+    ps = ParameterServer.create(client, initial, 2, optim.sgd(0.5), timeout=TIMEOUT)
+    yield ps
+    ps.close()
+
+
+def test_two_shards_live_on_different_workers_and_cover_the_vector_once(client, server):
+    assert len(set(server.workers)) == 2
+    assert set(server.workers) == set(client.scheduler_info(n_workers=-1)["workers"])
+    status = server.status(TIMEOUT)
+    covered = np.concatenate([np.arange(lo, hi) for lo, hi in zip(status["start"], status["stop"])])
+    assert np.array_equal(covered, np.arange(10))
+    values, versions = server.pull(TIMEOUT)
+    assert np.array_equal(values, np.arange(10, dtype=np.float32)) and versions == [0, 0]
+
+
+def test_push_applies_the_rule_on_each_range_and_bumps_versions(server):
+    grad = np.ones(10, dtype=np.float32)
+    replies = server.push(grad, [0, 0], replica=3, timeout=TIMEOUT)
+    assert [r.version for r in replies] == [1, 1] and all(r.accepted for r in replies)
+    replies = server.push(2 * grad, [0, 0], replica=3, timeout=TIMEOUT)
+    assert [r.staleness for r in replies] == [1, 1]  # one update landed since version 0
+    values, versions = server.pull(TIMEOUT)
+    np.testing.assert_array_equal(values, np.arange(10) - 0.5 * 1 - 0.5 * 2)
+    assert versions == [2, 2]
+    assert server.status(TIMEOUT)["accepted_by_replica"].tolist() == [{3: 2}, {3: 2}]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_gradient_is_refused_and_parameters_unchanged(server, bad):
+    grad = np.ones(10, dtype=np.float32)
+    grad[7] = bad  # lands in shard 1 only
+    replies = server.push(grad, [0, 0], replica=0, timeout=TIMEOUT)
+    assert [r.accepted for r in replies] == [True, False]
+    values, versions = server.pull(TIMEOUT)
+    np.testing.assert_array_equal(values[5:], np.arange(5, 10, dtype=np.float32))
+    assert versions == [1, 0]
+    status = server.status(TIMEOUT)
+    assert status["refused"].tolist() == [0, 1]
+    kinds = [kind for _, kind, _ in server.events(TIMEOUT)]
+    assert kinds == ["gradient_refused"]
+
+
+def test_a_retried_push_is_applied_once_and_pull_reports_which_pushes_it_holds(server):
+    shard = server.shards[0]
+    grad = np.ones(5, dtype=np.float32)
+    first = shard.push(grad, 0, 1, seq=0, session="s").result(TIMEOUT)
+    again = shard.push(grad, 0, 1, seq=0, session="s").result(TIMEOUT)
+    assert first.accepted and not again.accepted and again.version == 1
+    shard.push(grad, 1, 1, seq=2, session="s").result(TIMEOUT)  # seq 1 still in flight
+    reply = shard.pull(1, "s").result(TIMEOUT)
+    assert (reply.applied_through, reply.applied_ahead, reply.version) == (0, (2,), 2)
+    shard.push(grad, 1, 1, seq=1, session="s").result(TIMEOUT)
+    reply = shard.pull(1, "s").result(TIMEOUT)
+    assert (reply.applied_through, reply.applied_ahead) == (2, ())
+    assert shard.status().result(TIMEOUT)["duplicates"] == 1
+
+
+def test_stop_flag_reaches_pulls_and_pushes(server):
+    assert not server.shards[0].pull().result(TIMEOUT).stop
+    server.request_stop(TIMEOUT)
+    assert server.shards[0].pull().result(TIMEOUT).stop
+    assert all(r.stop for r in server.push(np.zeros(10, np.float32), [0, 0], timeout=TIMEOUT))
+
+
+def test_wrong_gradient_length_is_an_error(server):
+    with pytest.raises(ValueError, match="owns 5 parameters"):
+        server.shards[0].push(np.ones(4, np.float32), 0, 0).result(TIMEOUT)
+
+
+def test_adagrad_accumulators_live_on_the_shard(client):
+    ps = ParameterServer.create(
+        client, np.zeros(4, np.float32), 2, optim.adagrad(0.1), timeout=TIMEOUT
+    )
+    try:
+        ps.push(np.array([1, 2, 3, 4], np.float32), [0, 0], timeout=TIMEOUT)
+        ps.push(np.array([1, 2, 3, 4], np.float32), [1, 1], timeout=TIMEOUT)
+        values, _ = ps.pull(TIMEOUT)
+        # step 1: g/sqrt(g^2) = 1 -> -0.1; step 2: g/sqrt(2 g^2) = 1/sqrt(2) -> -0.0707
+        np.testing.assert_allclose(values, -0.1 - 0.1 / np.sqrt(2), rtol=1e-5)
+    finally:
+        ps.close()
