@@ -1,0 +1,372 @@
+"""The Downpour SGD estimator: many replicas training asynchronously against a sharded server.
+
+``DownpourSGD.fit`` places the parameter-server shards on distinct workers, gives each model
+replica its own contiguous subset of the data on its own worker, warmstarts with one replica
+before unleashing the others (as the paper does with Adagrad), evaluates the current parameters
+from the driver every ``eval_every`` seconds, stops the replicas cooperatively when time is up,
+and records everything in an :class:`~downpour_dask.log.Experiment`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from distributed import Client, Future, wait
+
+from . import optim
+from ._version import __version__
+from .base import ParamServerEstimator, check_int, check_positive, cluster_client
+from .data import Dataset, as_dataset
+from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment
+from .models import Model
+from .replica import ReplicaConfig, run_replica
+from .server import ParameterServer
+
+
+class DownpourSGD(ParamServerEstimator):
+    """Downpour SGD (Dean et al., 2012) on a Dask cluster.
+
+    Parameters
+    ----------
+    model : Model
+        A :mod:`downpour_dask.models` model, e.g. ``models.MLP(784, (128,), 10)``.
+    n_replicas : int, default 4
+        Model replicas; each trains on its own 1/n_replicas of the data.
+    n_shards : int, default 2
+        Parameter-server shards (Dask actors), placed on distinct workers where possible.
+    optimizer : str or UpdateRule, default "adagrad"
+        Update rule the shards apply: one of :data:`downpour_dask.optim.OPTIMIZERS`, or an
+        :class:`~downpour_dask.optim.UpdateRule` (then ``learning_rate`` must equal its rate).
+    learning_rate : float, default 0.05
+        The rule's rate (Adagrad's gamma).
+    batch_size : int, default 64
+        Minibatch size of each replica step.
+    n_fetch, n_push : int, default 1
+        A replica fetches parameters every ``n_fetch`` steps and pushes its accrued gradient every
+        ``n_push`` steps (the paper's experiments used 1 and 1).
+    local_learning_rate : float, optional
+        The replica's local rate ``alpha`` between fetches; default ``learning_rate``. 0 gives the
+        paper's plain overwrite-on-fetch.
+    warmstart_steps : int, default 0
+        Steps replica 0 trains alone before the other replicas start.
+    max_epochs, max_steps : int, optional
+        Each replica stops after this many passes over its own data / this many steps.
+    max_seconds : float, optional
+        Wall-clock budget of training; the replicas are stopped when it runs out.
+        If none of the three limits is given, each replica does one epoch.
+    eval_every : float, default 0.5
+        Seconds between evaluations of the current parameters on ``eval_data``.
+    random_state : int, optional
+        Seeds the initial parameters and every replica's data order.
+    timeout : float, default 120
+        Seconds any single call into a shard may take before the run fails instead of hanging.
+
+    Attributes
+    ----------
+    params_ : ndarray
+        The trained flat float32 parameter vector.
+    experiment_ : Experiment
+        Pushes, evaluations and events of the run.
+    server_status_ : DataFrame
+        Per-shard counters at the end of the run (versions, accepted/refused pushes, staleness).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        n_replicas: int = 4,
+        n_shards: int = 2,
+        optimizer: str | optim.UpdateRule = "adagrad",
+        learning_rate: float = 0.05,
+        batch_size: int = 64,
+        n_fetch: int = 1,
+        n_push: int = 1,
+        local_learning_rate: float | None = None,
+        warmstart_steps: int = 0,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        max_seconds: float | None = None,
+        eval_every: float = 0.5,
+        random_state: int | None = None,
+        timeout: float = 120.0,
+    ):
+        self.model = model
+        self.n_replicas = n_replicas
+        self.n_shards = n_shards
+        self.optimizer = optimizer
+        self.learning_rate = learning_rate
+        self.batch_size = batch_size
+        self.n_fetch = n_fetch
+        self.n_push = n_push
+        self.local_learning_rate = local_learning_rate
+        self.warmstart_steps = warmstart_steps
+        self.max_epochs = max_epochs
+        self.max_steps = max_steps
+        self.max_seconds = max_seconds
+        self.eval_every = eval_every
+        self.random_state = random_state
+        self.timeout = timeout
+
+    # -- validation ------------------------------------------------------------------------------
+    def _check_arguments(self) -> optim.UpdateRule:
+        """Check every constructor argument; return the update rule. Raises before any Dask work."""
+        if not isinstance(self.model, Model):
+            raise TypeError(
+                f"model must be a downpour_dask.models model (e.g. models.MLP), "
+                f"got {type(self.model).__name__}"
+            )
+        check_int("n_replicas", self.n_replicas, 1)
+        check_int("n_shards", self.n_shards, 1, self.model.layout.size)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("n_fetch", self.n_fetch, 1)
+        check_int("n_push", self.n_push, 1)
+        check_int("warmstart_steps", self.warmstart_steps, 0)
+        check_int("max_epochs", self.max_epochs, 1, allow_none=True)
+        check_int("max_steps", self.max_steps, 1, allow_none=True)
+        check_positive("max_seconds", self.max_seconds, allow_none=True)
+        check_positive("learning_rate", self.learning_rate)
+        check_positive(
+            "local_learning_rate", self.local_learning_rate, allow_none=True, allow_zero=True
+        )
+        check_positive("eval_every", self.eval_every)
+        check_positive("timeout", self.timeout)
+        if self.random_state is not None:
+            check_int("random_state", self.random_state, 0)
+        if isinstance(self.optimizer, optim.UpdateRule):
+            if self.optimizer.learning_rate != self.learning_rate:
+                raise ValueError(
+                    f"optimizer has learning_rate {self.optimizer.learning_rate}, but "
+                    f"learning_rate={self.learning_rate}; give the same value to both"
+                )
+            return self.optimizer
+        if not isinstance(self.optimizer, str):
+            raise TypeError(
+                f"optimizer must be one of {', '.join(optim.OPTIMIZERS)} or an UpdateRule, "
+                f"got {type(self.optimizer).__name__}"
+            )
+        return optim.make(self.optimizer, self.learning_rate)
+
+    def _check_data(self, data: Any, y: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+        dataset = as_dataset(data, y, what=what)
+        try:
+            return self.model.check_data(dataset.X, dataset.y)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{what}: {err}") from None
+
+    # -- fitting ---------------------------------------------------------------------------------
+    def fit(
+        self,
+        data: Dataset | tuple | np.ndarray,
+        y: np.ndarray | None = None,
+        *,
+        eval_data: Dataset | tuple | None = None,
+        client: Client | None = None,
+    ) -> DownpourSGD:
+        """Train with Downpour SGD; returns ``self``.
+
+        Parameters
+        ----------
+        data : Dataset, (X, y) tuple, or X
+            Training data; with ``X``, pass the targets as ``y``.
+        eval_data : Dataset or (X, y), optional
+            Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``).
+        client : distributed.Client, optional
+            The cluster to run on; by default an embedded local cluster is started and closed.
+        """
+        rule = self._check_arguments()
+        X, y = self._check_data(data, y, "data")
+        if len(X) < self.n_replicas:
+            raise ValueError(
+                f"n_replicas={self.n_replicas} but the data has only {len(X)} rows; each replica "
+                f"needs at least one row"
+            )
+        evaluation = None if eval_data is None else self._check_data(eval_data, None, "eval_data")
+        max_epochs = self.max_epochs
+        if max_epochs is None and self.max_steps is None and self.max_seconds is None:
+            max_epochs = 1
+        with cluster_client(client) as active:
+            run = _Run(self, active, rule, X, y, evaluation, max_epochs)
+            run.execute()
+        self.params_ = run.params
+        self.experiment_ = run.experiment
+        self.server_status_ = run.status
+        return self
+
+    def _config(self, n_rows: int, workers: list[str]) -> dict[str, Any]:
+        config = {k: v for k, v in self.get_params().items() if k not in ("model", "optimizer")}
+        config["model"] = self.model.get_config()
+        config["optimizer"] = (
+            self.optimizer.get_config()
+            if isinstance(self.optimizer, optim.UpdateRule)
+            else self.optimizer
+        )
+        config.update(
+            estimator=type(self).__name__,
+            library_version=__version__,
+            n_rows=n_rows,
+            workers=workers,
+        )
+        return config
+
+
+class _Run:
+    """One execution of :meth:`DownpourSGD.fit` on a client: the driver's side of the run."""
+
+    def __init__(self, est: DownpourSGD, client: Client, rule, X, y, evaluation, max_epochs):
+        self.est, self.client, self.rule = est, client, rule
+        self.X, self.y, self.evaluation, self.max_epochs = X, y, evaluation, max_epochs
+        self.events: list[tuple[float, str, str]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.metric = "accuracy" if est.model.is_classifier else "r2"
+
+    def _event(self, kind: str, detail: str = "") -> None:
+        self.events.append((time.time() - self.t0, kind, detail))
+
+    def execute(self) -> None:
+        est, client = self.est, self.client
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        if not workers:
+            raise RuntimeError("the Dask cluster has no workers")
+        self.t0 = time.time()
+        rng = np.random.default_rng(est.random_state)
+        initial = est.model.init(rng)
+        seed = int(rng.integers(2**31)) if est.random_state is None else est.random_state
+        self.server = ParameterServer.create(
+            client, initial, est.n_shards, self.rule, workers, est.timeout
+        )
+        self._event(
+            "start", f"{est.n_replicas} replicas, {est.n_shards} shards on {len(workers)} workers"
+        )
+        futures: list[Future] = []
+        try:
+            token = uuid.uuid4().hex[:8]
+            subsets = np.array_split(np.arange(len(self.X)), est.n_replicas)
+            alpha = (
+                est.learning_rate if est.local_learning_rate is None else est.local_learning_rate
+            )
+            for r, rows in enumerate(subsets):
+                address = workers[r % len(workers)]
+                X_r, y_r = client.scatter(
+                    [self.X[rows[0] : rows[-1] + 1], self.y[rows[0] : rows[-1] + 1]],
+                    workers=[address],
+                )
+                config = ReplicaConfig(
+                    replica=r,
+                    batch_size=est.batch_size,
+                    n_fetch=est.n_fetch,
+                    n_push=est.n_push,
+                    local_learning_rate=alpha,
+                    seed=seed,
+                    t0=self.t0,
+                    max_epochs=self.max_epochs,
+                    max_steps=est.max_steps,
+                    timeout=est.timeout,
+                )
+                futures.append(
+                    client.submit(
+                        run_replica,
+                        self.server,
+                        est.model,
+                        X_r,
+                        y_r,
+                        config,
+                        workers=[address],
+                        pure=False,
+                        key=f"replica-{r}-{token}",
+                    )
+                )
+                if r == 0 and est.n_replicas > 1 and est.warmstart_steps > 0:
+                    self._warmstart(futures[0])
+            self._supervise(futures)
+            self.params, versions = self.server.pull(est.timeout)
+            self._evaluate(self.params, versions)
+            self._event("stop", f"versions {versions}")
+            self.status = self.server.status(est.timeout)
+            shard_events = self.server.events(est.timeout)
+            results = [f.result(timeout=est.timeout) for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+            self.server.close()
+        self.experiment = self._experiment(results, shard_events, workers)
+
+    def _warmstart(self, first: Future) -> None:
+        """Let replica 0 alone make ``warmstart_steps`` steps' worth of pushes, then go on."""
+        target = -(-self.est.warmstart_steps // self.est.n_push)
+        while not first.done():
+            if self._tick() >= target:
+                break
+            try:
+                wait(first, timeout=min(self.est.eval_every, 0.05))
+            except TimeoutError:
+                pass
+        self._event(
+            "warmstart_done", f"replica 0 trained alone for {self.est.warmstart_steps} steps"
+        )
+
+    def _supervise(self, futures: list[Future]) -> None:
+        """Evaluate periodically and enforce ``max_seconds`` until every replica has finished."""
+        est, stop_sent = self.est, False
+        while True:
+            try:
+                wait(futures, timeout=est.eval_every)
+            except TimeoutError:
+                pass
+            failed = [f for f in futures if f.status == "error"]
+            if failed:
+                self.server.request_stop(est.timeout)
+                error = failed[0].exception(timeout=est.timeout)
+                raise RuntimeError(f"replica task {failed[0].key} failed: {error!r}") from error
+            if all(f.done() for f in futures):
+                return
+            self._tick()
+            if (
+                not stop_sent
+                and est.max_seconds is not None
+                and time.time() - self.t0 >= est.max_seconds
+            ):
+                self.server.request_stop(est.timeout)
+                self._event("stop_requested", f"max_seconds={est.max_seconds} reached")
+                stop_sent = True
+
+    def _tick(self) -> int:
+        """Evaluate if ``eval_every`` has passed since the last evaluation; return the version."""
+        params, versions = self.server.pull(self.est.timeout)
+        last = self.evals[-1]["time"] if self.evals else -np.inf
+        if time.time() - self.t0 - last >= self.est.eval_every:
+            self._evaluate(params, versions)
+        return min(versions)
+
+    def _evaluate(self, params: np.ndarray, versions: list[int]) -> None:
+        if self.evaluation is None:
+            return
+        X, y = self.evaluation
+        model = self.est.model
+        examples = int(self.server.shards[0].status().result(timeout=self.est.timeout)["examples"])
+        self.evals.append(
+            {
+                "time": time.time() - self.t0,
+                "version": min(versions),
+                "examples_seen": examples,
+                "loss": model.loss(params, X, y),
+                self.metric: model.score(params, X, y),
+            }
+        )
+
+    def _experiment(
+        self, results: list[dict], shard_events: list, workers: list[str]
+    ) -> Experiment:
+        rows = [row for result in results for row in result["pushes"]]
+        pushes = pd.DataFrame(rows, columns=list(PUSH_COLUMNS)).astype(PUSH_COLUMNS)
+        pushes = pushes.sort_values("time", kind="stable").reset_index(drop=True)
+        eval_columns = {**EVAL_COLUMNS, self.metric: "float64"}
+        evals = pd.DataFrame(self.evals, columns=list(eval_columns)).astype(eval_columns)
+        events = [(t - self.t0, kind, detail) for t, kind, detail in shard_events] + self.events
+        events_frame = pd.DataFrame(sorted(events, key=lambda e: e[0]), columns=list(EVENT_COLUMNS))
+        config = self.est._config(len(self.X), workers)
+        config["replica_steps"] = [r["steps"] for r in results]
+        return Experiment(config, pushes, evals, events_frame.astype(EVENT_COLUMNS))

@@ -1,0 +1,246 @@
+"""DownpourSGD end to end on a real local cluster with two worker processes."""
+
+import numpy as np
+import pytest
+
+from downpour_dask import DownpourSGD, Experiment, datasets, models, optim
+from downpour_dask.data import minibatches
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return datasets.load("digits")
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return datasets.load("mnist5k")
+
+
+def test_one_replica_one_shard_equals_serial_sgd(client, digits):
+    train, _ = digits
+    model = models.MLP(64, (16,), 10)
+    est = DownpourSGD(
+        model,
+        n_replicas=1,
+        n_shards=1,
+        optimizer="sgd",
+        learning_rate=0.1,
+        batch_size=32,
+        n_fetch=1,
+        n_push=1,
+        max_epochs=2,
+        random_state=7,
+    ).fit(train, client=client)
+
+    params = model.init(np.random.default_rng(7))
+    order = np.random.default_rng([7, 0])  # replica 0's data order
+    for _ in range(2):
+        for Xb, yb in minibatches(train.X, train.y, 32, order):
+            _, g = model.loss_and_grad(params, Xb, yb)
+            params -= np.float32(0.1) * g
+    steps = 2 * -(-train.n_rows // 32)
+    assert len(est.experiment_.pushes) == steps
+    assert np.abs(params - model.init(np.random.default_rng(7))).max() > 0.1  # it did train
+    np.testing.assert_allclose(est.params_, params, rtol=0, atol=2e-5)
+
+
+def test_the_same_holds_with_two_shards_and_pushes_every_third_step(client, digits):
+    """With n_push > 1 the accrued gradient reaches the server late; local alpha keeps it exact."""
+    train, _ = digits
+    model = models.SoftmaxRegression(64, 10)
+    est = DownpourSGD(
+        model,
+        n_replicas=1,
+        n_shards=2,
+        optimizer="sgd",
+        learning_rate=0.2,
+        batch_size=50,
+        n_fetch=2,
+        n_push=3,
+        max_steps=40,
+        random_state=3,
+    ).fit(train, client=client)
+    params = model.init(np.random.default_rng(3))
+    order, step, examples = np.random.default_rng([3, 0]), 0, 0
+    while step < 40:
+        for Xb, yb in minibatches(train.X, train.y, 50, order):
+            if step == 40:
+                break
+            params -= np.float32(0.2) * model.loss_and_grad(params, Xb, yb)[1]
+            step, examples = step + 1, examples + len(yb)
+    np.testing.assert_allclose(est.params_, params, rtol=0, atol=2e-5)
+    assert est.experiment_.pushes["examples"].sum() == examples  # the tail was flushed
+
+
+def test_four_replicas_adagrad_mlp_reaches_90_percent_on_mnist5k(client, mnist):
+    train, test = mnist
+    est = DownpourSGD(
+        models.MLP(784, (128,), 10),
+        n_replicas=4,
+        n_shards=2,
+        optimizer="adagrad",
+        learning_rate=0.05,
+        batch_size=32,
+        warmstart_steps=100,
+        max_epochs=3,
+        random_state=0,
+    ).fit(train, eval_data=test, client=client)
+    accuracy = est.score(test)
+    print(f"mnist5k test accuracy after 3 epochs: {accuracy:.3f}")
+    assert accuracy >= 0.90
+    run = est.experiment_
+    assert run.evals["accuracy"].iloc[-1] == pytest.approx(accuracy)
+    assert list(run.events["kind"][:2]) == ["start", "warmstart_done"]
+    assert run.events["kind"].iloc[-1] == "stop"
+    # each replica made 3 passes over its quarter of the data
+    assert run.pushes["examples"].sum() == 3 * train.n_rows
+    assert est.predict(test.X[:5]).shape == (5,)
+
+
+def test_asynchrony_is_real_and_no_update_is_lost_or_doubled(client, digits):
+    train, test = digits
+    est = DownpourSGD(
+        models.MLP(64, (32,), 10),
+        n_replicas=4,
+        n_shards=2,
+        optimizer="adagrad",
+        learning_rate=0.05,
+        batch_size=16,
+        max_epochs=3,
+        eval_every=0.05,
+        random_state=1,
+    ).fit(train, eval_data=test, client=client)
+    pushes, status = est.experiment_.pushes, est.server_status_
+    assert (pushes["staleness"] > 0).any()
+    assert pushes["accepted"].all()
+    # every push a replica sent was applied exactly once by every shard
+    sent = pushes.groupby("replica").size().to_dict()
+    for _, shard in status.iterrows():
+        assert shard["accepted_by_replica"] == sent
+        assert shard["version"] == len(pushes) and shard["duplicates"] == 0
+    # versions only move forward: per replica as acknowledged, and as the driver saw them
+    for _, rows in pushes.groupby("replica"):
+        assert rows.sort_values("step")["version"].is_monotonic_increasing
+    assert est.experiment_.evals["version"].is_monotonic_increasing
+    assert len(set(status["worker"])) == 2
+
+
+def test_max_seconds_stops_replicas_cooperatively(client, digits):
+    train, _ = digits
+    est = DownpourSGD(
+        models.SoftmaxRegression(64, 10),
+        n_replicas=2,
+        n_shards=2,
+        learning_rate=0.05,
+        batch_size=8,
+        max_seconds=1.0,
+        eval_every=0.1,
+    ).fit(train, client=client)
+    run = est.experiment_
+    assert "stop_requested" in set(run.events["kind"])
+    assert run.summary()["duration"] < 10
+    assert len(run.pushes) > 10
+
+
+def test_embedded_cluster_experiment_round_trip_and_sklearn_contract(tmp_path, digits):
+    train, test = digits
+    est = DownpourSGD(
+        models.SoftmaxRegression(64, 10),
+        n_replicas=2,
+        n_shards=2,
+        max_epochs=5,
+        learning_rate=0.5,
+        random_state=0,
+    )
+    assert est.get_params()["n_replicas"] == 2
+    assert est.set_params(n_replicas=3) is est and est.n_replicas == 3
+    with pytest.raises(ValueError, match="invalid parameter 'replicas'"):
+        est.set_params(replicas=3)
+    with pytest.raises(AttributeError, match="not fitted"):
+        est.predict(test.X)
+    assert est.fit(train.X, train.y, eval_data=(test.X, test.y)) is est  # client=None
+    assert est.score(test.X, test.y) > 0.8
+    saved = Experiment.load(est.experiment_.save(tmp_path / "run"))
+    assert saved.config["model"]["type"] == "SoftmaxRegression"
+    assert len(saved.pushes) == len(est.experiment_.pushes)
+
+
+def test_regression_reports_r2(client):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(2000, 5)).astype(np.float32)
+    y = X @ np.arange(1, 6, dtype=np.float32) + 0.5
+    est = DownpourSGD(
+        models.LinearRegression(5),
+        n_replicas=2,
+        n_shards=2,
+        optimizer="adagrad",
+        learning_rate=0.5,
+        batch_size=32,
+        max_epochs=5,
+        random_state=0,
+    )
+    est.fit(X, y, eval_data=(X, y), client=client)
+    assert est.score(X, y) > 0.99
+    assert "r2" in est.experiment_.evals and est.experiment_.summary()["final_r2"] > 0.99
+
+
+_X = np.zeros((10, 4), np.float32)
+_Y = np.zeros(10, np.int64)
+
+
+@pytest.mark.parametrize(
+    "kwargs,data,error,match",
+    [
+        ({"n_replicas": 0}, (_X, _Y), ValueError, "n_replicas must be >= 1, got 0"),
+        ({"n_replicas": 2.5}, (_X, _Y), TypeError, "n_replicas must be an int"),
+        ({"n_shards": 0}, (_X, _Y), ValueError, "n_shards must be between 1 and 15, got 0"),
+        ({"n_shards": 16}, (_X, _Y), ValueError, "n_shards must be between 1 and 15, got 16"),
+        ({"n_fetch": 0}, (_X, _Y), ValueError, "n_fetch must be >= 1"),
+        ({"n_push": -1}, (_X, _Y), ValueError, "n_push must be >= 1"),
+        ({"learning_rate": 0.0}, (_X, _Y), ValueError, "learning_rate must be a finite number > 0"),
+        (
+            {"learning_rate": -0.1},
+            (_X, _Y),
+            ValueError,
+            "learning_rate must be a finite number > 0",
+        ),
+        ({"learning_rate": float("nan")}, (_X, _Y), ValueError, "learning_rate must be a finite"),
+        ({"learning_rate": float("inf")}, (_X, _Y), ValueError, "learning_rate must be a finite"),
+        ({"optimizer": "rmsprop"}, (_X, _Y), ValueError, "optimizer.*adagrad.*got .rmsprop."),
+        ({"optimizer": 3}, (_X, _Y), TypeError, "optimizer must be one of"),
+        ({"batch_size": 0}, (_X, _Y), ValueError, "batch_size must be >= 1"),
+        ({"max_seconds": 0}, (_X, _Y), ValueError, "max_seconds must be a finite number > 0"),
+        ({"n_replicas": 11}, (_X, _Y), ValueError, "only 10 rows"),
+        ({}, (_X, _Y[:9]), ValueError, "same number of rows, got 10 and 9"),
+        ({}, (np.zeros((10, 3), np.float32), _Y), ValueError, "3 features.*expects 4"),
+        ({}, (np.full((10, 4), np.nan, np.float32), _Y), ValueError, "NaN or inf"),
+        ({}, (_X, np.full(10, 3)), ValueError, "outside"),
+        (
+            {},
+            (np.zeros((0, 4), np.float32), np.zeros(0)),
+            ValueError,
+            "data: .*(empty|0 rows|zero)",
+        ),
+    ],
+)
+def test_bad_input_is_rejected_before_any_cluster_work(kwargs, data, error, match):
+    est = DownpourSGD(models.SoftmaxRegression(4, 3), **{"n_replicas": 1, "n_shards": 1, **kwargs})
+    with pytest.raises(error, match=match):
+        est.fit(*data, client="no cluster is touched")  # a real client is never needed to fail
+
+
+def test_optimizer_instance_is_accepted_when_rates_agree(client, digits):
+    train, _ = digits
+    rule = optim.staleness_aware(optim.sgd(0.1))
+    est = DownpourSGD(
+        models.SoftmaxRegression(64, 10),
+        n_replicas=2,
+        n_shards=1,
+        optimizer=rule,
+        learning_rate=0.1,
+        max_epochs=1,
+    ).fit(train, client=client)
+    assert est.experiment_.config["optimizer"]["name"] == "staleness_aware_sgd"
+    with pytest.raises(ValueError, match="give the same value"):
+        DownpourSGD(models.SoftmaxRegression(64, 10), optimizer=rule, learning_rate=0.2).fit(train)
