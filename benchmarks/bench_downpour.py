@@ -1,0 +1,100 @@
+"""Examples/s of Downpour SGD against a serial numpy SGD loop of the same model, in one process.
+
+Model: MLP 784-256-10 (relu, softmax), batch 128, plain SGD, on the shipped mnist5k training set
+(4,000 rows, cycled).  Downpour runs on a local cluster of 2 single-threaded worker processes with
+2 shards, for 1, 2 and 4 replicas and n_fetch = n_push in {1, 4}.  Each configuration is repeated
+and the median reported; ratios are against the serial loop measured in this same run.
+
+    python benchmarks/bench_downpour.py [--seconds 4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+from distributed import Client, LocalCluster
+
+from downpour_dask import DownpourSGD, datasets, models
+from downpour_dask.data import minibatches
+
+BATCH = 128
+
+
+def serial_examples_per_s(model, X, y, seconds: float) -> float:
+    """Single-threaded in-process SGD loop: gradient + update, no communication."""
+    params = model.init(np.random.default_rng(0))
+    grad = np.empty_like(params)
+    rng = np.random.default_rng(0)
+    examples, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for Xb, yb in minibatches(X, y, BATCH, rng):
+            model.loss_and_grad(params, Xb, yb, out=grad)
+            params -= np.float32(0.01) * grad
+            examples += len(yb)
+    return examples / (time.perf_counter() - start)
+
+
+def downpour_examples_per_s(
+    client, model, train, replicas: int, every: int, seconds: float
+) -> float:
+    est = DownpourSGD(
+        model,
+        n_replicas=replicas,
+        n_shards=2,
+        optimizer="sgd",
+        learning_rate=0.01,
+        batch_size=BATCH,
+        n_fetch=every,
+        n_push=every,
+        max_seconds=seconds,
+        max_epochs=10_000,
+        eval_every=1.0,
+        random_state=0,
+    ).fit(train, client=client)
+    pushes = est.experiment_.pushes
+    # throughput while all replicas run: examples acknowledged in the window after the first second
+    window = pushes[(pushes["time"] >= 1.0) & (pushes["time"] <= seconds)]
+    return window["examples"].sum() / (seconds - 1.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    train, _ = datasets.load("mnist5k")
+    model = models.MLP(784, (256,), 10)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"python {platform.python_version()}"
+    )
+    serial = statistics.median(
+        serial_examples_per_s(model, train.X, train.y, args.seconds) for _ in range(args.repeats)
+    )
+    rows = [("serial numpy loop (1 thread, in process)", "-", serial)]
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        for every in (1, 4):
+            for replicas in (1, 2, 4):
+                rate = statistics.median(
+                    downpour_examples_per_s(client, model, train, replicas, every, args.seconds)
+                    for _ in range(args.repeats)
+                )
+                rows.append((f"Downpour, {replicas} replica(s), 2 shards", str(every), rate))
+    print(f"\nMLP 784-256-10, batch {BATCH}, median of {args.repeats} runs of {args.seconds:.0f} s")
+    print(f"{'configuration':44} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs serial':>10}")
+    for name, every, rate in rows:
+        print(f"{name:44} {every:>14} {rate:>11,.0f} {rate / serial:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
