@@ -44,7 +44,9 @@ class ParamLayout:
         for name, shape in shapes.items():
             shape = tuple(int(s) for s in shape)
             if any(s < 1 for s in shape):
-                raise ValueError(f"parameter {name!r} must have positive dimensions, got shape {shape}")
+                raise ValueError(
+                    f"parameter {name!r} must have positive dimensions, got shape {shape}"
+                )
             size = int(np.prod(shape, dtype=np.int64))
             self.shapes[name] = shape
             self.offsets[name] = (start, start + size)
@@ -77,7 +79,7 @@ class ParamLayout:
         }
 
     def split(self, n_shards: int) -> list[tuple[int, int]]:
-        """Contiguous ``(start, stop)`` element ranges for ``n_shards`` shards; see :func:`split_range`."""
+        """Contiguous ``(start, stop)`` ranges for ``n_shards`` shards (:func:`split_range`)."""
         return split_range(self.size, n_shards)
 
     def __eq__(self, other: object) -> bool:
@@ -101,7 +103,9 @@ def split_range(size: int, n_parts: int) -> list[tuple[int, int]]:
     if isinstance(n_parts, bool) or not isinstance(n_parts, (int, np.integer)):
         raise TypeError(f"n_parts must be an int, got {type(n_parts).__name__}")
     if not 1 <= n_parts <= size:
-        raise ValueError(f"n_parts must be between 1 and {size} (the number of elements), got {n_parts}")
+        raise ValueError(
+            f"n_parts must be between 1 and {size} (the number of elements), got {n_parts}"
+        )
     base, extra = divmod(size, n_parts)
     bounds = [0]
     for i in range(n_parts):

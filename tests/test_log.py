@@ -21,8 +21,13 @@ def _experiment():
         }
     )
     evals = pd.DataFrame(
-        {"time": [0.5, 1.0], "version": [2, 3], "examples_seen": [64, 96], "loss": [1.8, 1.2],
-         "accuracy": [0.5, 0.9]}
+        {
+            "time": [0.5, 1.0],
+            "version": [2, 3],
+            "examples_seen": [64, 96],
+            "loss": [1.8, 1.2],
+            "accuracy": [0.5, 0.9],
+        }
     )
     events = pd.DataFrame({"time": [0.0, 1.2], "kind": ["start", "stop"], "detail": ["", "done"]})
     return Experiment({"n_replicas": 2, "shape": (1, 2)}, pushes, evals, events)
@@ -32,7 +37,10 @@ def test_save_and_load_round_trip_without_pickles(tmp_path):
     run = _experiment()
     path = run.save(tmp_path / "runs" / "a")
     assert sorted(p.name for p in path.iterdir()) == [
-        "config.json", "evals.parquet", "events.parquet", "pushes.parquet"
+        "config.json",
+        "evals.parquet",
+        "events.parquet",
+        "pushes.parquet",
     ]
     assert json.loads((path / "config.json").read_text())["shape"] == [1, 2]
     back = Experiment.load(path)
