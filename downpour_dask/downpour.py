@@ -9,6 +9,7 @@ and records everything in an :class:`~downpour_dask.log.Experiment`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -289,6 +290,9 @@ class _Run:
             shard_events = self.server.events(est.timeout)
             results = [f.result(timeout=est.timeout) for f in futures]
         finally:
+            if any(not f.done() for f in futures):  # the driver failed: let replicas finish
+                with contextlib.suppress(Exception):
+                    self.server.request_stop(est.timeout)
             for f in futures:
                 f.cancel()
             self.server.close()
@@ -335,10 +339,11 @@ class _Run:
 
     def _tick(self) -> int:
         """Evaluate if ``eval_every`` has passed since the last evaluation; return the version."""
-        params, versions = self.server.pull(self.est.timeout)
         last = self.evals[-1]["time"] if self.evals else -np.inf
-        if time.time() - self.t0 - last >= self.est.eval_every:
-            self._evaluate(params, versions)
+        if self.evaluation is None or time.time() - self.t0 - last < self.est.eval_every:
+            return min(self.server.versions(self.est.timeout))  # a few bytes, not the vector
+        params, versions = self.server.pull(self.est.timeout)
+        self._evaluate(params, versions)
         return min(versions)
 
     def _evaluate(self, params: np.ndarray, versions: list[int]) -> None:

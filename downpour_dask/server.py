@@ -167,6 +167,10 @@ class ParameterServerShard:
         self.staleness_max = max(self.staleness_max, staleness)
         return PushReply(self.version, staleness, True, self.stopped)
 
+    def current_version(self) -> int:
+        """Updates applied so far."""
+        return self.version
+
     def request_stop(self) -> None:
         """Raise the stop flag that pulls and pushes report to replicas."""
         self.stopped = True
@@ -294,6 +298,10 @@ class ParameterServer:
             for s, (lo, hi), v in zip(self.shards, self.ranges, fetched_versions)
         ]
         return self._gather(calls, timeout)
+
+    def versions(self, timeout: float = 60.0) -> list[int]:
+        """Each shard's version (updates applied), without transferring any parameters."""
+        return self._gather([s.current_version() for s in self.shards], timeout)
 
     def request_stop(self, timeout: float = 60.0) -> None:
         """Tell every shard to report the stop flag to replicas."""

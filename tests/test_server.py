@@ -31,6 +31,7 @@ def test_push_applies_the_rule_on_each_range_and_bumps_versions(server):
     grad = np.ones(10, dtype=np.float32)
     replies = server.push(grad, [0, 0], replica=3, timeout=TIMEOUT)
     assert [r.version for r in replies] == [1, 1] and all(r.accepted for r in replies)
+    assert server.versions(TIMEOUT) == [1, 1]
     replies = server.push(2 * grad, [0, 0], replica=3, timeout=TIMEOUT)
     assert [r.staleness for r in replies] == [1, 1]  # one update landed since version 0
     values, versions = server.pull(TIMEOUT)
