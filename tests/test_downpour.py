@@ -244,3 +244,25 @@ def test_optimizer_instance_is_accepted_when_rates_agree(client, digits):
     assert est.experiment_.config["optimizer"]["name"] == "staleness_aware_sgd"
     with pytest.raises(ValueError, match="give the same value"):
         DownpourSGD(models.SoftmaxRegression(64, 10), optimizer=rule, learning_rate=0.2).fit(train)
+
+
+def test_a_diverging_run_is_refused_by_the_shards_and_surfaced_in_the_log(client):
+    rng = np.random.default_rng(0)
+    X = (rng.normal(size=(400, 3)) * 1e3).astype(np.float32)
+    y = X.sum(axis=1)
+    est = DownpourSGD(
+        models.LinearRegression(3),
+        n_replicas=2,
+        n_shards=1,
+        optimizer="sgd",
+        learning_rate=10.0,
+        batch_size=20,
+        max_epochs=2,
+        random_state=0,
+    )
+    est.fit(X, y, client=client)  # the rate is absurd: gradients overflow to inf within steps
+    run = est.experiment_
+    refused = run.events[run.events["kind"] == "gradient_refused"]
+    assert len(refused) > 0 and "left unchanged" in refused["detail"].iloc[0]
+    assert run.summary()["refused_pushes"] == len(refused) == est.server_status_["refused"].sum()
+    assert np.isfinite(est.params_).all()  # the shards never applied a non-finite update
