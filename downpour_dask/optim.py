@@ -14,6 +14,7 @@ and reuse one per-thread scratch vector, so large shards make no big temporaries
 
 from __future__ import annotations
 
+import abc
 import math
 import threading
 from typing import Any
@@ -50,7 +51,7 @@ def _check_real(
     return number
 
 
-class UpdateRule:
+class UpdateRule(abc.ABC):
     """Base of all update rules: a learning rate, per-slice state and an in-place update.
 
     Attributes
@@ -107,10 +108,11 @@ class UpdateRule:
             raise ValueError(f"grad must have the shape of params {params.shape}, got {grad.shape}")
         self._step(params, grad, state, self.learning_rate * float(rate_scale))
 
+    @abc.abstractmethod
     def _step(
         self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], lr: float
     ) -> None:
-        raise NotImplementedError
+        """The rule itself, with the effective learning rate ``lr``; each rule defines it."""
 
     def get_config(self) -> dict[str, Any]:
         """JSON-serialisable name, learning rate and hyperparameters; see :func:`from_config`."""
@@ -266,9 +268,14 @@ class StalenessAware(UpdateRule):
         rate_scale: float = 1.0,
     ) -> None:
         """The inner rule's update with ``rate_scale / max(1, staleness)``."""
-        self.rule.update(
+        super().update(
             params, grad, state, staleness=staleness, rate_scale=rate_scale / max(1, staleness)
         )
+
+    def _step(
+        self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], lr: float
+    ) -> None:
+        self.rule._step(params, grad, state, lr)
 
 
 def sgd(learning_rate: float) -> SGD:
