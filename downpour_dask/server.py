@@ -274,12 +274,31 @@ class ParameterServer:
         shards = [f.result(timeout=timeout) for f in futures]
         return cls(shards, ranges, placed, futures)
 
-    def _gather(self, calls: list, timeout: float) -> list:
-        return [c.result(timeout=timeout) for c in calls]
+    def _call_all(
+        self, method: str, *args: Any, timeout: float, per_shard: list[tuple] | None = None
+    ) -> list:
+        """Call ``method`` on every shard at once (with ``per_shard[i]`` as shard i's arguments,
+        if given) and wait for all the replies.
+
+        Raises
+        ------
+        RuntimeError
+            Naming the shard and its worker, if a shard is lost or does not answer in time.
+        """
+        calls = []
+        try:
+            for i, shard in enumerate(self.shards):
+                calls.append(getattr(shard, method)(*(args if per_shard is None else per_shard[i])))
+            return [call.result(timeout=timeout) for i, call in enumerate(calls)]
+        except (RuntimeError, OSError, TimeoutError) as err:
+            raise RuntimeError(
+                f"parameter-server shard {i} on worker {self.workers[i]} was lost or did not "
+                f"answer {method}() within {timeout} s: {err}"
+            ) from err
 
     def pull(self, timeout: float = 60.0) -> tuple[np.ndarray, list[int]]:
         """The full parameter vector assembled from every shard, and each shard's version."""
-        replies = self._gather([s.pull() for s in self.shards], timeout)
+        replies = self._call_all("pull", timeout=timeout)
         out = np.empty(self.size, dtype=DTYPE)
         for (lo, hi), reply in zip(self.ranges, replies):
             out[lo:hi] = reply.values
@@ -293,30 +312,30 @@ class ParameterServer:
         timeout: float = 60.0,
     ) -> list[PushReply]:
         """Push a full-length gradient, cut by range, to every shard; wait for the replies."""
-        calls = [
-            s.push(grad[lo:hi], v, replica)
-            for s, (lo, hi), v in zip(self.shards, self.ranges, fetched_versions)
+        pieces = [
+            (grad[lo:hi], version, replica)
+            for (lo, hi), version in zip(self.ranges, fetched_versions)
         ]
-        return self._gather(calls, timeout)
+        return self._call_all("push", timeout=timeout, per_shard=pieces)
 
     def versions(self, timeout: float = 60.0) -> list[int]:
         """Each shard's version (updates applied), without transferring any parameters."""
-        return self._gather([s.current_version() for s in self.shards], timeout)
+        return self._call_all("current_version", timeout=timeout)
 
     def request_stop(self, timeout: float = 60.0) -> None:
         """Tell every shard to report the stop flag to replicas."""
-        self._gather([s.request_stop() for s in self.shards], timeout)
+        self._call_all("request_stop", timeout=timeout)
 
     def status(self, timeout: float = 60.0) -> pd.DataFrame:
         """One row per shard: range, worker, version, accepted/refused pushes, staleness."""
-        rows = self._gather([s.status() for s in self.shards], timeout)
+        rows = self._call_all("status", timeout=timeout)
         frame = pd.DataFrame(rows)
         frame.insert(3, "worker", self.workers)
         return frame
 
     def events(self, timeout: float = 60.0) -> list[tuple[float, str, str]]:
         """All events the shards recorded, in time order."""
-        found = self._gather([s.events() for s in self.shards], timeout)
+        found = self._call_all("events", timeout=timeout)
         return sorted(e for shard_events in found for e in shard_events)
 
     def close(self) -> None:

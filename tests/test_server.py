@@ -1,5 +1,7 @@
 """The parameter server on a real local cluster: placement, pull/push semantics, refusals."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -93,4 +95,25 @@ def test_adagrad_accumulators_live_on_the_shard(client):
         # step 1: g/sqrt(g^2) = 1 -> -0.1; step 2: g/sqrt(2 g^2) = 1/sqrt(2) -> -0.0707
         np.testing.assert_allclose(values, -0.1 - 0.1 / np.sqrt(2), rtol=1e-5)
     finally:
+        ps.close()
+
+
+def test_a_lost_shard_fails_fast_with_an_error_naming_it():
+    """SIGKILL the worker holding shard 1: calls fail at once, naming the shard; nothing hangs."""
+    import os
+    import signal
+
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        ps = ParameterServer.create(client, np.zeros(10, np.float32), 2, optim.sgd(0.1))
+        pid = client.run(os.getpid, workers=[ps.workers[1]])[ps.workers[1]]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"shard 1 on worker tcp://.* was lost"):
+            for _ in range(100):  # the loss is noticed within moments, never a hang
+                ps.pull(timeout=5)
+                time.sleep(0.05)
         ps.close()
