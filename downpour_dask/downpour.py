@@ -180,17 +180,13 @@ class DownpourSGD(ParamServerEstimator):
         """
         rule = self._check_arguments()
         X, y = self._check_data(data, y, "data")
-        if len(X) < self.n_replicas:
-            raise ValueError(
-                f"n_replicas={self.n_replicas} but the data has only {len(X)} rows; each replica "
-                f"needs at least one row"
-            )
+        subsets = Dataset(X, y).partition(self.n_replicas)  # raises if a replica gets no rows
         evaluation = None if eval_data is None else self._check_data(eval_data, None, "eval_data")
         max_epochs = self.max_epochs
         if max_epochs is None and self.max_steps is None and self.max_seconds is None:
             max_epochs = 1
         with cluster_client(client) as active:
-            run = _Run(self, active, rule, X, y, evaluation, max_epochs)
+            run = _Run(self, active, rule, subsets, evaluation, max_epochs)
             run.execute()
         self.params_ = run.params
         self.experiment_ = run.experiment
@@ -217,9 +213,9 @@ class DownpourSGD(ParamServerEstimator):
 class _Run:
     """One execution of :meth:`DownpourSGD.fit` on a client: the driver's side of the run."""
 
-    def __init__(self, est: DownpourSGD, client: Client, rule, X, y, evaluation, max_epochs):
+    def __init__(self, est: DownpourSGD, client: Client, rule, subsets, evaluation, max_epochs):
         self.est, self.client, self.rule = est, client, rule
-        self.X, self.y, self.evaluation, self.max_epochs = X, y, evaluation, max_epochs
+        self.subsets, self.evaluation, self.max_epochs = subsets, evaluation, max_epochs
         self.events: list[tuple[float, str, str]] = []
         self.evals: list[dict[str, Any]] = []
         self.metric = "accuracy" if est.model.is_classifier else "r2"
@@ -245,14 +241,13 @@ class _Run:
         futures: list[Future] = []
         try:
             token = uuid.uuid4().hex[:8]
-            subsets = np.array_split(np.arange(len(self.X)), est.n_replicas)
             alpha = (
                 est.learning_rate if est.local_learning_rate is None else est.local_learning_rate
             )
-            for r, rows in enumerate(subsets):
+            for r, (X_part, y_part) in enumerate(self.subsets):
                 address = workers[r % len(workers)]
                 X_r, y_r = client.scatter(
-                    [self.X[rows[0] : rows[-1] + 1], self.y[rows[0] : rows[-1] + 1]],
+                    [X_part, y_part],
                     workers=[address],
                 )
                 config = ReplicaConfig(
@@ -372,6 +367,6 @@ class _Run:
         evals = pd.DataFrame(self.evals, columns=list(eval_columns)).astype(eval_columns)
         events = [(t - self.t0, kind, detail) for t, kind, detail in shard_events] + self.events
         events_frame = pd.DataFrame(sorted(events, key=lambda e: e[0]), columns=list(EVENT_COLUMNS))
-        config = self.est._config(len(self.X), workers)
+        config = self.est._config(sum(len(y) for _, y in self.subsets), workers)
         config["replica_steps"] = [r["steps"] for r in results]
         return Experiment(config, pushes, evals, events_frame.astype(EVENT_COLUMNS))
