@@ -10,8 +10,10 @@ and records everything in an :class:`~downpour_dask.log.Experiment`.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ from . import optim
 from ._version import __version__
 from .base import ParamServerEstimator, check_int, check_positive, cluster_client
 from .data import Dataset, as_dataset
-from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment
+from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment, Progress
 from .models import Model
 from .replica import ReplicaConfig, run_replica
 from .server import ParameterServer
@@ -166,6 +168,7 @@ class DownpourSGD(ParamServerEstimator):
         *,
         eval_data: Dataset | tuple | None = None,
         client: Client | None = None,
+        callback: Callable[[Progress], None] | None = None,
     ) -> DownpourSGD:
         """Train with Downpour SGD; returns ``self``.
 
@@ -177,8 +180,14 @@ class DownpourSGD(ParamServerEstimator):
             Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``).
         client : distributed.Client, optional
             The cluster to run on; by default an embedded local cluster is started and closed.
+        callback : callable, optional
+            Called with a :class:`~downpour_dask.log.Progress` snapshot about four times a
+            second while training (progress bars, live plots).  An exception it raises stops
+            the replicas and propagates out of ``fit``.
         """
         rule = self._check_arguments()
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
         X, y = self._check_data(data, y, "data")
         subsets = Dataset(X, y).partition(self.n_replicas)  # raises if a replica gets no rows
         evaluation = None if eval_data is None else self._check_data(eval_data, None, "eval_data")
@@ -187,6 +196,7 @@ class DownpourSGD(ParamServerEstimator):
             max_epochs = 1
         with cluster_client(client) as active:
             run = _Run(self, active, rule, subsets, evaluation, max_epochs)
+            run.callback = callback
             run.execute()
         self.params_ = run.params
         self.experiment_ = run.experiment
@@ -219,6 +229,8 @@ class _Run:
         self.events: list[tuple[float, str, str]] = []
         self.evals: list[dict[str, Any]] = []
         self.metric = "accuracy" if est.model.is_classifier else "r2"
+        self.callback: Callable[[Progress], None] | None = None
+        self.phase = "training"
 
     def _event(self, kind: str, detail: str = "") -> None:
         self.events.append((time.time() - self.t0, kind, detail))
@@ -280,6 +292,9 @@ class _Run:
             self._supervise(futures)
             self.params, versions = self.server.pull(est.timeout)
             self._evaluate(self.params, versions)
+            if self.callback is not None:
+                self.phase = "done"
+                self.callback(self._progress())
             self._event("stop", f"versions {versions}")
             self.status = self.server.status(est.timeout)
             shard_events = self.server.events(est.timeout)
@@ -296,6 +311,7 @@ class _Run:
     def _warmstart(self, first: Future) -> None:
         """Let replica 0 alone make ``warmstart_steps`` steps' worth of pushes, then go on."""
         target = -(-self.est.warmstart_steps // self.est.n_push)
+        self.phase = "warmstart"
         while not first.done():
             if self._tick() >= target:
                 break
@@ -303,6 +319,7 @@ class _Run:
                 wait(first, timeout=min(self.est.eval_every, 0.05))
             except TimeoutError:
                 pass
+        self.phase = "training"
         self._event(
             "warmstart_done", f"replica 0 trained alone for {self.est.warmstart_steps} steps"
         )
@@ -310,9 +327,10 @@ class _Run:
     def _supervise(self, futures: list[Future]) -> None:
         """Evaluate periodically and enforce ``max_seconds`` until every replica has finished."""
         est, stop_sent = self.est, False
+        interval = est.eval_every if self.callback is None else min(est.eval_every, 0.25)
         while True:
             try:
-                wait(futures, timeout=est.eval_every)
+                wait(futures, timeout=interval)
             except TimeoutError:
                 pass
             failed = [f for f in futures if f.status == "error"]
@@ -333,13 +351,44 @@ class _Run:
                 stop_sent = True
 
     def _tick(self) -> int:
-        """Evaluate if ``eval_every`` has passed since the last evaluation; return the version."""
+        """Evaluate if ``eval_every`` has passed since the last evaluation, report progress to
+        the callback; return the (minimum) version."""
         last = self.evals[-1]["time"] if self.evals else -np.inf
         if self.evaluation is None or time.time() - self.t0 - last < self.est.eval_every:
-            return min(self.server.versions(self.est.timeout))  # a few bytes, not the vector
-        params, versions = self.server.pull(self.est.timeout)
-        self._evaluate(params, versions)
-        return min(versions)
+            version = min(self.server.versions(self.est.timeout))  # a few bytes, not the vector
+        else:
+            params, versions = self.server.pull(self.est.timeout)
+            self._evaluate(params, versions)
+            version = min(versions)
+        if self.callback is not None:
+            self.callback(self._progress())
+        return version
+
+    def _progress(self) -> Progress:
+        """Read shard 0's counters and estimate how much of the run is done."""
+        est = self.est
+        status = self.server.shards[0].status().result(timeout=est.timeout)
+        elapsed = time.time() - self.t0
+        examples = int(status["examples"])
+        fractions = []
+        if self.max_epochs is not None:
+            fractions.append(examples / (self.max_epochs * sum(len(y) for _, y in self.subsets)))
+        if est.max_steps is not None:
+            total_steps = est.max_steps * est.n_replicas
+            fractions.append(status["accepted"] * est.n_push / total_steps)
+        if est.max_seconds is not None:
+            fractions.append(elapsed / est.max_seconds)
+        score = self.evals[-1][self.metric] if self.evals else math.nan
+        return Progress(
+            time=elapsed,
+            examples=examples,
+            pushes=int(status["accepted"]),
+            loss=float(status["recent_loss"]),
+            score=float(score),
+            metric=self.metric,
+            fraction=min(1.0, max(fractions, default=0.0)),
+            phase=self.phase,
+        )
 
     def _evaluate(self, params: np.ndarray, versions: list[int]) -> None:
         if self.evaluation is None:

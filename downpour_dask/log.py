@@ -9,9 +9,11 @@ executes code.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,50 @@ EVAL_COLUMNS = {
 EVENT_COLUMNS = {"time": "float64", "kind": "object", "detail": "object"}
 
 _FILES = ("config.json", "pushes.parquet", "evals.parquet", "events.parquet")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot of a running fit, handed to ``fit(..., callback=)`` a few times a second.
+
+    It is what a progress bar or a notebook widget needs, read from the parameter server's
+    counters (a few bytes per shard), never from the parameter vector itself.
+
+    Attributes
+    ----------
+    time : float
+        Seconds since fit started.
+    examples : int
+        Training examples in the gradients the parameter server has applied.
+    pushes : int
+        Pushes the parameter server has applied (counted on shard 0).
+    loss : float
+        Recent training loss: a moving average over the latest pushes (``nan`` before the first).
+    score : float
+        Latest evaluation score on ``eval_data`` (``nan`` if none yet), named by ``metric``.
+    metric : str
+        ``"accuracy"`` or ``"r2"``.
+    fraction : float
+        Estimated fraction of the run done, from whichever of ``max_epochs``/``max_steps``/
+        ``max_seconds`` is nearest to its end; in [0, 1].
+    phase : str
+        ``"warmstart"`` while one replica trains alone, then ``"training"``, and ``"done"`` for
+        the last snapshot, taken after the final evaluation.
+    """
+
+    time: float
+    examples: int
+    pushes: int
+    loss: float
+    score: float
+    metric: str
+    fraction: float
+    phase: str
+
+    @property
+    def pushes_per_s(self) -> float:
+        """Mean applied pushes per second since fit started."""
+        return self.pushes / self.time if self.time > 0 else math.nan
 
 
 def empty_frame(columns: dict[str, str]) -> pd.DataFrame:

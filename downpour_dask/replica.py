@@ -177,6 +177,7 @@ class Replica:
             self._ack(next(p for p in self.pending if not p.acked), wait=True)
         grad, self.accrued = self.accrued, self._buffer()
         seq, self.next_seq = self.next_seq, self.next_seq + 1
+        loss = self.accrual_loss / self.accrual_steps
         calls = [
             shard.push(
                 grad[lo:hi],
@@ -185,10 +186,10 @@ class Replica:
                 seq=seq,
                 session=self.session,
                 examples=self.accrual_examples,
+                loss=loss,
             )
             for s, (shard, (lo, hi)) in enumerate(zip(self.server.shards, self.server.ranges))
         ]
-        loss = self.accrual_loss / self.accrual_steps
         self.pending.append(
             _Push(
                 seq,

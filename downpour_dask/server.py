@@ -105,6 +105,7 @@ class ParameterServerShard:
         self.refused = 0
         self.duplicates = 0
         self.examples = 0
+        self.recent_loss = math.nan
         self.staleness_sum = 0
         self.staleness_max = 0
         self._seqs: dict[tuple[int, str], _SeqTracker] = {}
@@ -126,12 +127,15 @@ class ParameterServerShard:
         seq: int | None = None,
         session: str = "",
         examples: int = 0,
+        loss: float = math.nan,
     ) -> PushReply:
         """Apply one accumulated gradient with the update rule; return the new version.
 
         A gradient containing NaN or inf is refused: the parameters are left untouched, the
         refusal is counted and recorded as a ``gradient_refused`` event.  A push whose ``seq``
         this replica session already delivered is ignored, so a retried push is applied once.
+        ``loss`` (the replica's mean training loss over the pushed steps) only feeds the shard's
+        ``recent_loss`` for live progress displays.
         """
         if grad.shape != self.values.shape:
             raise ValueError(
@@ -163,6 +167,10 @@ class ParameterServerShard:
         self.version += 1
         self.accepted_by_replica[replica] += 1
         self.examples += int(examples)
+        if math.isfinite(loss):  # exponential moving average over recent pushes, for progress
+            self.recent_loss = (
+                loss if math.isnan(self.recent_loss) else (0.9 * self.recent_loss + 0.1 * loss)
+            )
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
         return PushReply(self.version, staleness, True, self.stopped)
@@ -176,7 +184,8 @@ class ParameterServerShard:
         self.stopped = True
 
     def status(self) -> dict[str, Any]:
-        """Counters of this shard: version, accepted/refused/duplicate pushes, staleness."""
+        """Counters of this shard: version, accepted/refused/duplicate pushes, examples, recent
+        training loss, staleness."""
         accepted = sum(self.accepted_by_replica.values())
         return {
             "shard": self.shard_id,
@@ -187,6 +196,7 @@ class ParameterServerShard:
             "refused": self.refused,
             "duplicates": self.duplicates,
             "examples": self.examples,
+            "recent_loss": self.recent_loss,
             "staleness_mean": self.staleness_sum / accepted if accepted else 0.0,
             "staleness_max": self.staleness_max,
             "accepted_by_replica": dict(self.accepted_by_replica),

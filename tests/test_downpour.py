@@ -266,3 +266,45 @@ def test_a_diverging_run_is_refused_by_the_shards_and_surfaced_in_the_log(client
     assert len(refused) > 0 and "left unchanged" in refused["detail"].iloc[0]
     assert run.summary()["refused_pushes"] == len(refused) == est.server_status_["refused"].sum()
     assert np.isfinite(est.params_).all()  # the shards never applied a non-finite update
+
+
+def test_callback_sees_progress_advance_and_a_final_snapshot(client, digits):
+    train, test = digits
+    snapshots = []
+    DownpourSGD(
+        models.SoftmaxRegression(64, 10),
+        n_replicas=2,
+        learning_rate=0.05,
+        batch_size=16,
+        warmstart_steps=20,
+        max_epochs=3,
+        eval_every=0.1,
+        random_state=0,
+    ).fit(train, eval_data=test, client=client, callback=snapshots.append)
+    assert len(snapshots) >= 2
+    examples = [s.examples for s in snapshots]
+    assert examples == sorted(examples)
+    assert {s.phase for s in snapshots} >= {"warmstart", "done"}
+    last = snapshots[-1]
+    assert last.phase == "done"
+    assert last.examples == 3 * train.n_rows
+    assert last.fraction == pytest.approx(1.0)
+    assert 0 < last.loss < 2.3 and last.score > 0.8 and last.metric == "accuracy"
+    assert last.pushes_per_s > 0
+
+
+def test_an_exception_in_the_callback_stops_the_run_and_propagates(client, digits):
+    train, _ = digits
+
+    def interrupt(progress):
+        raise KeyboardInterrupt
+
+    est = DownpourSGD(
+        models.SoftmaxRegression(64, 10), n_replicas=2, max_seconds=60, random_state=0
+    )
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(train, client=client, callback=interrupt)
+    assert not hasattr(est, "params_")
+    # The replicas were told to stop: the cluster is free for the next fit at once.
+    est.set_params(max_seconds=None, max_epochs=1).fit(train, client=client)
+    assert est.params_.shape == (est.model.layout.size,)
