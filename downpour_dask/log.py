@@ -189,6 +189,7 @@ class Experiment:
             raise FileExistsError(f"run directory {str(target)!r} exists; pass overwrite=True")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        tmp.chmod(directory_mode())  # mkdtemp makes it private; a run directory is not
         try:
             with open(tmp / "config.json", "w") as f:
                 json.dump(self.config, f, indent=2, sort_keys=True, default=_json_default)
@@ -240,6 +241,13 @@ class Experiment:
         ax.set_xlabel("seconds since fit started")
         ax.set_ylabel(f"test {self.metric}")
         return ax
+
+
+def directory_mode() -> int:
+    """The permissions a new directory gets under the process's umask (e.g. 0o755)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
 
 
 def _json_default(obj: Any) -> Any:

@@ -1,0 +1,324 @@
+"""The ``downpour-dask`` command: parse arguments, delegate to :mod:`runs` and :mod:`report`.
+
+::
+
+    downpour-dask train                                   # MLP on mnist5k, embedded cluster
+    downpour-dask train --config run.toml --learning-rate 0.02
+    downpour-dask train --scheduler tcp://10.0.0.5:8786 --n-replicas 16
+    downpour-dask report runs/a runs/b --target 0.9
+
+Every estimator argument has a flag (``n_replicas`` -> ``--n-replicas``), generated from the
+estimator's signature so none can be missing.  ``--config FILE.toml`` sets any of them (and the
+job settings) with the same names; flags given on the command line win.  Bad input ends the
+command with one line on stderr and exit status 2; a run that fails on the cluster exits with 1.
+Neither leaves a run directory behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+from . import runs
+from ._version import __version__
+
+PROG = "downpour-dask"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (no usage dump) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class UsageError(ValueError):
+    """Bad command-line input (reported as one line, exit status 2)."""
+
+
+# -- building the parser -------------------------------------------------------------------------
+
+
+def _value_parser(annotation: str, name: str):
+    """A converter for a flag from the annotation string of its estimator argument."""
+    optional = "None" in annotation
+    base = "bool" if "bool" in annotation else "float" if "float" in annotation else "int"
+    if "str" in annotation:
+        base = "str"
+
+    def convert(text: str) -> Any:
+        if optional and text.lower() == "none":
+            return None
+        try:
+            if base == "int":
+                return int(text)
+            if base == "float":
+                return float(text)
+        except ValueError:
+            kind = "an integer" if base == "int" else "a number"
+            extra = " or 'none'" if optional else ""
+            raise argparse.ArgumentTypeError(f"expected {kind}{extra}, got {text!r}") from None
+        return text
+
+    convert.__name__ = base
+    return convert
+
+
+def _parameter_help(cls: type) -> dict[str, str]:
+    """First sentence of each parameter's description in a numpydoc ``Parameters`` section,
+    with reST markup removed: the flags' help comes from the estimator's own documentation."""
+    section = (inspect.getdoc(cls) or "").split("Parameters\n----------\n", 1)
+    found: dict[str, str] = {}
+    names: list[str] = []
+    for line in section[-1].splitlines() if len(section) == 2 else []:
+        if line.startswith("---"):  # the underline of the next section: this one is over
+            break
+        if line and not line[0].isspace():
+            names = [name.strip() for name in line.split(" : ")[0].split(",")]
+            found.update({name: "" for name in names})
+        elif line.strip():
+            for name in names:
+                found[name] = f"{found[name]} {line.strip()}".strip()
+    plain = {}
+    for name, text in found.items():
+        text = re.sub(r":\w+:`~?([^`]+)`", lambda m: m.group(1).split(".")[-1], text)
+        plain[name] = text.replace("``", "").split(". ")[0].rstrip(".")
+    return plain
+
+
+def _add_estimator_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "estimator arguments (as in the estimator's constructor; defaults shown are the command's)"
+    )
+    seen: set[str] = set()
+    for algorithm, cls in runs.ALGORITHMS.items():
+        described = _parameter_help(cls)
+        for name, parameter in runs.estimator_arguments(algorithm).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            flag = "--" + name.replace("_", "-")
+            annotation = str(parameter.annotation)
+            default = runs.DEFAULTS.get(name, parameter.default)
+            shown = "" if default is inspect.Parameter.empty else f" (default {default})"
+            text = described.get(name, "") + shown
+            if "bool" in annotation:
+                group.add_argument(
+                    flag,
+                    dest=name,
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
+                    help=text,
+                )
+                continue
+            flags = [flag, "--seed"] if name == "random_state" else [flag]
+            group.add_argument(
+                *flags,
+                dest=name,
+                type=_value_parser(annotation, name),
+                default=argparse.SUPPRESS,
+                metavar=name.upper(),
+                help=text,
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``downpour-dask`` argument parser with its ``train`` and ``report`` commands."""
+    parser = _Parser(prog=PROG, description="Downpour SGD on Dask: train and compare runs.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = commands.add_parser(
+        "train",
+        help="train a model and write a run directory",
+        description="Train a model with Downpour SGD and write runs/<name>/. With no "
+        "argument: an MLP on the shipped mnist5k, 4 replicas, 2 shards, Adagrad, on an "
+        "embedded local cluster.",
+    )
+    job = train.add_argument_group("job")
+    job.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
+    job.add_argument(
+        "--algorithm",
+        choices=list(runs.ALGORITHMS),
+        default=argparse.SUPPRESS,
+        help="training algorithm (default downpour)",
+    )
+    job.add_argument(
+        "--dataset",
+        default=argparse.SUPPRESS,
+        metavar="NAME|PATH",
+        help="a shipped dataset (digits, mnist5k) or parquet/CSV file(s) with a 'label' column "
+        "(default mnist5k)",
+    )
+    job.add_argument(
+        "--eval-dataset",
+        default=argparse.SUPPRESS,
+        metavar="NAME|PATH",
+        help="evaluation data (default: the shipped dataset's test split)",
+    )
+    job.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        metavar="SPEC",
+        help="mlp:128,64 | mlp | softmax | logistic | linear (default mlp:128)",
+    )
+    job.add_argument("--out", default=argparse.SUPPRESS, help="parent of run directories (runs)")
+    job.add_argument("--name", default=argparse.SUPPRESS, help="run directory name")
+    job.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="replace an existing run directory of the same name",
+    )
+    job.add_argument(
+        "--scheduler",
+        default=None,
+        metavar="ADDRESS",
+        help="train on an existing Dask cluster (e.g. tcp://host:8786) instead of an embedded one",
+    )
+    job.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to try reaching --scheduler (default 30)",
+    )
+    job.add_argument("--quiet", action="store_true", help="no progress line")
+    _add_estimator_flags(train)
+    train.set_defaults(handler=_train)
+
+    report = commands.add_parser(
+        "report",
+        help="summarise and plot finished runs",
+        description="Print one summary row per run and write summary.csv and comparison "
+        "plots (accuracy and loss against time, staleness histogram).",
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    report.add_argument("--out", default="report", help="directory for the table and plots")
+    report.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="score for the time-to-target column (default: 0.9 for classifiers)",
+    )
+    report.set_defaults(handler=_report)
+    return parser
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Job settings: the config file's, overridden by the flags given."""
+    settings: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            with open(args.config, "rb") as f:
+                loaded = tomllib.load(f)
+        except OSError as err:
+            raise UsageError(f"cannot read --config {str(args.config)!r}: {err.strerror}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise UsageError(f"--config {str(args.config)!r} is not valid TOML: {err}") from None
+        for key, value in loaded.items():
+            if isinstance(value, dict):
+                raise UsageError(
+                    f"--config {str(args.config)!r}: tables ([{key}]) are not supported; "
+                    f"write settings as top-level keys"
+                )
+            settings[key.replace("-", "_")] = value
+    scheduler = settings.pop("scheduler", None)
+    internal = {"config", "command", "handler", "quiet", "scheduler", "connect_timeout"}
+    flags = {k: v for k, v in vars(args).items() if k not in internal}
+    settings.update(flags)
+    if args.scheduler is not None:
+        scheduler = args.scheduler
+    settings["__scheduler__"] = scheduler
+    return settings
+
+
+def _train(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    scheduler = settings.pop("__scheduler__")
+    job = runs.prepare(settings)  # all input errors surface here, before any cluster work
+    callback = None
+    if not args.quiet:
+        from .progress import ProgressBar
+
+        callback = ProgressBar(sys.stderr)
+    if scheduler is None:
+        result = runs.run(job, None, callback)
+    else:
+        from distributed import Client
+
+        try:
+            client = Client(scheduler, timeout=args.connect_timeout)
+        except (OSError, TimeoutError, ValueError) as err:
+            raise ConnectionError(
+                f"cannot reach the Dask scheduler at {scheduler!r} within "
+                f"{args.connect_timeout:g} s ({_one_line(err)})"
+            ) from None
+        with client:
+            result = runs.run(job, client, callback)
+    s = result.summary
+    metric = result.estimator.experiment_.metric
+    score = s.get(f"final_{metric}")
+    print(f"run directory: {result.path}")
+    if score is not None:
+        print(f"test {metric}: {score:.4f} (best {s[f'best_{metric}']:.4f})")
+    print(
+        f"{s['duration']:.2f} s, {s['examples_per_s']:,.0f} examples/s, "
+        f"{s['pushes_per_s']:,.0f} pushes/s, staleness mean {s['staleness_mean']:.1f} "
+        f"p95 {s['staleness_p95']:.0f}, {int(s['refused_pushes'])} refused pushes, "
+        f"{int(s['failures'])} failures"
+    )
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from . import report
+
+    for path in args.run_dirs:
+        if not Path(path).is_dir():
+            raise UsageError(f"RUN_DIR {path!r} is not a directory")
+    table, target, written = report.report(args.run_dirs, args.out, args.target)
+    if target is not None:
+        print(f"time_to_target: seconds from the start of fit until test score >= {target:g}")
+    print(report.format_table(table))
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``downpour-dask`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    where = f"{PROG} {args.command}"
+    try:
+        return args.handler(args)
+    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as err:
+        print(f"{where}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted; no run directory was written", file=sys.stderr)
+        return 130
+    except (RuntimeError, OSError, TimeoutError) as err:
+        print(f"{where}: failed: {_one_line(err)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

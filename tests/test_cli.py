@@ -1,0 +1,161 @@
+"""The ``downpour-dask`` command end to end, run as a user runs it: a subprocess."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from downpour_dask import cli, runs
+
+SCRIPT = Path(sys.executable).with_name("downpour-dask")
+SMALL = ["--dataset", "digits", "--model", "mlp:32", "--max-epochs", "1", "--n-replicas", "2"]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "downpour_dask"]
+    return subprocess.run(
+        command + list(args), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def config_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "config.json").read_text())
+
+
+@pytest.mark.timeout(180)
+def test_train_writes_a_complete_run_directory(tmp_path):
+    done = run_cli("train", *SMALL, "--out", str(tmp_path), "--name", "small", "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    run_dir = tmp_path / "small"
+    assert {p.name for p in run_dir.iterdir()} >= {
+        "config.json",
+        "pushes.parquet",
+        "evals.parquet",
+        "events.parquet",
+        "params.npz",
+        "accuracy_vs_time.png",
+        "loss_vs_time.png",
+    }
+    assert f"run directory: {run_dir}" in done.stdout
+    accuracy = float(done.stdout.split("test accuracy: ")[1].split()[0])
+    assert accuracy > 0.8
+    config = config_of(run_dir)
+    assert config["n_replicas"] == 2 and config["random_state"] == 3
+    assert config["model"]["hidden"] == [32] and config["dataset"] == "digits"
+    assert "100%" in done.stderr  # the progress line reached the end
+    experiment, model, params = runs.load_run(run_dir)
+    test = runs.load_dataset("digits")[1]
+    assert model.score(params, test.X, test.y) == pytest.approx(accuracy, abs=5e-4)
+    assert len(experiment.pushes) > 0
+
+
+@pytest.mark.timeout(180)
+def test_config_file_sets_arguments_and_flags_override_it(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'dataset = "digits"\nmodel = "softmax"\nn_replicas = 3\nlearning-rate = 0.02\n'
+        "max_epochs = 1\nwarmstart_steps = 0\n"
+    )
+    done = run_cli(
+        "train", "--config", str(config), "--learning-rate", "0.03",
+        "--out", str(tmp_path), "--name", "cfg", "--quiet",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # --quiet: no progress line
+    settings = config_of(tmp_path / "cfg")
+    assert settings["n_replicas"] == 3  # from the file
+    assert settings["learning_rate"] == 0.03  # the flag won
+    assert settings["model"]["type"] == "SoftmaxRegression"
+
+
+@pytest.mark.timeout(180)
+def test_scheduler_flag_trains_on_an_existing_cluster(tmp_path, cluster, client):
+    done = run_cli(
+        "train", *SMALL, "--scheduler", cluster.scheduler_address,
+        "--out", str(tmp_path), "--name", "remote", "--quiet",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    assert config_of(tmp_path / "remote")["workers"] == workers  # not an embedded cluster
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--learning-rate", "-0.1"], "learning_rate must be a finite number > 0, got -0.1"),
+        (["--dataset", "imagenet"], "dataset 'imagenet' is neither a shipped dataset"),
+        (["--n-replicas", "two"], "argument --n-replicas: expected an integer, got 'two'"),
+        (["--model", "mlp:64,x"], "hidden widths must be integers"),
+        (["--model", "cnn"], "unknown model 'cnn'"),
+        (["--optimizer", "rmsprop"], "optimizer"),
+        (["--algorithm", "hogwild"], "invalid choice: 'hogwild'"),
+        (["--scheduler", "tcp://127.0.0.1:{port}", "--connect-timeout", "2"], "cannot reach"),
+        (["--config", "missing.toml"], "cannot read --config"),
+    ],
+)
+def test_bad_input_is_one_line_a_nonzero_status_and_no_run_directory(tmp_path, args, message):
+    args = [a.replace("{port}", str(free_port())) for a in args]
+    out = tmp_path / "runs"
+    done = run_cli("train", *SMALL[:2], *args, "--out", str(out), "--name", "bad", timeout=60)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert message in lines[0] and "Traceback" not in done.stderr
+    assert not (out / "bad").exists()
+    assert not out.exists() or not any(out.iterdir())  # no temporary leftovers either
+
+
+def test_an_existing_run_directory_is_not_overwritten(tmp_path):
+    (tmp_path / "taken").mkdir()
+    done = run_cli("train", *SMALL, "--out", str(tmp_path), "--name", "taken")
+    assert done.returncode == 2
+    assert "run directory" in done.stderr and "exists" in done.stderr
+
+
+def test_every_estimator_argument_has_a_flag():
+    parser = cli.build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]
+    dests = {action.dest for action in train._actions}
+    for algorithm in runs.ALGORITHMS:
+        missing = set(runs.estimator_arguments(algorithm)) - dests
+        assert not missing, f"{algorithm} arguments without a flag: {missing}"
+
+
+@pytest.mark.timeout(120)
+def test_report_on_two_runs_writes_the_table_and_plots(tmp_path, client):
+    for name, replicas in (("one", 1), ("two", 2)):
+        runs.train(
+            {"dataset": "digits", "model": "softmax", "n_replicas": replicas, "max_epochs": 1,
+             "out": str(tmp_path), "name": name, "random_state": 0},
+            client=client,
+        )  # fmt: skip
+    out = tmp_path / "report"
+    done = run_cli("report", str(tmp_path / "one"), str(tmp_path / "two"), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert {p.name for p in out.iterdir()} == {
+        "summary.csv",
+        "accuracy_vs_time.png",
+        "loss_vs_time.png",
+        "staleness_histogram.png",
+    }
+    rows = [line for line in done.stdout.splitlines() if line.lstrip().startswith(("one", "two"))]
+    assert len(rows) == 2
+    assert "final_score" in done.stdout and "time_to_target" in done.stdout
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_names_a_directory_that_is_not_a_run(tmp_path):
+    done = run_cli("report", str(tmp_path))
+    assert done.returncode == 2
+    assert "is not a run directory: missing config.json" in done.stderr
