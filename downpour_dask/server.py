@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 from distributed import Client
 
+from ._malloc import tune_malloc
 from .optim import UpdateRule
 from .params import DTYPE, split_range
 
@@ -95,6 +96,7 @@ class ParameterServerShard:
             raise ValueError(
                 f"shard {shard_id}: values has shape {values.shape}, expected {(stop - start,)}"
             )
+        tune_malloc()  # this runs on the shard's worker: see _malloc.py for why
         self.shard_id, self.start, self.stop = shard_id, start, stop
         self.values = np.array(values, dtype=DTYPE, copy=True)
         self.rule = rule

@@ -1,0 +1,126 @@
+"""Pull + push of a 1M-parameter float32 model between a replica and shards on another worker.
+
+Baseline (the "naive actor"): a sync Dask actor whose ``pull`` returns a copy of its vector and
+whose ``push`` applies a gradient in place, both awaited one after the other, from a task on the
+other worker of a default 2-worker local cluster.  Then downpour-dask's path: its parameter-server
+shards (2 shards on the other worker), pulled and pushed concurrently from a task that starts
+the way a replica starts.  Finally the naive actor again in those same, now tuned, processes, to
+show what part of the gain is the allocator (see downpour_dask/_malloc.py).
+
+    python benchmarks/bench_transfer.py [--repeats 5] [--calls 30]
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+from downpour_dask import ParameterServer, optim  # noqa: E402
+from downpour_dask._malloc import tune_malloc  # noqa: E402
+
+SIZE = 1_000_000
+
+
+class NaiveParameterActor:
+    """What a first Dask parameter server looks like: sync methods, a copy out, an update in."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = values.copy()
+
+    def pull(self) -> np.ndarray:
+        return self.values.copy()
+
+    def push(self, grad: np.ndarray) -> int:
+        self.values -= np.float32(0.01) * grad
+        return 0
+
+
+def time_naive(actor, calls: int) -> float:
+    """Median seconds of one awaited pull followed by one awaited push (runs on a worker)."""
+    grad = np.random.default_rng(1).standard_normal(SIZE).astype(np.float32)
+    times = []
+    for i in range(calls + 3):
+        start = time.perf_counter()
+        actor.pull().result(timeout=60)
+        actor.push(grad).result(timeout=60)
+        if i >= 3:  # warm-up calls open connections
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_downpour(server: ParameterServer, calls: int) -> float:
+    """Median seconds of a pull and a push of every shard, as a replica issues them."""
+    tune_malloc()  # what a replica does when it starts
+    grad = np.random.default_rng(1).standard_normal(SIZE).astype(np.float32)
+    times = []
+    for i in range(calls + 3):
+        start = time.perf_counter()
+        pulls = [shard.pull(0, "bench") for shard in server.shards]
+        pushes = [
+            shard.push(grad[lo:hi], 0, 0, session="bench")
+            for shard, (lo, hi) in zip(server.shards, server.ranges)
+        ]
+        for call in pulls + pushes:
+            call.result(timeout=60)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=30)
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, python "
+        f"{platform.python_version()}, numpy {np.__version__}"
+    )
+    initial = np.random.default_rng(0).standard_normal(SIZE).astype(np.float32)
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c,
+        Client(c) as client,
+    ):
+        near, far = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        naive = client.submit(
+            NaiveParameterActor, initial, actor=True, workers=[far], pure=False
+        ).result(timeout=60)
+
+        def median_of(fn, *fargs) -> float:
+            runs = [
+                client.submit(fn, *fargs, args.calls, workers=[near], pure=False).result(300)
+                for _ in range(args.repeats)
+            ]
+            return statistics.median(runs)
+
+        baseline = median_of(time_naive, naive)
+        server = ParameterServer.create(client, initial, 2, optim.sgd(0.01), [far, far])
+        ours = median_of(time_downpour, server)
+        naive_tuned = median_of(time_naive, naive)
+        server.close()
+    rows = [
+        ("naive sync actor, default worker processes", baseline),
+        ("downpour-dask shards (2 on the far worker)", ours),
+        ("naive sync actor, after downpour-dask tuned them", naive_tuned),
+    ]
+    print(
+        f"\npull + push of {SIZE:,} float32 parameters from another worker, median of "
+        f"{args.repeats} x {args.calls} round trips"
+    )
+    print(f"{'path':52} {'ms':>8} {'vs naive':>9}")
+    for name, seconds in rows:
+        print(f"{name:52} {seconds * 1e3:8.2f} {seconds / baseline:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Give worker processes back glibc's reuse of freed medium-sized blocks.
+
+Dask's nanny starts workers with ``MALLOC_TRIM_THRESHOLD_=65536``.  Setting any malloc tunable
+turns off glibc's *dynamic* mmap threshold, so every block of 128 KiB or more (a 1 MB gradient,
+a received message frame, a parameter copy) is mmapped and page-faulted afresh each time and
+unmapped when freed.  Measured on a 2-core machine inside a default worker: copying 4 MB took
+3.5 ms instead of 0.3 ms, and an actor pull of 1M parameters 20 ms instead of 2.4 ms.
+
+The library's own hot loops preallocate their buffers, but the messages Dask receives cannot be
+preallocated.  So processes that hold a parameter-server shard or run a replica raise the mmap
+threshold to 32 MiB and the trim threshold to 64 MiB: blocks up to 32 MiB come from the heap and
+are reused, and free memory above 64 MiB at the top of the heap is still returned to the system.
+Set ``DOWNPOUR_DASK_TUNE_MALLOC=0`` to leave the allocator as the cluster configured it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+MMAP_THRESHOLD = 32 * 2**20  # glibc's maximum on 64-bit systems
+TRIM_THRESHOLD = 64 * 2**20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
+
+_tuned: bool | None = None
+
+
+def tune_malloc() -> bool:
+    """Raise glibc's mmap and trim thresholds in this process, once; True if they are set.
+
+    A no-op (returning False) on systems without glibc or when ``DOWNPOUR_DASK_TUNE_MALLOC=0``.
+    """
+    global _tuned
+    if _tuned is not None:
+        return _tuned
+    _tuned = False
+    if os.environ.get("DOWNPOUR_DASK_TUNE_MALLOC", "1") == "0" or not sys.platform.startswith(
+        "linux"
+    ):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others: no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
+    return _tuned
