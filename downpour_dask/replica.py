@@ -26,6 +26,7 @@ with ``local_learning_rate=0`` it is the paper's plain overwrite.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,10 +35,10 @@ from typing import Any
 import numpy as np
 from distributed import secede
 
-from .data import minibatches
 from .models import Model
 from .params import DTYPE
 from .server import ParameterServer, PullReply, PushReply
+from .stream import ArraySource, ShardStream, StreamSpec, make_source
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,13 @@ class Replica:
         self.rows: list[tuple] = []
 
     # -- the loop --------------------------------------------------------------------------------
-    def run(self, X: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-        """Train on ``(X, y)`` until the epochs/steps run out or a shard reports stop."""
+    def run(self, source: ArraySource | ShardStream) -> dict[str, Any]:
+        """Train on ``source``'s epochs until the epochs/steps run out or a shard reports stop.
+
+        ``source.epoch(rng)`` yields one epoch of minibatches: in-memory arrays
+        (:class:`~downpour_dask.stream.ArraySource`) or shards streamed from files or Dask
+        partitions (:class:`~downpour_dask.stream.ShardStream`).
+        """
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, cfg.replica])
         alpha = cfg.local_learning_rate
@@ -102,28 +108,29 @@ class Replica:
             self._install(s, self.pulls[s].result(timeout=cfg.timeout))
         step, epochs = 0, 0
         while not self._done(step, epochs):
-            for Xb, yb in minibatches(X, y, cfg.batch_size, rng):
-                if self._done(step, epochs):
-                    break
-                self._poll()
-                if step % cfg.n_fetch == 0 and step > 0:
-                    self._start_fetches()
-                loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=self.grad)
-                if self.accrual_steps == 0:
-                    self.base_versions = list(self.versions)
-                self.accrued += g
-                if np.isfinite(
-                    loss
-                ):  # a diverged step is not applied locally; the shard refuses it
-                    self.params -= np.multiply(g, alpha, out=self.scratch)
-                self.accrual_steps += 1
-                self.accrual_loss += float(loss)
-                self.accrual_examples += len(Xb)
-                if step % cfg.n_push == 0:
-                    self._push(step)
-                step += 1
-            else:
-                epochs += 1
+            with contextlib.closing(source.epoch(rng)) as batches:  # leaving early stops a reader
+                for Xb, yb in batches:
+                    if self._done(step, epochs):
+                        break
+                    self._poll()
+                    if step % cfg.n_fetch == 0 and step > 0:
+                        self._start_fetches()
+                    loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=self.grad)
+                    if self.accrual_steps == 0:
+                        self.base_versions = list(self.versions)
+                    self.accrued += g
+                    if np.isfinite(
+                        loss
+                    ):  # a diverged step is not applied locally; the shard refuses it
+                        self.params -= np.multiply(g, alpha, out=self.scratch)
+                    self.accrual_steps += 1
+                    self.accrual_loss += float(loss)
+                    self.accrual_examples += len(Xb)
+                    if step % cfg.n_push == 0:
+                        self._push(step)
+                    step += 1
+                else:
+                    epochs += 1
         if self.accrual_steps:
             self._push(step - 1)
         for p in list(self.pending):
@@ -256,8 +263,17 @@ class Replica:
 
 
 def run_replica(
-    server: ParameterServer, model: Model, X: np.ndarray, y: np.ndarray, config: ReplicaConfig
+    server: ParameterServer,
+    model: Model,
+    data: tuple[np.ndarray, np.ndarray] | StreamSpec,
+    config: ReplicaConfig,
+    parts: list | tuple = (),
 ) -> dict[str, Any]:
-    """Dask task entry point: leave the worker's thread pool and run one replica to completion."""
+    """Dask task entry point: leave the worker's thread pool and run one replica to completion.
+
+    ``data`` is the replica's in-memory ``(X, y)`` subset or a :class:`StreamSpec` naming its
+    shards, which it then reads here, on its worker; ``parts`` are its Dask partitions (Dask
+    resolves the futures passed in from the worker's own memory).
+    """
     secede()  # a replica runs for the whole fit; it must not hold one of the worker's task slots
-    return Replica(server, model, config).run(X, y)
+    return Replica(server, model, config).run(make_source(data, config.batch_size, parts))
