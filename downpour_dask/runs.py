@@ -79,7 +79,8 @@ def load_dataset(spec: str, eval_spec: str | None = None) -> tuple[Any, Any]:
     spec : str
         The name of a shipped dataset (see :func:`downpour_dask.datasets.available`; its test
         split becomes the evaluation data) or a path: a parquet file, a directory or glob of
-        parquet files, or a ``.csv`` file, with the label in a column named ``label``.
+        parquet files, or a ``.csv`` file, with the label in a column named ``label``.  Files
+        are streamed by the replicas, never loaded here.
     eval_spec : str, optional
         Evaluation data as a path of the same kinds (read into memory), or a shipped name (its
         test split).  For a path ``spec`` without it, the run is not evaluated.
@@ -97,18 +98,15 @@ def load_dataset(spec: str, eval_spec: str | None = None) -> tuple[Any, Any]:
 
 
 def _from_path(spec: str, what: str) -> Any:
-    path = Path(spec)
     looks_like_glob = any(c in spec for c in "*?[")
-    if not looks_like_glob and not path.exists():
+    if not looks_like_glob and not Path(spec).exists():
         raise ValueError(
             f"{what} {spec!r} is neither a shipped dataset ({', '.join(datasets.available())}) "
             f"nor an existing file or directory"
         )
-    if path.suffix == ".csv":
+    if spec.endswith(".csv"):
         return datasets.from_csv(spec, label="label")
-    if path.is_dir():
-        return datasets.from_parquet(str(path / "*.parquet"), label="label")
-    return datasets.from_parquet(spec, label="label")
+    return datasets.from_parquet(spec, label="label")  # a file, a directory or a glob
 
 
 def make_model(spec: str, n_features: int, n_classes: int | None) -> models.Model:
