@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from distributed import secede
 
+from ._malloc import tune_malloc
 from .models import Model
 from .params import DTYPE
 from .server import ParameterServer, PullReply, PushReply
@@ -276,4 +277,5 @@ def run_replica(
     resolves the futures passed in from the worker's own memory).
     """
     secede()  # a replica runs for the whole fit; it must not hold one of the worker's task slots
+    tune_malloc()  # see _malloc.py: received messages must not be page-faulted afresh
     return Replica(server, model, config).run(make_source(data, config.batch_size, parts))
