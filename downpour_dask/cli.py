@@ -62,8 +62,8 @@ def _value_parser(annotation: str, name: str):
         try:
             if base == "int":
                 return int(text)
-            if base == "float":
-                return float(text)
+            if base == "float":  # "2" stays an int: valid where a count is meant too
+                return int(text) if text.lstrip("+-").isdigit() else float(text)
         except ValueError:
             kind = "an integer" if base == "int" else "a number"
             extra = " or 'none'" if optional else ""
@@ -98,38 +98,45 @@ def _parameter_help(cls: type) -> dict[str, str]:
 
 def _add_estimator_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "estimator arguments (as in the estimator's constructor; defaults shown are the command's)"
+        "estimator arguments (as in the estimators' constructors; [algorithm] marks those of one "
+        "algorithm only; defaults shown are the command's)"
     )
-    seen: set[str] = set()
+    flags: dict[str, dict[str, Any]] = {}  # argument -> {algorithm: (parameter, help)}
     for algorithm, cls in runs.ALGORITHMS.items():
         described = _parameter_help(cls)
         for name, parameter in runs.estimator_arguments(algorithm).items():
-            if name in seen:
-                continue
-            seen.add(name)
-            flag = "--" + name.replace("_", "-")
-            annotation = str(parameter.annotation)
-            default = runs.DEFAULTS.get(name, parameter.default)
-            shown = "" if default is inspect.Parameter.empty else f" (default {default})"
-            text = described.get(name, "") + shown
-            if "bool" in annotation:
-                group.add_argument(
-                    flag,
-                    dest=name,
-                    action=argparse.BooleanOptionalAction,
-                    default=argparse.SUPPRESS,
-                    help=text,
-                )
-                continue
-            flags = [flag, "--seed"] if name == "random_state" else [flag]
+            flags.setdefault(name, {})[algorithm] = (parameter, described.get(name, ""))
+    for name, by_algorithm in flags.items():
+        parameter, text = next(iter(by_algorithm.values()))
+        defaults = {
+            algorithm: runs.ALGORITHM_DEFAULTS[algorithm].get(name, p.default)
+            for algorithm, (p, _) in by_algorithm.items()
+        }
+        if len(by_algorithm) < len(runs.ALGORITHMS):
+            text = f"[{', '.join(by_algorithm)}] {text}"
+        if len(set(map(repr, defaults.values()))) == 1:
+            text += f" (default {next(iter(defaults.values()))})"
+        else:
+            text += " (default " + ", ".join(f"{a}: {d}" for a, d in defaults.items()) + ")"
+        flag = "--" + name.replace("_", "-")
+        annotation = str(parameter.annotation)
+        if "bool" in annotation:
             group.add_argument(
-                *flags,
+                flag,
                 dest=name,
-                type=_value_parser(annotation, name),
+                action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
-                metavar=name.upper(),
                 help=text,
             )
+            continue
+        group.add_argument(
+            *([flag, "--seed"] if name == "random_state" else [flag]),
+            dest=name,
+            type=_value_parser(annotation, name),
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=text,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train",
         help="train a model and write a run directory",
-        description="Train a model with Downpour SGD and write runs/<name>/. With no "
-        "argument: an MLP on the shipped mnist5k, 4 replicas, 2 shards, Adagrad, on an "
-        "embedded local cluster.",
+        description="Train a model with Downpour SGD (or Sandblaster L-BFGS) and write "
+        "runs/<name>/. With no argument: an MLP on the shipped mnist5k, 4 replicas, 2 shards, "
+        "Adagrad, on an embedded local cluster.",
     )
     job = train.add_argument_group("job")
     job.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
@@ -151,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         choices=list(runs.ALGORITHMS),
         default=argparse.SUPPRESS,
-        help="training algorithm (default downpour)",
+        help="downpour (Downpour SGD) or sandblaster (Sandblaster L-BFGS); default downpour",
     )
     job.add_argument(
         "--dataset",
@@ -289,12 +296,19 @@ def _train(args: argparse.Namespace) -> int:
     print(f"run directory: {result.path}")
     if score is not None:
         print(f"test {metric}: {score:.4f} (best {s[f'best_{metric}']:.4f})")
-    print(
-        f"{s['duration']:.2f} s, {s['examples_per_s']:,.0f} examples/s, "
-        f"{s['pushes_per_s']:,.0f} pushes/s, staleness mean {s['staleness_mean']:.1f} "
-        f"p95 {s['staleness_p95']:.0f}, {int(s['refused_pushes'])} refused pushes, "
-        f"{int(s['failures'])} failures"
-    )
+    if hasattr(result.estimator, "objective_"):  # Sandblaster L-BFGS
+        est = result.estimator
+        print(
+            f"{s['duration']:.2f} s, {s['examples_per_s']:,.0f} examples/s, {est.n_iter_} "
+            f"L-BFGS iterations, objective {est.objective_:.6g}, {int(s['failures'])} failures"
+        )
+    else:
+        print(
+            f"{s['duration']:.2f} s, {s['examples_per_s']:,.0f} examples/s, "
+            f"{s['pushes_per_s']:,.0f} pushes/s, staleness mean {s['staleness_mean']:.1f} "
+            f"p95 {s['staleness_p95']:.0f}, {int(s['refused_pushes'])} refused pushes, "
+            f"{int(s['failures'])} failures"
+        )
     return 0
 
 

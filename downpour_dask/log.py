@@ -147,7 +147,7 @@ class Experiment:
         out["staleness_mean"] = float(stale.mean()) if len(stale) else float("nan")
         out["staleness_p95"] = float(np.percentile(stale, 95)) if len(stale) else float("nan")
         out["refused_pushes"] = float((~p["accepted"].astype(bool)).sum()) if len(p) else 0.0
-        failure_kinds = ("replica_failed", "shard_lost")
+        failure_kinds = ("replica_failed", "shard_lost", "worker_lost")
         out["failures"] = float(self.events["kind"].isin(failure_kinds).sum())
         metric = self.metric
         if len(e) and metric in e:

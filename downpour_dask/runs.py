@@ -32,23 +32,32 @@ from . import data as datasets
 from . import models
 from .downpour import DownpourSGD
 from .log import Experiment, Progress
+from .sandblaster import SandblasterLBFGS
 
 #: Estimators a job can use, by the name given as ``algorithm``.
-ALGORITHMS: dict[str, type] = {"downpour": DownpourSGD}
+ALGORITHMS: dict[str, type] = {"downpour": DownpourSGD, "sandblaster": SandblasterLBFGS}
 
 #: What a job does when a setting is not given: the command line's "no argument" run.
 DEFAULTS: dict[str, Any] = {
     "algorithm": "downpour",
     "dataset": "mnist5k",
     "model": "mlp:128",
-    "n_replicas": 4,
-    "n_shards": 2,
-    "optimizer": "adagrad",
-    "learning_rate": 0.05,
-    "batch_size": 32,
-    "warmstart_steps": 100,
-    "max_epochs": 3,
     "out": "runs",
+}
+
+#: Estimator arguments a job sets unless told otherwise (else the estimator's own defaults):
+#: Downpour + Adagrad with a warmstart, the setting that works on the shipped data.
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "downpour": {
+        "n_replicas": 4,
+        "n_shards": 2,
+        "optimizer": "adagrad",
+        "learning_rate": 0.05,
+        "batch_size": 32,
+        "warmstart_steps": 100,
+        "max_epochs": 3,
+    },
+    "sandblaster": {"max_iter": 60},
 }
 
 #: Settings of a job that are not estimator arguments.
@@ -184,7 +193,8 @@ def prepare(settings: dict[str, Any]) -> Job:
     ----------
     settings : dict
         Job settings (:data:`JOB_SETTINGS`) and estimator arguments; missing ones come from
-        :data:`DEFAULTS`.  ``name`` defaults to ``<dataset>-<algorithm>-<date>-<time>``.
+        :data:`DEFAULTS` and :data:`ALGORITHM_DEFAULTS`.  ``name`` defaults to
+        ``<dataset>-<algorithm>-<date>-<time>``.
 
     Raises
     ------
@@ -193,9 +203,9 @@ def prepare(settings: dict[str, Any]) -> Job:
     FileExistsError
         If the run directory exists and ``overwrite`` is not set.
     """
-    job = {**DEFAULTS, **settings}
-    algorithm = job["algorithm"]
-    accepted = estimator_arguments(algorithm)
+    algorithm = settings.get("algorithm", DEFAULTS["algorithm"])
+    accepted = estimator_arguments(algorithm)  # raises for an unknown algorithm
+    job = {**DEFAULTS, **ALGORITHM_DEFAULTS[algorithm], **settings}
     unknown = sorted(set(job) - set(accepted) - set(JOB_SETTINGS))
     if unknown:
         raise ValueError(

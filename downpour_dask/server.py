@@ -252,11 +252,16 @@ class ParameterServer:
         rule: UpdateRule,
         workers: list[str] | None = None,
         timeout: float = 60.0,
+        shard_class: type = ParameterServerShard,
+        **per_element: np.ndarray,
     ) -> ParameterServer:
         """Start ``n_shards`` shard actors holding ``initial``, on distinct workers where possible.
 
         Shard i goes to ``workers[i % len(workers)]`` (default: all the cluster's workers, sorted),
         so with at least K workers no two shards share a worker and its actor thread.
+        ``shard_class`` may be a subclass of :class:`ParameterServerShard`; each array in
+        ``per_element`` (as long as ``initial``) is cut like ``initial`` and passed to shard i's
+        constructor as a keyword argument of the same name.
         """
         if workers is None:
             workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
@@ -269,24 +274,30 @@ class ParameterServer:
             address = workers[i % len(workers)]
             futures.append(
                 client.submit(
-                    ParameterServerShard,
+                    shard_class,
                     i,
                     lo,
                     hi,
                     np.ascontiguousarray(initial[lo:hi], dtype=DTYPE),
                     rule,
+                    **{name: array[lo:hi] for name, array in per_element.items()},
                     actor=True,
                     workers=[address],
                     allow_other_workers=False,
                     pure=False,
-                    key=f"ps-shard-{i}-{token}",
+                    key=f"{shard_class.__name__.lower()}-{i}-{token}",
                 )
             )
             placed.append(address)
-        shards = [f.result(timeout=timeout) for f in futures]
+        try:
+            shards = [f.result(timeout=timeout) for f in futures]
+        except BaseException:
+            for f in futures:
+                f.release()
+            raise
         return cls(shards, ranges, placed, futures)
 
-    def _call_all(
+    def call_all(
         self, method: str, *args: Any, timeout: float, per_shard: list[tuple] | None = None
     ) -> list:
         """Call ``method`` on every shard at once (with ``per_shard[i]`` as shard i's arguments,
@@ -310,7 +321,7 @@ class ParameterServer:
 
     def pull(self, timeout: float = 60.0) -> tuple[np.ndarray, list[int]]:
         """The full parameter vector assembled from every shard, and each shard's version."""
-        replies = self._call_all("pull", timeout=timeout)
+        replies = self.call_all("pull", timeout=timeout)
         out = np.empty(self.size, dtype=DTYPE)
         for (lo, hi), reply in zip(self.ranges, replies):
             out[lo:hi] = reply.values
@@ -328,26 +339,26 @@ class ParameterServer:
             (grad[lo:hi], version, replica)
             for (lo, hi), version in zip(self.ranges, fetched_versions)
         ]
-        return self._call_all("push", timeout=timeout, per_shard=pieces)
+        return self.call_all("push", timeout=timeout, per_shard=pieces)
 
     def versions(self, timeout: float = 60.0) -> list[int]:
         """Each shard's version (updates applied), without transferring any parameters."""
-        return self._call_all("current_version", timeout=timeout)
+        return self.call_all("current_version", timeout=timeout)
 
     def request_stop(self, timeout: float = 60.0) -> None:
         """Tell every shard to report the stop flag to replicas."""
-        self._call_all("request_stop", timeout=timeout)
+        self.call_all("request_stop", timeout=timeout)
 
     def status(self, timeout: float = 60.0) -> pd.DataFrame:
         """One row per shard: range, worker, version, accepted/refused pushes, staleness."""
-        rows = self._call_all("status", timeout=timeout)
+        rows = self.call_all("status", timeout=timeout)
         frame = pd.DataFrame(rows)
         frame.insert(3, "worker", self.workers)
         return frame
 
     def events(self, timeout: float = 60.0) -> list[tuple[float, str, str]]:
         """All events the shards recorded, in time order."""
-        found = self._call_all("events", timeout=timeout)
+        found = self.call_all("events", timeout=timeout)
         return sorted(e for shard_events in found for e in shard_events)
 
     def close(self) -> None:

@@ -179,3 +179,20 @@ def test_report_names_a_directory_that_is_not_a_run(tmp_path):
     done = run_cli("report", str(tmp_path))
     assert done.returncode == 2
     assert "is not a run directory: missing config.json" in done.stderr
+
+
+@pytest.mark.timeout(180)
+def test_sandblaster_from_the_command_line(tmp_path):
+    done = run_cli(
+        "train", "--algorithm", "sandblaster", "--dataset", "digits", "--model", "softmax",
+        "--max-iter", "15", "--eval-every", "5", "--out", str(tmp_path), "--name", "sb", "--quiet",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "L-BFGS iterations" in done.stdout
+    assert float(done.stdout.split("test accuracy: ")[1].split()[0]) > 0.85
+    config = config_of(tmp_path / "sb")
+    assert config["estimator"] == "SandblasterLBFGS" and config["max_iter"] == 15
+    bad = run_cli(
+        "train", "--algorithm", "sandblaster", "--n-replicas", "4", "--out", str(tmp_path)
+    )
+    assert bad.returncode == 2 and "unknown setting(s) n_replicas" in bad.stderr

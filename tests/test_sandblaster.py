@@ -1,0 +1,346 @@
+"""Sandblaster L-BFGS: shard vector machine, coordinator, and the estimator on real clusters."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import scipy.optimize
+from distributed import Client, LocalCluster
+
+from downpour_dask import Experiment, datasets, models, optim
+from downpour_dask.lbfgs import LBFGS, VectorStore, sum_replies
+from downpour_dask.params import split_range
+from downpour_dask.portions import SandblasterShard
+from downpour_dask.sandblaster import SandblasterLBFGS
+
+
+@pytest.fixture(scope="module")
+def digits_binary():
+    train, test = datasets.load("digits")
+    return (train.X, (train.y >= 5).astype(np.int64)), (test.X, (test.y >= 5).astype(np.int64))
+
+
+def serial_objective(model, params, X, y):
+    """The model's objective and gradient in float64 on the full data."""
+    return model.loss_and_grad(np.asarray(params, np.float64), X.astype(np.float64), y)
+
+
+def l2_mask(model):
+    mask = np.zeros(model.layout.size)
+    for name, shape in model.layout.shapes.items():
+        if len(shape) == 2:
+            lo, hi = model.layout.offsets[name]
+            mask[lo:hi] = model.l2
+    return mask
+
+
+class InProcessSpace:
+    """The coordinator's Space over K in-process VectorStores and a serial gradient: no Dask."""
+
+    def __init__(self, model, X, y, x0, n_shards=3):
+        self.ranges = split_range(len(x0), n_shards)
+        self.stores = [VectorStore(hi - lo) for lo, hi in self.ranges]
+        mask = l2_mask(model)
+        for store, (lo, hi) in zip(self.stores, self.ranges):
+            store.set("x", x0[lo:hi])
+            store.set("l2mask", mask[lo:hi])
+        self.model = models.from_config({**model.get_config(), "l2": 0.0})
+        self.X, self.y = X.astype(np.float64), y
+
+    def run(self, program):
+        return sum_replies([store.run(program) for store in self.stores])
+
+    def evaluate(self, batch, prelude):
+        self.run(prelude)
+        xt = np.concatenate([store["xt"] for store in self.stores])
+        loss, grad = self.model.loss_and_grad(xt, self.X, self.y)
+        n = len(self.X)
+        for store, (lo, hi) in zip(self.stores, self.ranges):
+            store.set("acc", grad[lo:hi] * n)
+        return loss * n, n
+
+
+# -- the vector machine and the coordinator, in one process ---------------------------------------
+
+
+def test_vector_store_commands_and_sharded_dot_products():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(10), rng.standard_normal(10)
+    stores = [VectorStore(hi - lo) for lo, hi in split_range(10, 3)]
+    for store, (lo, hi) in zip(stores, split_range(10, 3)):
+        store.set("a", a[lo:hi])
+        store.set("b", b[lo:hi])
+    program = [
+        ("copy", "a", "c"),
+        ("axpy", 2.0, "b", "c"),  # c = a + 2b
+        ("scale", "c", 0.5),  # c = a/2 + b
+        ("mul", "a", "b", "e"),
+        ("zero", "z"),
+        ("dot", "c", "a"),
+        ("dot", "e", "e"),
+        ("dot", "z", "z"),
+    ]
+    dots = sum_replies([store.run(program) for store in stores])
+    c = a / 2 + b
+    np.testing.assert_allclose(dots, [c @ a, (a * b) @ (a * b), 0.0], rtol=1e-12)
+    with pytest.raises(ValueError, match="unknown vector command"):
+        stores[0].run([("frobnicate", "a")])
+    with pytest.raises(KeyError, match="no vector named 'nope'"):
+        stores[0].run([("dot", "a", "nope")])
+
+
+def test_two_loop_direction_equals_the_dense_lbfgs_inverse_hessian():
+    rng = np.random.default_rng(1)
+    n, m = 12, 4
+    space = InProcessSpace(models.LinearRegression(n - 1), np.zeros((1, n - 1)), None, np.zeros(n))
+    opt = LBFGS(space, history=m)
+    g = rng.standard_normal(n)
+    pairs = []
+    for _ in range(6):  # more pairs than the memory: only the newest m are used
+        s = rng.standard_normal(n)
+        y = s + 0.1 * rng.standard_normal(n)  # s'y > 0
+        for store, (lo, hi) in zip(space.stores, space.ranges):
+            store.set("d", s[lo:hi])
+            store.set("acc", (y + g)[lo:hi])
+            store.set("g", g[lo:hi])
+            store.set("xt", np.zeros(hi - lo))
+        opt._accept(1.0)  # s = 1 * d, y = acc - g, then g = acc: restore g
+        for store, (lo, hi) in zip(space.stores, space.ranges):
+            store.set("g", g[lo:hi])
+        pairs.append((s, y))
+    assert len(opt.ring) == m
+    gd = opt._direction()
+    d = np.concatenate([store["d"] for store in space.stores])
+    s_new, y_new = pairs[-1]
+    H = (s_new @ y_new) / (y_new @ y_new) * np.eye(n)
+    for s, y in pairs[-m:]:  # the BFGS inverse-Hessian update, densely
+        rho = 1.0 / (s @ y)
+        V = np.eye(n) - rho * np.outer(y, s)
+        H = V.T @ H @ V + rho * np.outer(s, s)
+    np.testing.assert_allclose(d, -H @ g, rtol=1e-9, atol=1e-12)
+    assert gd == pytest.approx(g @ d, rel=1e-12)
+
+
+def test_coordinator_in_process_matches_scipy(digits_binary):
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-3)
+    x0 = model.init(np.random.default_rng(0)).astype(np.float64)
+    result = LBFGS(InProcessSpace(model, X, y, x0), max_iter=300, tol=1e-12).minimize()
+    ref = scipy.optimize.minimize(
+        lambda w: serial_objective(model, w, X, y), x0, jac=True, method="L-BFGS-B",
+        options={"ftol": 1e-15, "gtol": 1e-10, "maxiter": 2000},
+    )  # fmt: skip
+    assert result.reason == "converged"
+    assert abs(result.objective - ref.fun) / ref.fun < 1e-8
+
+
+def test_shard_counts_each_portion_once_and_discards_stale_copies():
+    shard = SandblasterShard(0, 0, 3, np.zeros(3, np.float32), optim.sgd(1.0), l2mask=np.zeros(3))
+    version = shard.begin([("copy", "x", "xt")])
+    grad = np.array([1.0, 2.0, 3.0], np.float32)
+    assert shard.accumulate(version, 7, grad, 10)
+    assert not shard.accumulate(version, 7, grad, 10)  # the backup copy
+    assert not shard.accumulate(version - 1, 8, grad, 10)  # a copy from an earlier batch
+    np.testing.assert_array_equal(shard.vector("acc"), 10 * grad)
+    assert shard.duplicates == 2 and shard.examples == 10
+    assert shard.fetch(version - 1) is None and shard.fetch(version) is not None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"history": 0}, "history must be >= 1, got 0"),
+        ({"max_iter": -1}, "max_iter must be >= 0, got -1"),
+        ({"batch_size": 2.5}, "batch_size must be an int or None"),
+        ({"portions_per_batch": 0}, "portions_per_batch must be >= 1"),
+        ({"tol": -1.0}, "tol must be a finite number >= 0"),
+        ({"backup_tasks": "yes"}, "backup_tasks must be True or False"),
+        ({"c1": 0.95}, "0 < c1 < c2 < 1"),
+        ({"n_shards": 10_000}, "n_shards must be between 1 and 65, got 10000"),
+    ],
+)
+def test_bad_arguments_raise_before_any_cluster_work(kwargs, message, digits_binary):
+    (X, y), _ = digits_binary
+    est = SandblasterLBFGS(models.LogisticRegression(64), **kwargs)
+    with pytest.raises((ValueError, TypeError), match=message):
+        est.fit(X, y, client=object())  # never used: the check comes first
+
+
+# -- the estimator on the session's 2-worker cluster ----------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_final_objective_matches_scipy_lbfgsb(client, digits_binary):
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-3)
+    est = SandblasterLBFGS(model, portions_per_batch=4, max_iter=100, tol=1e-9, random_state=0).fit(
+        X, y, client=client
+    )
+    x0 = model.init(np.random.default_rng(0)).astype(np.float64)
+    ref = scipy.optimize.minimize(
+        lambda w: serial_objective(model, w, X, y), x0, jac=True, method="L-BFGS-B",
+        options={"ftol": 1e-15, "gtol": 1e-10, "maxiter": 2000},
+    )  # fmt: skip
+    ours = serial_objective(model, est.params_, X, y)[0]
+    print(f"objective: sandblaster {ours:.8f}, scipy {ref.fun:.8f}, {est.n_iter_} iterations")
+    assert abs(ours - ref.fun) / ref.fun <= 1e-4
+    assert est.objective_ == pytest.approx(ours, rel=1e-5)
+    run = est.experiment_
+    assert len(run.evals) == est.n_iter_ + 1 and run.evals["objective"].is_monotonic_decreasing
+    kinds = set(run.events["kind"])
+    assert {"start", "batch_start", "batch_done", "line_search", "stop"} <= kinds
+    assert run.events["kind"].iloc[0] == "start" and run.events["kind"].iloc[-1] == "stop"
+    # every counted portion is one pushes row; each batch covers the data exactly once
+    per_batch = run.pushes.groupby("version")["examples"].sum()
+    assert (per_batch == len(X)).all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backup_tasks", [True, False])
+def test_accumulated_gradient_equals_the_serial_full_data_gradient(client, backup_tasks):
+    train, _ = datasets.load("digits")
+    model = models.MLP(64, (16,), 10, l2=1e-2)
+    est = SandblasterLBFGS(
+        model, n_shards=3, portions_per_batch=13, max_iter=0, backup_tasks=backup_tasks,
+        random_state=3,
+    ).fit(train, client=client)  # fmt: skip
+    params = model.init(np.random.default_rng(3))
+    np.testing.assert_array_equal(est.params_, params)
+    loss, grad = serial_objective(model, params, train.X, train.y)
+    np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
+    assert est.objective_ == pytest.approx(loss, rel=1e-6)
+    assert est.experiment_.pushes["examples"].sum() == train.n_rows
+
+
+def _batch_seconds(run: Experiment) -> np.ndarray:
+    events = run.events
+    start = events.loc[events["kind"] == "batch_start", "time"].to_numpy()
+    done = events.loc[events["kind"] == "batch_done", "time"].to_numpy()
+    return done - start
+
+
+@pytest.mark.timeout(120)
+def test_backup_tasks_beat_a_straggler_and_the_gradient_stays_exact(client, digits_binary):
+    (X, y), _ = digits_binary
+    slow = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]
+    model = models.LogisticRegression(64, l2=1e-2)
+    reference = None
+    batch_time = {}
+    for backup in (False, True):
+        est = SandblasterLBFGS(
+            model, portions_per_batch=10, max_iter=2, backup_tasks=backup, random_state=0
+        ).fit(X, y, client=client, portion_delay={slow: 0.5})
+        kinds = est.experiment_.events["kind"]
+        batch_time[backup] = float(np.median(_batch_seconds(est.experiment_)))
+        loss, grad = serial_objective(model, est.params_, X, y)
+        np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
+        assert est.objective_ == pytest.approx(loss, rel=1e-6)
+        assert ("backup_launched" in set(kinds)) == backup
+        if reference is None:
+            reference = est.params_
+        else:  # backup copies change the timing, never the result
+            np.testing.assert_allclose(est.params_, reference, rtol=1e-5, atol=1e-6)
+        time.sleep(1.1)  # let the straggler's leftover copies drain before the next run
+    print(f"median batch: {batch_time[False]:.3f}s without backups, {batch_time[True]:.3f}s with")
+    assert batch_time[False] >= 0.5
+    assert batch_time[True] < 0.4 * batch_time[False]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_mid_batch_loses_nothing(digits_binary):
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-2)
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(3, timeout=60)
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        victim = workers[2]  # shards go to workers[0] and workers[1]
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)
+        delay = {w: 0.25 for w in workers}  # a batch takes ~2 s: the kill lands inside it
+        done = {}
+        fit = threading.Thread(
+            target=lambda: done.setdefault("est", est.fit(X, y, client=client, portion_delay=delay))
+        )
+        fit.start()
+        time.sleep(1.5)
+        assert fit.is_alive()
+        os.kill(pid, signal.SIGKILL)
+        fit.join(timeout=120)
+        assert not fit.is_alive() and "est" in done
+    params = model.init(np.random.default_rng(0))
+    np.testing.assert_array_equal(est.params_, params)
+    loss, grad = serial_objective(model, params, X, y)
+    np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
+    assert est.objective_ == pytest.approx(loss, rel=1e-6)
+    pushes = est.experiment_.pushes
+    assert pushes["examples"].sum() == len(X) and len(pushes) == 24
+    kinds = set(est.experiment_.events["kind"])
+    assert {"worker_lost", "data_restored"} <= kinds  # the kill did hit the running batch
+
+
+@pytest.mark.timeout(120)
+def test_mlp_reaches_useful_accuracy_on_mnist5k(client, tmp_path):
+    train, test = datasets.load("mnist5k")
+    est = SandblasterLBFGS(
+        models.MLP(784, (64,), 10, l2=1e-4), portions_per_batch=4, max_iter=60, eval_every=10,
+        random_state=0,
+    ).fit(train, eval_data=test, client=client)  # fmt: skip
+    accuracy = est.score(test)
+    print(f"mnist5k test accuracy after {est.n_iter_} L-BFGS iterations: {accuracy:.3f}")
+    assert accuracy >= 0.85
+    run = est.experiment_
+    scored = run.evals.dropna(subset=["accuracy"])
+    assert len(scored) >= 2 and scored["accuracy"].iloc[-1] == pytest.approx(accuracy)
+    assert est.predict(test.X[:5]).shape == (5,)
+    assert est.get_params()["history"] == 10 and est.set_params(history=5).history == 5
+    loaded = Experiment.load(run.save(tmp_path / "run"))
+    assert len(loaded.evals) == len(run.evals) and loaded.config["estimator"] == "SandblasterLBFGS"
+
+
+@pytest.mark.timeout(120)
+def test_minibatch_lbfgs_cycles_batches_and_decreases_the_objective(client, digits_binary):
+    (X, y), (X_test, y_test) = digits_binary
+    model = models.LogisticRegression(64, l2=1e-3)
+    est = SandblasterLBFGS(
+        model, batch_size=500, portions_per_batch=3, max_iter=8, tol=0.0, random_state=1
+    ).fit(X, y, client=client)
+    run = est.experiment_
+    assert est.n_iter_ == 8
+    sizes = {hi - lo for lo, hi in split_range(len(X), -(-len(X) // 500))}
+    assert run.pushes.groupby("version")["examples"].sum().isin(sizes).all()
+    start = serial_objective(model, model.init(np.random.default_rng(1)), X, y)[0]
+    assert serial_objective(model, est.params_, X, y)[0] < 0.5 * start
+    assert est.score(X_test, y_test) > 0.8
+
+
+@pytest.mark.timeout(120)
+def test_embedded_cluster_and_max_seconds(digits_binary):
+    (X, y), _ = digits_binary
+    est = SandblasterLBFGS(
+        models.LogisticRegression(64, l2=1e-3), max_iter=1000, tol=0.0, max_seconds=1.0
+    ).fit(X, y)  # client=None: an embedded local cluster is started and closed
+    run = est.experiment_
+    assert run.config["reason"] == "max_seconds" and 0 < est.n_iter_ < 1000
+    assert run.events["kind"].iloc[-1] == "stop" and run.summary()["duration"] < 10
+
+
+def test_callback_gets_a_snapshot_per_iteration_and_a_final_one(client, digits_binary):
+    (X, y), test = digits_binary
+    snapshots = []
+    est = SandblasterLBFGS(
+        models.LogisticRegression(64, l2=1e-3), max_iter=5, tol=0, random_state=0
+    ).fit(X, y, eval_data=test, client=client, callback=snapshots.append)
+    assert [s.phase for s in snapshots] == ["training"] * (len(snapshots) - 1) + ["done"]
+    assert len(snapshots) == est.n_iter_ + 2  # iteration 0 (the start), each step, the end
+    objectives = [s.loss for s in snapshots]
+    assert objectives[-1] < objectives[0]
+    assert snapshots[-1].fraction == 1.0 and snapshots[-1].score > 0.8
+    assert [s.examples for s in snapshots] == sorted(s.examples for s in snapshots)
