@@ -73,6 +73,19 @@ class _Push:
     needed_by: set[int] = field(default_factory=set)
 
 
+class _Half:
+    """The push or the pull half of one ``exchange`` call, used like an ActorFuture."""
+
+    def __init__(self, call: Any, index: int):
+        self.call, self.index = call, index
+
+    def done(self) -> bool:
+        return self.call.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.call.result(timeout=timeout)[self.index]
+
+
 class Replica:
     """State of one running replica: local parameters, gradient accrual, fetches and pushes."""
 
@@ -127,8 +140,8 @@ class Replica:
                     self.accrual_steps += 1
                     self.accrual_loss += float(loss)
                     self.accrual_examples += len(Xb)
-                    if step % cfg.n_push == 0:
-                        self._push(step)
+                    if step % cfg.n_push == 0:  # with the next step's fetch, if one is due
+                        self._push(step, fetch=(step + 1) % cfg.n_fetch == 0)
                     step += 1
                 else:
                     epochs += 1
@@ -180,24 +193,24 @@ class Replica:
         self._release()
 
     # -- pushing ---------------------------------------------------------------------------------
-    def _push(self, step: int) -> None:
+    def _push(self, step: int, fetch: bool = False) -> None:
+        """Push the accrued gradient to every shard.  With ``fetch``, a shard with no pull in
+        flight is sent an ``exchange``: the push and a pull of its result in one round trip."""
         while sum(not p.acked for p in self.pending) >= self.cfg.max_inflight:
             self._ack(next(p for p in self.pending if not p.acked), wait=True)
         grad, self.accrued = self.accrued, self._buffer()
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         loss = self.accrual_loss / self.accrual_steps
-        calls = [
-            shard.push(
-                grad[lo:hi],
-                self.base_versions[s],
-                self.cfg.replica,
-                seq=seq,
-                session=self.session,
-                examples=self.accrual_examples,
-                loss=loss,
-            )
-            for s, (shard, (lo, hi)) in enumerate(zip(self.server.shards, self.server.ranges))
-        ]
+        calls = []
+        for s, (shard, (lo, hi)) in enumerate(zip(self.server.shards, self.server.ranges)):
+            args = (grad[lo:hi], self.base_versions[s], self.cfg.replica)
+            kw = dict(seq=seq, session=self.session, examples=self.accrual_examples, loss=loss)
+            if fetch and self.pulls[s] is None:
+                call = shard.exchange(*args, **kw)
+                calls.append(_Half(call, 0))
+                self.pulls[s] = _Half(call, 1)
+            else:
+                calls.append(shard.push(*args, **kw))
         self.pending.append(
             _Push(
                 seq,

@@ -6,8 +6,12 @@ where the paper keeps them) and a *version*: the number of updates it has applie
 nothing of each other, so different shards may have applied different numbers of updates at any
 moment -- the second level of asynchrony in Downpour SGD.
 
-All sync methods of the actors on one worker run on that worker's single actor thread, so each
-shard's methods never run concurrently with each other: a pull always sees a consistent slice.
+The methods replicas call (``pull``, ``push``, ``exchange``) and the driver's (``status`` ...) are
+``async``: Dask runs them on the worker's event loop as soon as a message arrives, instead of
+queueing them for the single thread that *all* sync actor methods on a worker share (two shards
+on one worker would otherwise wait for each other).  They never await, so each runs start to
+finish without interleaving: a pull always sees a consistent slice.  ``exchange`` is a push and
+a pull in one message, so a replica that pushes and fetches on the same step pays one round trip.
 
 :class:`ParameterServer` is the view the driver and the replicas hold: it places the shards on
 distinct workers, cuts pushes and assembles pulls by range, and reports per-shard statistics.
@@ -15,6 +19,8 @@ distinct workers, cuts pushes and assembles pulls by range, and reports per-shar
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
 import uuid
@@ -91,6 +97,9 @@ class ParameterServerShard:
         How pushed gradients are applied (see :mod:`downpour_dask.optim`).
     """
 
+    #: Seconds a push waits for an earlier push of its replica session before it is applied.
+    ORDER_WAIT = 5.0
+
     def __init__(self, shard_id: int, start: int, stop: int, values: np.ndarray, rule: UpdateRule):
         if values.shape != (stop - start,):
             raise ValueError(
@@ -112,15 +121,72 @@ class ParameterServerShard:
         self.staleness_max = 0
         self._seqs: dict[tuple[int, str], _SeqTracker] = {}
         self._events: list[tuple[float, str, str]] = []
+        self._arrived: asyncio.Condition | None = None
 
-    def pull(self, replica: int = -1, session: str = "") -> PullReply:
+    # -- what replicas call (async: served on the event loop, see the module docstring) ----------
+    async def pull(self, replica: int = -1, session: str = "") -> PullReply:
         """A consistent copy of this shard's values, its version and the stop flag."""
+        return self.snapshot(replica, session)
+
+    async def push(self, grad: np.ndarray, fetched_version: int, replica: int, **kw) -> PushReply:
+        """Apply one accumulated gradient (see :meth:`apply_push` for the arguments)."""
+        await self._in_order(replica, kw.get("session", ""), kw.get("seq"))
+        reply = self.apply_push(grad, fetched_version, replica, **kw)
+        await self._notify()
+        return reply
+
+    async def exchange(
+        self, grad: np.ndarray, fetched_version: int, replica: int, **kw
+    ) -> tuple[PushReply, PullReply]:
+        """A push followed by a pull of the result, in one message and one round trip."""
+        await self._in_order(replica, kw.get("session", ""), kw.get("seq"))
+        reply = self.apply_push(grad, fetched_version, replica, **kw)
+        await self._notify()
+        return reply, self.snapshot(replica, kw.get("session", ""))
+
+    async def _notify(self) -> None:
+        """Wake pushes waiting in :meth:`_in_order` for the one just applied."""
+        if self._arrived is not None:
+            async with self._arrived:
+                self._arrived.notify_all()
+
+    async def _in_order(self, replica: int, session: str, seq: int | None) -> None:
+        """Wait (briefly) until this session's earlier pushes are in, so a replica's pushes are
+        applied in the order it made them even when messages overtake each other.
+
+        A push whose predecessor does not arrive within :attr:`ORDER_WAIT` seconds (its sender
+        died mid-send) is applied anyway; retried and duplicate pushes pass straight through.
+        """
+        if seq is None:
+            return
+        tracker = self._seqs.get((replica, session))
+        through = -1 if tracker is None else tracker.through
+        if seq <= through + 1 or (tracker is not None and tracker.seen(seq)):
+            return
+        if self._arrived is None:  # created here: it must belong to the worker's event loop
+            self._arrived = asyncio.Condition()
+        deadline = time.monotonic() + self.ORDER_WAIT
+        async with self._arrived:
+            while True:
+                tracker = self._seqs.get((replica, session))
+                if tracker is not None and (tracker.through >= seq - 1 or tracker.seen(seq)):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+
+    # -- the shard's state -----------------------------------------------------------------------
+    def snapshot(self, replica: int = -1, session: str = "") -> PullReply:
+        """A copy of the values with the version, the stop flag and which of this replica
+        session's pushes they contain."""
         tracker = self._seqs.get((replica, session)) or _SeqTracker()
         return PullReply(
             self.values.copy(), self.version, self.stopped, tracker.through, tuple(tracker.ahead)
         )
 
-    def push(
+    def apply_push(
         self,
         grad: np.ndarray,
         fetched_version: int,
@@ -177,15 +243,15 @@ class ParameterServerShard:
         self.staleness_max = max(self.staleness_max, staleness)
         return PushReply(self.version, staleness, True, self.stopped)
 
-    def current_version(self) -> int:
+    async def current_version(self) -> int:
         """Updates applied so far."""
         return self.version
 
-    def request_stop(self) -> None:
+    async def request_stop(self) -> None:
         """Raise the stop flag that pulls and pushes report to replicas."""
         self.stopped = True
 
-    def status(self) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
         """Counters of this shard: version, accepted/refused/duplicate pushes, examples, recent
         training loss, staleness."""
         accepted = sum(self.accepted_by_replica.values())
@@ -205,7 +271,7 @@ class ParameterServerShard:
             "stopped": self.stopped,
         }
 
-    def events(self, since: int = 0) -> list[tuple[float, str, str]]:
+    async def events(self, since: int = 0) -> list[tuple[float, str, str]]:
         """Events recorded by this shard (``time``, ``kind``, ``detail``), from index ``since``."""
         return self._events[since:]
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import optim
-from downpour_dask.server import ParameterServer
+from downpour_dask.server import ParameterServer, ParameterServerShard
 
 TIMEOUT = 30
 
@@ -117,3 +117,31 @@ def test_a_lost_shard_fails_fast_with_an_error_naming_it():
                 ps.pull(timeout=5)
                 time.sleep(0.05)
         ps.close()
+
+
+class QuickOrderShard(ParameterServerShard):
+    ORDER_WAIT = 0.3
+
+
+@pytest.mark.timeout(60)
+def test_a_replicas_pushes_are_applied_in_the_order_it_made_them(client):
+    shard = ParameterServer.create(
+        client, np.zeros(4, np.float32), 1, optim.sgd(1.0), shard_class=QuickOrderShard
+    )
+    try:
+        [actor] = shard.shards
+        g = np.ones(4, np.float32)
+        second = actor.push(2 * g, 0, 0, seq=1, session="s")  # overtook its predecessor
+        time.sleep(0.1)
+        assert not second.done()  # it waits for push 0 instead of being applied first
+        first = actor.exchange(g, 0, 0, seq=0, session="s")
+        reply, pulled = first.result(timeout=TIMEOUT)
+        assert reply.version == 1 and pulled.applied_through == 0
+        np.testing.assert_array_equal(pulled.values, -g)  # push 0 alone
+        assert second.result(timeout=TIMEOUT).version == 2
+        # a predecessor that never comes (its sender died) holds a push up only ORDER_WAIT
+        start = time.monotonic()
+        assert actor.push(g, 0, 0, seq=5, session="s").result(timeout=TIMEOUT).version == 3
+        assert 0.2 < time.monotonic() - start < 5
+    finally:
+        shard.close()
