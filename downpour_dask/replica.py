@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from distributed import secede
+from distributed import get_worker, secede
 
 from ._malloc import tune_malloc
 from .models import Model
 from .params import DTYPE
-from .server import ParameterServer, PullReply, PushReply
+from .server import ParameterServer, ParameterServerShard, PullReply, PushReply
 from .stream import ArraySource, ShardStream, StreamSpec, make_source
 
 
@@ -73,6 +73,48 @@ class _Push:
     needed_by: set[int] = field(default_factory=set)
 
 
+def outcome(call: Any, timeout: float) -> Any:
+    """The result of an actor call, taken directly when it has already arrived.
+
+    ``ActorFuture.result()`` always hands a coroutine to the worker's event loop and blocks
+    until the loop runs it, even for a finished call: measured inside a busy worker, four such
+    hand-offs per step cost more than the gradient itself.  A finished call's outcome is read
+    from the future (distributed 2024-2026 keep it in ``_out``); anything else waits normally.
+    """
+    out = getattr(call, "_out", None) if call.done() else None
+    if out is not None and hasattr(out, "unwrap"):
+        return out.unwrap()  # raises the call's exception, as result() would
+    return call.result(timeout=timeout)
+
+
+class _Done:
+    """A shard call made in-process (the shard lives on this worker), used like an ActorFuture."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
+def local_shard(shard: Any) -> ParameterServerShard | None:
+    """The shard object itself if its actor lives in this worker process, else None.
+
+    Calling it directly saves a replica on the shard's worker the serialisation and the loopback
+    round trip of an actor call.  Falls back to actor calls (None) outside a worker or if Dask's
+    worker no longer exposes its actors as ``state.actors``.
+    """
+    try:
+        worker = get_worker()
+        found = worker.state.actors.get(shard.key)
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, ParameterServerShard) else None
+
+
 class _Half:
     """The push or the pull half of one ``exchange`` call, used like an ActorFuture."""
 
@@ -83,7 +125,7 @@ class _Half:
         return self.call.done()
 
     def result(self, timeout: float | None = None) -> Any:
-        return self.call.result(timeout=timeout)[self.index]
+        return outcome(self.call, timeout)[self.index]
 
 
 class Replica:
@@ -101,6 +143,7 @@ class Replica:
         self.base_versions = [0] * server.n_shards  # versions the accrued gradient started from
         self.versions = [0] * server.n_shards  # effective version of each local slice
         self.pulls: list = [None] * server.n_shards
+        self.local = [local_shard(shard) for shard in server.shards]
         self.pending: list[_Push] = []
         self.next_seq = 0
         self.stop = False
@@ -119,7 +162,7 @@ class Replica:
         alpha = cfg.local_learning_rate
         self._start_fetches()
         for s in range(self.server.n_shards):  # the first fetch must arrive before step 0
-            self._install(s, self.pulls[s].result(timeout=cfg.timeout))
+            self._install(s, outcome(self.pulls[s], cfg.timeout))
         step, epochs = 0, 0
         while not self._done(step, epochs):
             with contextlib.closing(source.epoch(rng)) as batches:  # leaving early stops a reader
@@ -163,7 +206,9 @@ class Replica:
     # -- fetching --------------------------------------------------------------------------------
     def _start_fetches(self) -> None:
         for s, shard in enumerate(self.server.shards):
-            if self.pulls[s] is None:  # one pull per shard in flight; it will be fresh enough
+            if self.local[s] is not None:
+                self.pulls[s] = _Done(self.local[s].snapshot(self.cfg.replica, self.session))
+            elif self.pulls[s] is None:  # one pull per shard in flight; it will be fresh enough
                 self.pulls[s] = shard.pull(self.cfg.replica, self.session)
 
     def _install(self, s: int, reply: PullReply) -> None:
@@ -205,7 +250,11 @@ class Replica:
         for s, (shard, (lo, hi)) in enumerate(zip(self.server.shards, self.server.ranges)):
             args = (grad[lo:hi], self.base_versions[s], self.cfg.replica)
             kw = dict(seq=seq, session=self.session, examples=self.accrual_examples, loss=loss)
-            if fetch and self.pulls[s] is None:
+            if self.local[s] is not None:  # same process: no message at all
+                calls.append(_Done(self.local[s].apply_push(*args, **kw)))
+                if fetch:
+                    self.pulls[s] = _Done(self.local[s].snapshot(self.cfg.replica, self.session))
+            elif fetch and self.pulls[s] is None:
                 call = shard.exchange(*args, **kw)
                 calls.append(_Half(call, 0))
                 self.pulls[s] = _Half(call, 1)
@@ -228,7 +277,7 @@ class Replica:
         """Record a push whose replies arrived (waiting for them if ``wait``)."""
         if not wait and not all(c.done() for c in p.calls):
             return
-        replies: list[PushReply] = [c.result(timeout=self.cfg.timeout) for c in p.calls]
+        replies: list[PushReply] = [outcome(c, self.cfg.timeout) for c in p.calls]
         p.acked, p.calls = True, []
         for s in range(len(replies)):
             if self.pulls[s] is None:
@@ -252,7 +301,7 @@ class Replica:
         """Take in every fetch and push that has completed, without blocking."""
         for s, call in enumerate(self.pulls):
             if call is not None and call.done():
-                self._install(s, call.result(timeout=self.cfg.timeout))
+                self._install(s, outcome(call, self.cfg.timeout))
         for p in list(self.pending):
             if not p.acked:
                 self._ack(p)

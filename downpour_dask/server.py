@@ -12,6 +12,8 @@ queueing them for the single thread that *all* sync actor methods on a worker sh
 on one worker would otherwise wait for each other).  They never await, so each runs start to
 finish without interleaving: a pull always sees a consistent slice.  ``exchange`` is a push and
 a pull in one message, so a replica that pushes and fetches on the same step pays one round trip.
+A replica running on the shard's own worker skips the messages altogether and calls
+:meth:`snapshot` and :meth:`apply_push` directly; a lock keeps those calls atomic.
 
 :class:`ParameterServer` is the view the driver and the replicas hold: it places the shards on
 distinct workers, cuts pushes and assembles pulls by range, and reports per-shard statistics.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import threading
 import time
 import uuid
 from collections import Counter
@@ -122,6 +125,9 @@ class ParameterServerShard:
         self._seqs: dict[tuple[int, str], _SeqTracker] = {}
         self._events: list[tuple[float, str, str]] = []
         self._arrived: asyncio.Condition | None = None
+        # Replicas on this worker call snapshot/apply_push directly from their own threads
+        # (see replica.py), concurrently with the event loop serving remote replicas.
+        self._lock = threading.Lock()
 
     # -- what replicas call (async: served on the event loop, see the module docstring) ----------
     async def pull(self, replica: int = -1, session: str = "") -> PullReply:
@@ -181,10 +187,15 @@ class ParameterServerShard:
     def snapshot(self, replica: int = -1, session: str = "") -> PullReply:
         """A copy of the values with the version, the stop flag and which of this replica
         session's pushes they contain."""
-        tracker = self._seqs.get((replica, session)) or _SeqTracker()
-        return PullReply(
-            self.values.copy(), self.version, self.stopped, tracker.through, tuple(tracker.ahead)
-        )
+        with self._lock:
+            tracker = self._seqs.get((replica, session)) or _SeqTracker()
+            return PullReply(
+                self.values.copy(),
+                self.version,
+                self.stopped,
+                tracker.through,
+                tuple(tracker.ahead),
+            )
 
     def apply_push(
         self,
@@ -205,6 +216,10 @@ class ParameterServerShard:
         ``loss`` (the replica's mean training loss over the pushed steps) only feeds the shard's
         ``recent_loss`` for live progress displays.
         """
+        with self._lock:
+            return self._apply_push(grad, fetched_version, replica, seq, session, examples, loss)
+
+    def _apply_push(self, grad, fetched_version, replica, seq, session, examples, loss):
         if grad.shape != self.values.shape:
             raise ValueError(
                 f"shard {self.shard_id} owns {self.values.shape[0]} parameters, got a gradient of "
