@@ -8,13 +8,19 @@ The loop follows the paper's pseudo-code::
         g = gradient(parameters, next minibatch)
         accrued += g
         parameters -= alpha * g                 # local update between fetches
-        if step % n_push == 0: start pushing accrued asynchronously; accrued = 0
+        if (step + 1) % n_push == 0: start pushing accrued asynchronously; accrued = 0
         step += 1
+
+(The paper tests ``step % n_push``; pushing at the *end* of each n_push-step cycle instead makes
+every push carry exactly n_push steps of gradient and puts it right before the next fetch.)
 
 Fetches and pushes are actor calls that run on the worker's event loop while this thread keeps
 computing -- the paper's three weakly synchronised activities.  Pulls and pushes are checked
 without blocking at the top of every step; the only waits are the very first fetch and a
-back-pressure wait when ``max_inflight`` pushes are still unacknowledged.
+back-pressure wait when ``max_inflight`` pushes are still unacknowledged.  Three things keep the
+communication cheap (see ``benchmarks/bench_downpour.py``): a push followed by a due fetch goes
+as one ``exchange`` message per shard; a shard on the replica's own worker is called in-process;
+and finished calls are read without a round trip through the event loop.
 
 One refinement over the paper, so that an asynchronous fetch never *undoes* the replica's own
 work: a fetched slice is installed as ``fetched - alpha * (own updates it does not contain yet)``.
@@ -183,7 +189,7 @@ class Replica:
                     self.accrual_steps += 1
                     self.accrual_loss += float(loss)
                     self.accrual_examples += len(Xb)
-                    if step % cfg.n_push == 0:  # with the next step's fetch, if one is due
+                    if (step + 1) % cfg.n_push == 0:  # with the next step's fetch, if due
                         self._push(step, fetch=(step + 1) % cfg.n_fetch == 0)
                     step += 1
                 else:
