@@ -3,8 +3,9 @@
 Baseline (the "naive actor"): a sync Dask actor whose ``pull`` returns a copy of its vector and
 whose ``push`` applies a gradient in place, both awaited one after the other, from a task on the
 other worker of a default 2-worker local cluster.  Then downpour-dask's path: its parameter-server
-shards (2 shards on the other worker), pulled and pushed concurrently from a task that starts
-the way a replica starts.  Finally the naive actor again in those same, now tuned, processes, to
+shards (2 shards on the other worker, async methods), each sent one ``exchange`` (the push and
+the pull of its result in one message) concurrently, from a task that starts the way a replica
+starts.  Finally the naive actor again in those same, now tuned, processes, to
 show what part of the gain is the allocator (see downpour_dask/_malloc.py).
 
     python benchmarks/bench_transfer.py [--repeats 5] [--calls 30]
@@ -59,18 +60,18 @@ def time_naive(actor, calls: int) -> float:
 
 
 def time_downpour(server: ParameterServer, calls: int) -> float:
-    """Median seconds of a pull and a push of every shard, as a replica issues them."""
+    """Median seconds of a push and a pull of every shard, as a replica issues them when a fetch
+    is due on the step it pushes (``exchange``: both in one message per shard)."""
     tune_malloc()  # what a replica does when it starts
     grad = np.random.default_rng(1).standard_normal(SIZE).astype(np.float32)
     times = []
     for i in range(calls + 3):
         start = time.perf_counter()
-        pulls = [shard.pull(0, "bench") for shard in server.shards]
-        pushes = [
-            shard.push(grad[lo:hi], 0, 0, session="bench")
+        calls = [  # a push and the pull of its result in one message per shard
+            shard.exchange(grad[lo:hi], 0, 0, session="bench")
             for shard, (lo, hi) in zip(server.shards, server.ranges)
         ]
-        for call in pulls + pushes:
+        for call in calls:
             call.result(timeout=60)
         if i >= 3:
             times.append(time.perf_counter() - start)
