@@ -11,6 +11,7 @@ from . import models, optim
 from ._version import __version__
 from .data import ShardedDataset
 from .downpour import DownpourSGD
+from .live import LiveRun, attach
 from .log import Experiment, Progress
 from .params import ParamLayout
 from .sandblaster import SandblasterLBFGS
@@ -20,12 +21,14 @@ __all__ = [
     "__version__",
     "DownpourSGD",
     "Experiment",
+    "LiveRun",
     "ParamLayout",
     "ParameterServer",
     "ParameterServerShard",
     "Progress",
     "SandblasterLBFGS",
     "ShardedDataset",
+    "attach",
     "datasets",
     "models",
     "optim",

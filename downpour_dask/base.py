@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Security
 
 from .data import Dataset, as_dataset
 from .models import Model
@@ -109,24 +109,56 @@ def check_positive(
 # -- the cluster ---------------------------------------------------------------------------------
 
 
+def check_security(value: Any) -> None:
+    """Raise TypeError unless ``value`` is None, True or a ``distributed.Security``."""
+    if value is None or value is True or isinstance(value, Security):
+        return
+    raise TypeError(
+        f"security must be None, True (a TLS-only embedded cluster with temporary certificates) "
+        f"or a distributed.Security, got {value!r} ({type(value).__name__})"
+    )
+
+
 @contextlib.contextmanager
-def cluster_client(client: Client | None) -> Iterator[Client]:
+def cluster_client(
+    client: Client | None, security: Security | bool | None = None
+) -> Iterator[Client]:
     """Yield ``client``, or start an embedded local cluster (worker processes) and close it after.
 
     The embedded cluster has one single-threaded worker process per core (at least two), so
     parameter-server shards and replicas run in separate processes as they would on a real cluster.
+    With ``security`` (``True`` for ``Security.temporary()``, or a ``distributed.Security`` with
+    certificates for every role) it listens on TLS only and refuses clients without credentials.
+
+    Raises
+    ------
+    ValueError
+        If both ``client`` and ``security`` are given: a client brings its own security.
     """
+    check_security(security)
     if client is not None:
+        if security is not None:
+            raise ValueError(
+                "security= configures the embedded cluster, started only when client is None; "
+                "the client given already has its own security (Client(..., security=...))"
+            )
         yield client
         return
     n_workers = max(2, min(os.cpu_count() or 2, 8))
+    tls: dict[str, Any] = {}
+    if security is not None:
+        tls = {
+            "security": Security.temporary() if security is True else security,
+            "protocol": "tls://",
+        }
     with (
         LocalCluster(
             n_workers=n_workers,
             threads_per_worker=1,
             processes=True,
             dashboard_address=":0",
+            **tls,
         ) as cluster,
-        Client(cluster) as embedded,
+        Client(cluster, security=cluster.security) as embedded,
     ):
         yield embedded

@@ -7,6 +7,8 @@
     downpour-dask train --scheduler tcp://10.0.0.5:8786 --n-replicas 16
     downpour-dask report runs/a runs/b --target 0.9
     downpour-dask synthetic big/ --rows 10000000 --features 256 --classes 10
+    downpour-dask watch mnist --scheduler tls://10.0.0.5:8786 --tls-ca-file ca.pem \
+        --tls-cert client.pem --tls-key client.key         # a run fit(..., publish="mnist")
 
 Every estimator argument has a flag (``n_replicas`` -> ``--n-replicas``), generated from the
 estimator's signature so none can be missing.  ``--config FILE.toml`` sets any of them (and the
@@ -44,6 +46,13 @@ class _Parser(argparse.ArgumentParser):
 
 class UsageError(ValueError):
     """Bad command-line input (reported as one line, exit status 2)."""
+
+
+#: Estimator arguments that deliberately have no flag of their own, and what sets them instead.
+FLAGLESS_ARGUMENTS = {
+    "security": "--tls (a TLS-only embedded cluster); --tls-ca-file/--tls-cert/--tls-key "
+    "give a client's credentials for --scheduler",
+}
 
 
 # -- building the parser -------------------------------------------------------------------------
@@ -105,6 +114,8 @@ def _add_estimator_flags(parser: argparse.ArgumentParser) -> None:
     for algorithm, cls in runs.ALGORITHMS.items():
         described = _parameter_help(cls)
         for name, parameter in runs.estimator_arguments(algorithm).items():
+            if name in FLAGLESS_ARGUMENTS:  # not a scalar: set by other flags
+                continue
             flags.setdefault(name, {})[algorithm] = (parameter, described.get(name, ""))
     for name, by_algorithm in flags.items():
         parameter, text = next(iter(by_algorithm.values()))
@@ -201,8 +212,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to try reaching --scheduler (default 30)",
     )
     job.add_argument("--quiet", action="store_true", help="no progress line")
+    job.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the interrupted job that was writing RUN_DIR from its latest checkpoint "
+        "(with that job's settings: give no other settings)",
+    )
+    job.add_argument(
+        "--tls",
+        action="store_true",
+        help="run the embedded cluster on TLS only, with temporary self-signed certificates",
+    )
+    _add_tls_flags(train)
     _add_estimator_flags(train)
     train.set_defaults(handler=_train)
+
+    watch = commands.add_parser(
+        "watch",
+        help="follow a running fit published on a cluster",
+        description="Print progress lines of the run a fit(..., publish=NAME) published on the "
+        "cluster, until it ends (exit 0 when it finished, 1 if it failed).",
+    )
+    watch.add_argument("name", metavar="NAME", help="the name given to fit(..., publish=)")
+    watch.add_argument(
+        "--scheduler",
+        required=True,
+        metavar="ADDRESS",
+        help="the Dask scheduler of the run's cluster (e.g. tcp://host:8786)",
+    )
+    watch.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to try reaching --scheduler (default 30)",
+    )
+    watch.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds between progress lines when the output is not a terminal (default 2)",
+    )
+    _add_tls_flags(watch)
+    watch.set_defaults(handler=_watch)
 
     synthetic = commands.add_parser(
         "synthetic",
@@ -259,6 +313,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             settings[key.replace("-", "_")] = value
     scheduler = settings.pop("scheduler", None)
     internal = {"config", "command", "handler", "quiet", "scheduler", "connect_timeout"}
+    internal |= {"tls", "tls_ca_file", "tls_cert", "tls_key"}
+    internal |= {"resume"}
     flags = {k: v for k, v in vars(args).items() if k not in internal}
     settings.update(flags)
     if args.scheduler is not None:
@@ -270,25 +326,36 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 def _train(args: argparse.Namespace) -> int:
     settings = _settings(args)
     scheduler = settings.pop("__scheduler__")
-    job = runs.prepare(settings)  # all input errors surface here, before any cluster work
+    if args.resume is not None:
+        if settings:
+            raise UsageError(
+                f"--resume continues a job with its own settings; do not also give "
+                f"{', '.join(sorted(settings))}"
+            )
+        job = runs.resume(args.resume)  # a bad checkpoint is an error here, before any cluster
+    else:
+        job = runs.prepare(settings)  # all input errors surface here, before any cluster work
     callback = None
     if not args.quiet:
         from .progress import ProgressBar
 
         callback = ProgressBar(sys.stderr)
     if scheduler is None:
+        if any(f is not None for f in (args.tls_ca_file, args.tls_cert, args.tls_key)):
+            raise UsageError(
+                "--tls-ca-file/--tls-cert/--tls-key are a client's credentials for --scheduler; "
+                "for a TLS-only embedded cluster use --tls"
+            )
+        if args.tls:
+            job.estimator.set_params(security=True)
         result = runs.run(job, None, callback)
     else:
-        from distributed import Client
-
-        try:
-            client = Client(scheduler, timeout=args.connect_timeout)
-        except (OSError, TimeoutError, ValueError) as err:
-            raise ConnectionError(
-                f"cannot reach the Dask scheduler at {scheduler!r} within "
-                f"{args.connect_timeout:g} s ({_one_line(err)})"
-            ) from None
-        with client:
+        if args.tls:
+            raise UsageError(
+                "--tls starts a TLS-only embedded cluster; with --scheduler give "
+                "--tls-ca-file/--tls-cert/--tls-key (or Dask's distributed.comm.tls settings)"
+            )
+        with _connect(scheduler, args) as client:
             result = runs.run(job, client, callback)
     s = result.summary
     metric = result.estimator.experiment_.metric
@@ -309,6 +376,72 @@ def _train(args: argparse.Namespace) -> int:
             f"p95 {s['staleness_p95']:.0f}, {int(s['refused_pushes'])} refused pushes, "
             f"{int(s['failures'])} failures"
         )
+    return 0
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "TLS credentials for --scheduler (default: Dask's distributed.comm.tls configuration)"
+    )
+    group.add_argument("--tls-ca-file", metavar="PEM", help="certificate authority to trust")
+    group.add_argument("--tls-cert", metavar="PEM", help="this client's certificate")
+    group.add_argument("--tls-key", metavar="PEM", help="this client's private key")
+
+
+def _client_security(args: argparse.Namespace) -> Any:
+    """A ``distributed.Security`` from the --tls-* flags (``None`` if none was given)."""
+    given = {
+        "tls_ca_file": args.tls_ca_file,
+        "tls_client_cert": args.tls_cert,
+        "tls_client_key": args.tls_key,
+    }
+    if all(v is None for v in given.values()):
+        return None
+    flags = {"tls_ca_file": "--tls-ca-file", "tls_client_cert": "--tls-cert"}
+    flags["tls_client_key"] = "--tls-key"
+    for key, path in given.items():
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{flags[key]} {path!r} is not a file")
+    if args.tls_ca_file is None or args.tls_cert is None:
+        raise UsageError("give --tls-ca-file and --tls-cert (and --tls-key unless in the cert)")
+    from distributed import Security
+
+    return Security(require_encryption=True, **{k: v for k, v in given.items() if v is not None})
+
+
+def _connect(scheduler: str, args: argparse.Namespace) -> Any:
+    """A client of the scheduler at ``scheduler``, with the --tls-* credentials if given."""
+    from distributed import Client
+
+    security = _client_security(args)
+    try:
+        return Client(scheduler, timeout=args.connect_timeout, security=security)
+    except (OSError, TimeoutError, ValueError, TypeError) as err:  # TypeError: TLS, no creds
+        raise ConnectionError(
+            f"cannot reach the Dask scheduler at {scheduler!r} within "
+            f"{args.connect_timeout:g} s ({_one_line(err)})"
+        ) from None
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from . import live
+
+    live.check_name(args.name)
+    if not args.interval > 0:
+        raise UsageError(f"--interval must be > 0, got {args.interval:g}")
+    with _connect(args.scheduler, args) as client:
+        view = live.attach(args.name, client)  # ValueError naming the published runs if absent
+        info = view.info
+        print(
+            f"watching {args.name!r}: {info.get('estimator')}, {info.get('n_replicas')} "
+            f"replicas, {info.get('n_shards')} shards on {args.scheduler}",
+            flush=True,
+        )
+        del view  # watching needs only the event topic; do not hold the run's actors
+        finished = live.follow(client, args.name, sys.stdout, args.interval)
+    if not finished:
+        raise RuntimeError(f"run {args.name!r} ended without finishing (its fit failed)")
+    print(f"run {args.name!r} finished", flush=True)
     return 0
 
 

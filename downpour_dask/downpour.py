@@ -11,23 +11,37 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from distributed import Client, Future, wait
+from distributed import Client, Future, Security, wait
 
-from . import optim
+from . import live, optim
 from ._version import __version__
-from .base import ParamServerEstimator, check_int, check_positive, cluster_client
+from .base import (
+    ParamServerEstimator,
+    check_int,
+    check_positive,
+    check_security,
+    cluster_client,
+)
+from .checkpoint import Checkpoint, ShardState, read_checkpoint
 from .dask_data import place_replicas
 from .data import Dataset, ShardedDataset, as_dataset
 from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment, Progress
 from .models import Model
-from .replica import ReplicaConfig, run_replica
+from .params import split_range
+from .recovery import Recovery
+from .replica import (
+    SHARD_ERRORS,
+    ReplicaConfig,
+)
 from .server import ParameterServer
 
 
@@ -68,6 +82,18 @@ class DownpourSGD(ParamServerEstimator):
         Seeds the initial parameters and every replica's data order.
     timeout : float, default 120
         Seconds any single call into a shard may take before the run fails instead of hanging.
+    security : distributed.Security or True, optional
+        TLS for the embedded local cluster started when ``fit`` gets no client: ``True`` for
+        temporary self-signed certificates (``Security.temporary()``), or a ``Security`` with
+        certificates for every role.  That cluster then listens on TLS only.  Give a client of
+        an existing cluster its own ``security`` instead.
+    checkpoint_dir : str or path, optional
+        Directory for periodic checkpoints of every shard (values, update-rule state, version)
+        and of the experiment log so far; ``fit(..., resume_from=checkpoint_dir)`` continues
+        from the latest one.  See :mod:`downpour_dask.checkpoint` for the layout.
+    checkpoint_every : float, default 30
+        Seconds between checkpoints.  The driver also keeps the latest one in memory (even
+        without ``checkpoint_dir``) to restore a shard whose worker dies.
 
     Attributes
     ----------
@@ -97,6 +123,9 @@ class DownpourSGD(ParamServerEstimator):
         eval_every: float = 0.5,
         random_state: int | None = None,
         timeout: float = 120.0,
+        security: Security | bool | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: float = 30.0,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -114,6 +143,9 @@ class DownpourSGD(ParamServerEstimator):
         self.eval_every = eval_every
         self.random_state = random_state
         self.timeout = timeout
+        self.security = security
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self) -> optim.UpdateRule:
@@ -138,6 +170,14 @@ class DownpourSGD(ParamServerEstimator):
         )
         check_positive("eval_every", self.eval_every)
         check_positive("timeout", self.timeout)
+        check_security(self.security)
+        check_positive("checkpoint_every", self.checkpoint_every)
+        path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
+        if self.checkpoint_dir is not None and not path_like:
+            raise TypeError(
+                f"checkpoint_dir must be a path (str or os.PathLike) or None, got "
+                f"{type(self.checkpoint_dir).__name__}"
+            )
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
         if isinstance(self.optimizer, optim.UpdateRule):
@@ -183,6 +223,8 @@ class DownpourSGD(ParamServerEstimator):
         eval_data: Dataset | tuple | None = None,
         client: Client | None = None,
         callback: Callable[[Progress], None] | None = None,
+        publish: str | None = None,
+        resume_from: str | os.PathLike[str] | None = None,
     ) -> DownpourSGD:
         """Train with Downpour SGD; returns ``self``.
 
@@ -200,10 +242,24 @@ class DownpourSGD(ParamServerEstimator):
             Called with a :class:`~downpour_dask.log.Progress` snapshot about four times a
             second while training (progress bars, live plots).  An exception it raises stops
             the replicas and propagates out of ``fit``.
+        publish : str, optional
+            Publish the running parameter server on the cluster under this name, so other
+            processes can follow it with ``downpour_dask.attach(name, client)`` or
+            ``downpour-dask watch NAME``; progress is logged under the scheduler event topic
+            ``downpour-dask/<name>``.  Unpublished when ``fit`` returns or fails.
+        resume_from : str or path, optional
+            A ``checkpoint_dir`` of an interrupted fit with the same model, ``n_shards`` and
+            data: the shards start from its latest checkpoint (values, update-rule state,
+            versions), each replica skips the steps it had pushed, and the experiment continues
+            the old one's evaluations, events and time axis (pushes made before the
+            interruption are not in the new log).  Checkpoints go on being written there
+            unless ``checkpoint_dir`` is set.
         """
         rule = self._check_arguments()
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        if publish is not None:
+            live.check_name(publish)
         if isinstance(data, ShardedDataset):
             subsets = self._check_sharded(data, y)
         else:
@@ -213,17 +269,47 @@ class DownpourSGD(ParamServerEstimator):
         max_epochs = self.max_epochs
         if max_epochs is None and self.max_steps is None and self.max_seconds is None:
             max_epochs = 1
-        with cluster_client(client) as active:
+        resumed = None if resume_from is None else self._check_resume(resume_from)
+        with cluster_client(client, self.security) as active:
             run = _Run(self, active, rule, subsets, evaluation, max_epochs)
+            run.resumed = resumed
+            run.checkpoint_dir = self.checkpoint_dir if self.checkpoint_dir else resume_from
             run.callback = callback
+            run.publish = publish
             run.execute()
         self.params_ = run.params
         self.experiment_ = run.experiment
         self.server_status_ = run.status
         return self
 
+    def _check_resume(self, path: str | os.PathLike[str]) -> Checkpoint:
+        """Read the checkpoint to resume from and check it fits this estimator."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"resume_from must be a path, got {type(path).__name__}")
+        checkpoint = read_checkpoint(path)  # CheckpointError (a ValueError) naming the file
+        ranges = split_range(self.model.layout.size, self.n_shards)
+        found = [(s.start, s.stop) for s in checkpoint.shards]
+        if found != [tuple(r) for r in ranges]:
+            raise ValueError(
+                f"resume_from={str(path)!r}: the checkpoint holds {len(found)} shard(s) covering "
+                f"{found[-1][1]} parameters, but this estimator has n_shards={self.n_shards} and "
+                f"a model of {self.model.layout.size} parameters; use the interrupted run's "
+                f"settings"
+            )
+        saved_model = checkpoint.meta.get("model")
+        if saved_model is not None and saved_model != self.model.get_config():
+            raise ValueError(
+                f"resume_from={str(path)!r}: the checkpoint was written for model "
+                f"{saved_model}, not {self.model.get_config()}"
+            )
+        return checkpoint
+
     def _config(self, n_rows: int, workers: list[str]) -> dict[str, Any]:
-        config = {k: v for k, v in self.get_params().items() if k not in ("model", "optimizer")}
+        skip = ("model", "optimizer", "security")
+        config = {k: v for k, v in self.get_params().items() if k not in skip}
+        if config.get("checkpoint_dir") is not None:
+            config["checkpoint_dir"] = str(config["checkpoint_dir"])
+        config["tls"] = self.security is not None  # the Security object itself is not JSON
         config["model"] = self.model.get_config()
         config["optimizer"] = (
             self.optimizer.get_config()
@@ -239,7 +325,7 @@ class DownpourSGD(ParamServerEstimator):
         return config
 
 
-class _Run:
+class _Run(Recovery):
     """One execution of :meth:`DownpourSGD.fit` on a client: the driver's side of the run."""
 
     def __init__(self, est: DownpourSGD, client: Client, rule, subsets, evaluation, max_epochs):
@@ -249,7 +335,15 @@ class _Run:
         self.evals: list[dict[str, Any]] = []
         self.metric = "accuracy" if est.model.is_classifier else "r2"
         self.callback: Callable[[Progress], None] | None = None
+        self.publish: str | None = None  # the name to publish the run under, if any
+        self.published = False
         self.phase = "training"
+        self.resumed: Checkpoint | None = None  # set by fit(resume_from=...)
+        self.checkpoint_dir: str | os.PathLike[str] | None = None
+        self.token = uuid.uuid4().hex[:8]  # names this run's shard variables
+        self.futures: list[Future] = []
+        self.restarts = 0
+        self.stop_sent = False
 
     def _event(self, kind: str, detail: str = "") -> None:
         self.events.append((time.time() - self.t0, kind, detail))
@@ -259,6 +353,11 @@ class _Run:
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if not workers:
             raise RuntimeError("the Dask cluster has no workers")
+        if self.publish is not None and live.is_published(client, self.publish):
+            raise ValueError(
+                f"publish={self.publish!r}: a run or dataset of that name is already published "
+                f"on the scheduler; choose another name"
+            )
         placements = place_replicas(  # data placement is not training time: before t0
             client, self.subsets, est.n_replicas, workers, est.batch_size, est.model, est.timeout
         )
@@ -271,18 +370,36 @@ class _Run:
         rng = np.random.default_rng(est.random_state)
         initial = est.model.init(rng)
         seed = int(rng.integers(2**31)) if est.random_state is None else est.random_state
+        restore = None
+        if self.resumed is not None:  # continue the interrupted run's time axis and log
+            self.t0 -= self.resumed.elapsed
+            initial = np.concatenate([s.values for s in self.resumed.shards])
+            restore = [_restore_args(s) for s in self.resumed.shards]
+            self.evals = [dict(e) for e in self.resumed.meta.get("evals", [])]
+            self.events = [tuple(e) for e in self.resumed.meta.get("events", [])]
         self.server = ParameterServer.create(
-            client, initial, est.n_shards, self.rule, workers, est.timeout
+            client, initial, est.n_shards, self.rule, workers, est.timeout, restore=restore
         )
+        self._start_supervision(initial, restore)
+        if self.resumed is not None:
+            self._event(
+                "resumed",
+                f"from {self.resumed.path} at versions {self.resumed.versions} "
+                f"({self.resumed.elapsed:.1f} s into the run)",
+            )
         self._event(
             "start", f"{est.n_replicas} replicas, {est.n_shards} shards on {len(workers)} workers"
         )
-        futures: list[Future] = []
+        futures = self.futures
         try:
-            token = uuid.uuid4().hex[:8]
+            if self.publish is not None:
+                live.publish(client, self.publish, self.server, self._live_info())
+                self.published = True
             alpha = (
                 est.learning_rate if est.local_learning_rate is None else est.local_learning_rate
             )
+            self.placements = placements
+            done = self._steps_done(restore)
             for r, place in enumerate(placements):
                 config = ReplicaConfig(
                     replica=r,
@@ -295,28 +412,20 @@ class _Run:
                     max_epochs=self.max_epochs,
                     max_steps=est.max_steps,
                     timeout=est.timeout,
+                    run=self.token,
+                    start_step=done.get(r, 0),
                 )
-                futures.append(
-                    client.submit(
-                        run_replica,
-                        self.server,
-                        est.model,
-                        place.data,  # (X, y) futures, or the replica's shard descriptors
-                        config,
-                        place.parts,  # Dask partitions, resolved on the worker holding them
-                        workers=[place.worker],
-                        pure=False,
-                        key=f"replica-{r}-{token}",
-                    )
-                )
-                if r == 0 and est.n_replicas > 1 and est.warmstart_steps > 0:
+                self.configs.append(config)
+                futures.append(self._submit(r, place.worker, place.data))
+                warm = est.n_replicas > 1 and est.warmstart_steps > 0 and self.resumed is None
+                if r == 0 and warm:
                     self._warmstart(futures[0])
             self._supervise(futures)
             self.params, versions = self.server.pull(est.timeout)
             self._evaluate(self.params, versions)
-            if self.callback is not None:
+            if self.callback is not None or self.publish is not None:
                 self.phase = "done"
-                self.callback(self._progress())
+                self._report(self._progress())
             self._event("stop", f"versions {versions}")
             self.status = self.server.status(est.timeout)
             shard_events = self.server.events(est.timeout)
@@ -327,6 +436,9 @@ class _Run:
                     self.server.request_stop(est.timeout)
             for f in futures:
                 f.cancel()
+            if self.published:
+                live.unpublish(client, self.publish)
+            self._end_supervision()
             self.server.close()
         self.experiment = self._experiment(results, shard_events, workers)
 
@@ -335,11 +447,16 @@ class _Run:
         target = -(-self.est.warmstart_steps // self.est.n_push)
         self.phase = "warmstart"
         while not first.done():
-            if self._tick() >= target:
-                break
+            self._check_failures()
+            first = self.futures[0]  # replica 0 may have been restarted
+            try:
+                if self._tick() >= target:
+                    break
+            except SHARD_ERRORS as err:  # a shard was lost: restore it, then go on
+                self._recover_lost_shards(err)
             try:
                 wait(first, timeout=min(self.est.eval_every, 0.05))
-            except TimeoutError:
+            except (TimeoutError, CancelledError):  # a lost replica: restarted
                 pass
         self.phase = "training"
         self._event(
@@ -348,43 +465,65 @@ class _Run:
 
     def _supervise(self, futures: list[Future]) -> None:
         """Evaluate periodically and enforce ``max_seconds`` until every replica has finished."""
-        est, stop_sent = self.est, False
-        interval = est.eval_every if self.callback is None else min(est.eval_every, 0.25)
+        est = self.est
+        watched = self.callback is not None or self.publish is not None
+        interval = min(est.eval_every, 0.25) if watched else est.eval_every
         while True:
             try:
                 wait(futures, timeout=interval)
-            except TimeoutError:
+            except (TimeoutError, CancelledError):  # a lost replica: restarted
                 pass
-            failed = [f for f in futures if f.status == "error"]
-            if failed:
-                self.server.request_stop(est.timeout)
-                error = failed[0].exception(timeout=est.timeout)
-                raise RuntimeError(f"replica task {failed[0].key} failed: {error!r}") from error
-            if all(f.done() for f in futures):
+            self._check_failures()  # restarts replicas and shards lost with their workers
+            if all(f.status == "finished" for f in futures):
                 return
-            self._tick()
-            if (
-                not stop_sent
-                and est.max_seconds is not None
-                and time.time() - self.t0 >= est.max_seconds
-            ):
-                self.server.request_stop(est.timeout)
-                self._event("stop_requested", f"max_seconds={est.max_seconds} reached")
-                stop_sent = True
+            try:
+                self._tick()
+                self._maybe_checkpoint()
+                if (
+                    not self.stop_sent
+                    and est.max_seconds is not None
+                    and time.time() - self.t0 >= est.max_seconds
+                ):
+                    self.server.request_stop(est.timeout)
+                    self._event("stop_requested", f"max_seconds={est.max_seconds} reached")
+                    self.stop_sent = True
+            except SHARD_ERRORS as err:  # a shard was lost: restore it, then go on
+                self._recover_lost_shards(err)
 
     def _tick(self) -> int:
         """Evaluate if ``eval_every`` has passed since the last evaluation, report progress to
         the callback; return the (minimum) version."""
         last = self.evals[-1]["time"] if self.evals else -np.inf
         if self.evaluation is None or time.time() - self.t0 - last < self.est.eval_every:
-            version = min(self.server.versions(self.est.timeout))  # a few bytes, not the vector
+            versions = self.server.versions(self.est.timeout)  # a few bytes, not the vector
         else:
             params, versions = self.server.pull(self.est.timeout)
             self._evaluate(params, versions)
-            version = min(versions)
-        if self.callback is not None:
-            self.callback(self._progress())
+        version = min(versions)
+        self.known_versions = [max(k, v) for k, v in zip(self.known_versions, versions)]
+        if self.callback is not None or self.publish is not None:
+            self._report(self._progress())
         return version
+
+    def _report(self, progress: Progress) -> None:
+        """Hand a snapshot to the callback and, for a published run, log it for watchers."""
+        if self.publish is not None:
+            live.log_progress(self.client, self.publish, progress)
+        if self.callback is not None:
+            self.callback(progress)
+
+    def _live_info(self) -> dict[str, Any]:
+        """What a published run tells processes that attach to it (msgpack/JSON-able)."""
+        est = self.est
+        return {
+            "estimator": type(est).__name__,
+            "model": est.model.get_config(),
+            "t0": self.t0,
+            "n_replicas": est.n_replicas,
+            "n_shards": est.n_shards,
+            "n_rows": self.n_rows,
+            "metric": self.metric,
+        }
 
     def _progress(self) -> Progress:
         """Read shard 0's counters and estimate how much of the run is done."""
@@ -441,4 +580,11 @@ class _Run:
         config = self.est._config(self.n_rows, workers)
         config["data"] = self.data_info
         config["replica_steps"] = [r["steps"] for r in results]
+        config["lost_pushes"] = sum(r.get("lost_pushes", 0) for r in results)
+        config["replica_restarts"] = self.restarts
         return Experiment(config, pushes, evals, events_frame.astype(EVENT_COLUMNS))
+
+
+def _restore_args(state: ShardState) -> dict[str, Any]:
+    """What a shard's constructor needs to continue from a checkpointed state."""
+    return {"rule_state": state.rule_state, "version": state.version, "counters": state.counters}

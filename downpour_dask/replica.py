@@ -33,13 +33,16 @@ with ``local_learning_rate=0`` it is the paper's plain overwrite.
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 import time
 import uuid
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from distributed import get_worker, secede
+from distributed import Variable, get_worker, secede
 
 from ._malloc import tune_malloc
 from .models import Model
@@ -63,6 +66,44 @@ class ReplicaConfig:
     max_steps: int | None = None
     max_inflight: int = 2
     timeout: float = 120.0
+    run: str = ""  # the fit's token: names the shard variables (see shard_variable)
+    start_step: int = 0  # a restarted replica skips the batches it already trained on
+
+
+#: Errors a call into a lost parameter-server shard raises (the worker died or did not answer;
+#: the actor's task may also be cancelled as its worker is removed).
+SHARD_ERRORS = (RuntimeError, OSError, TimeoutError, CancelledError)
+
+#: The freshest shard values any replica of this worker process fetched, per (run, shard, actor
+#: key): (version, values).  The driver reads it (``fetched_copy``) to restore a lost shard.
+_FETCHED: dict[tuple[str, int, str], tuple[int, np.ndarray]] = {}
+_FETCHED_LOCK = threading.Lock()
+
+
+def shard_variable(run: str, shard: int) -> str:
+    """Name of the ``distributed.Variable`` holding the current actor future of ``shard``."""
+    return f"downpour-{run}-shard-{shard}"
+
+
+def _remember(run: str, shard: int, key: str, version: int, values: np.ndarray) -> None:
+    with _FETCHED_LOCK:
+        known = _FETCHED.get((run, shard, key))
+        if known is None or known[0] < version:
+            _FETCHED[(run, shard, key)] = (version, values)
+
+
+def fetched_copy(run: str, shard: int, key: str) -> tuple[int, np.ndarray] | None:
+    """The freshest (version, values) of shard actor ``key`` fetched in this process, if any
+    (run on workers with ``client.run`` by the driver)."""
+    with _FETCHED_LOCK:
+        return _FETCHED.get((run, shard, key))
+
+
+def forget_run(run: str) -> None:
+    """Drop this process's fetched copies of ``run`` (at the end of a fit)."""
+    with _FETCHED_LOCK:
+        for k in [k for k in _FETCHED if k[0] == run]:
+            del _FETCHED[k]
 
 
 @dataclass
@@ -77,6 +118,8 @@ class _Push:
     examples: int
     acked: bool = False
     needed_by: set[int] = field(default_factory=set)
+    keys: tuple = ()  # the shard actors the push went to
+    sent: float = 0.0  # time.monotonic() when it was sent
 
 
 def outcome(call: Any, timeout: float) -> Any:
@@ -138,8 +181,16 @@ class Replica:
     """State of one running replica: local parameters, gradient accrual, fetches and pushes."""
 
     def __init__(self, server: ParameterServer, model: Model, config: ReplicaConfig):
+        server = copy.copy(server)  # shards may be replaced (see _switch): keep our own list
+        server.shards = list(server.shards)
         self.server, self.model, self.cfg = server, model, config
-        self.session = uuid.uuid4().hex  # tells the shards apart this run of the replica
+        # A session tells apart this run of the replica; a replaced shard gets a new one, and
+        # push numbers sent to it restart from 0 (seq - seq_base).
+        self.sessions = [uuid.uuid4().hex for _ in range(server.n_shards)]
+        self.seq_base = [0] * server.n_shards
+        self.lost_pushes = 0
+        self.pull_sent = [0.0] * server.n_shards
+        self.checked = [0.0] * server.n_shards  # last look for a replacement of each shard
         self.params = np.empty(server.size, dtype=DTYPE)
         self.grad = np.empty(server.size, dtype=DTYPE)
         self.scratch = np.empty(server.size, dtype=DTYPE)
@@ -168,13 +219,17 @@ class Replica:
         alpha = cfg.local_learning_rate
         self._start_fetches()
         for s in range(self.server.n_shards):  # the first fetch must arrive before step 0
-            self._install(s, outcome(self.pulls[s], cfg.timeout))
+            while self.pulls[s] is not None:
+                self._take_pull(s, wait=True)
         step, epochs = 0, 0
         while not self._done(step, epochs):
             with contextlib.closing(source.epoch(rng)) as batches:  # leaving early stops a reader
                 for Xb, yb in batches:
                     if self._done(step, epochs):
                         break
+                    if step < cfg.start_step:  # a restarted replica: these were trained on
+                        step += 1
+                        continue
                     self._poll()
                     if step % cfg.n_fetch == 0 and step > 0:
                         self._start_fetches()
@@ -199,7 +254,13 @@ class Replica:
         for p in list(self.pending):
             if not p.acked:
                 self._ack(p, wait=True)
-        return {"replica": cfg.replica, "steps": step, "epochs": epochs, "pushes": self.rows}
+        return {
+            "replica": cfg.replica,
+            "steps": step,
+            "epochs": epochs,
+            "pushes": self.rows,
+            "lost_pushes": self.lost_pushes,
+        }
 
     def _done(self, step: int, epochs: int) -> bool:
         cfg = self.cfg
@@ -211,16 +272,111 @@ class Replica:
 
     # -- fetching --------------------------------------------------------------------------------
     def _start_fetches(self) -> None:
-        for s, shard in enumerate(self.server.shards):
-            if self.local[s] is not None:
-                self.pulls[s] = _Done(self.local[s].snapshot(self.cfg.replica, self.session))
-            elif self.pulls[s] is None:  # one pull per shard in flight; it will be fresh enough
-                self.pulls[s] = shard.pull(self.cfg.replica, self.session)
+        for s in range(self.server.n_shards):
+            self._start_fetch(s)
+
+    def _start_fetch(self, s: int) -> None:
+        shard = self.server.shards[s]
+        if self.local[s] is not None:
+            self.pulls[s] = _Done(self.local[s].snapshot(self.cfg.replica, self.sessions[s]))
+        elif self.pulls[s] is None:  # one pull per shard in flight; it will be fresh enough
+            self.pulls[s] = shard.pull(self.cfg.replica, self.sessions[s])
+            self.pull_sent[s] = time.monotonic()
+
+    #: Seconds a call may be outstanding before the replica asks whether its shard was replaced.
+    STUCK = 1.0
+
+    def _replaced(self, s: int, key: str, sent: float) -> bool:
+        """Whether shard ``s``'s actor ``key`` was replaced by the driver (it was lost).
+
+        A call into a lost actor may never complete, so a call outstanding for more than
+        :attr:`STUCK` seconds makes the replica look (at most once a second per shard) at the
+        shard's variable, where the driver publishes replacements.
+        """
+        if self.server.shards[s].key != key:
+            return True
+        now = time.monotonic()
+        if not self.cfg.run or now - sent < self.STUCK or now - self.checked[s] < 1.0:
+            return False
+        self.checked[s] = now
+        future = None
+        with contextlib.suppress(TimeoutError, OSError):
+            future = Variable(shard_variable(self.cfg.run, s)).get(timeout=self.cfg.timeout)
+        return future is not None and future.key != key
+
+    def _wait_call(self, call: Any, s: int, key: str, sent: float) -> Any:
+        """The outcome of a call into shard ``s`` (actor ``key``), waiting at most ``timeout``;
+        raises RuntimeError if the shard is replaced meanwhile."""
+        deadline = time.monotonic() + self.cfg.timeout
+        while not call.done():
+            if self._replaced(s, key, sent):
+                raise RuntimeError(f"parameter-server shard {s} was replaced")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"shard {s} did not answer within {self.cfg.timeout} s")
+            with contextlib.suppress(TimeoutError):
+                return outcome(call, min(0.5, max(0.01, deadline - time.monotonic())))
+        return outcome(call, self.cfg.timeout)
+
+    def _take_pull(self, s: int, wait: bool = False) -> None:
+        """Install shard ``s``'s fetch if it arrived (or ``wait`` for it); if the shard was lost,
+        switch to its replacement and fetch again."""
+        call = self.pulls[s]
+        if call is None:
+            return
+        key, sent = self.server.shards[s].key, self.pull_sent[s]
+        if not (wait or call.done() or self._replaced(s, key, sent)):
+            return
+        try:
+            reply = self._wait_call(call, s, key, sent)
+        except SHARD_ERRORS as err:
+            self.pulls[s] = None
+            self._switch(s, key, err)
+            self._start_fetch(s)
+            return
+        self._install(s, reply)
+
+    def _switch(self, s: int, lost_key: str, error: BaseException) -> None:
+        """Shard ``s`` (actor ``lost_key``) was lost: wait for the driver to publish its
+        replacement, then talk to it with a new session; pushes it lost are dropped."""
+        if self.server.shards[s].key != lost_key:
+            return  # already switched
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.timeout
+        variable = Variable(shard_variable(cfg.run, s)) if cfg.run else None
+        while True:
+            future = None
+            if variable is not None:
+                with contextlib.suppress(TimeoutError, OSError):
+                    future = variable.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            if future is not None and future.key != lost_key:
+                actor = future.result(timeout=cfg.timeout)
+                break
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"replica {cfg.replica}: parameter-server shard {s} was lost and no "
+                    f"replacement appeared within timeout={cfg.timeout} s: {error}"
+                ) from error
+            time.sleep(0.05)
+        self.server.shards[s] = actor
+        self.local[s] = local_shard(actor)
+        self.pulls[s] = None  # a fetch from the lost actor may never complete: ask the new one
+        self.sessions[s] = uuid.uuid4().hex
+        self.seq_base[s] = self.next_seq
+        for p in self.pending:  # the new shard never saw these: they are lost
+            if s in p.needed_by:
+                p.needed_by.discard(s)
+            if not p.acked:
+                self.lost_pushes += 1
+        self._release()
 
     def _install(self, s: int, reply: PullReply) -> None:
         """Overwrite slice ``s`` of the local copy with fetched values plus own missing updates."""
         self.pulls[s] = None
+        if self.cfg.run:
+            key = self.server.shards[s].key
+            _remember(self.cfg.run, s, key, reply.version, reply.values)
         lo, hi = self.server.ranges[s]
+        base = self.seq_base[s]
         local, scratch, alpha = (
             self.params[lo:hi],
             self.scratch[lo:hi],
@@ -231,7 +387,8 @@ class Replica:
         for p in self.pending:
             if s not in p.needed_by:
                 continue
-            included = p.seq <= reply.applied_through or p.seq in reply.applied_ahead
+            seq = p.seq - base
+            included = seq <= reply.applied_through or seq in reply.applied_ahead
             if not included:
                 local -= np.multiply(p.grad[lo:hi], alpha, out=scratch)
                 replayed += 1
@@ -255,15 +412,23 @@ class Replica:
         calls = []
         for s, (shard, (lo, hi)) in enumerate(zip(self.server.shards, self.server.ranges)):
             args = (grad[lo:hi], self.base_versions[s], self.cfg.replica)
-            kw = dict(seq=seq, session=self.session, examples=self.accrual_examples, loss=loss)
+            kw = dict(
+                seq=seq - self.seq_base[s],
+                session=self.sessions[s],
+                examples=self.accrual_examples,
+                loss=loss,
+            )
             if self.local[s] is not None:  # same process: no message at all
                 calls.append(_Done(self.local[s].apply_push(*args, **kw)))
                 if fetch:
-                    self.pulls[s] = _Done(self.local[s].snapshot(self.cfg.replica, self.session))
+                    self.pulls[s] = _Done(
+                        self.local[s].snapshot(self.cfg.replica, self.sessions[s])
+                    )
             elif fetch and self.pulls[s] is None:
                 call = shard.exchange(*args, **kw)
                 calls.append(_Half(call, 0))
                 self.pulls[s] = _Half(call, 1)
+                self.pull_sent[s] = time.monotonic()
             else:
                 calls.append(shard.push(*args, **kw))
         self.pending.append(
@@ -275,6 +440,8 @@ class Replica:
                 loss,
                 self.accrual_examples,
                 needed_by=set(range(len(calls))),
+                keys=tuple(shard.key for shard in self.server.shards),
+                sent=time.monotonic(),
             )
         )
         self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
@@ -282,10 +449,20 @@ class Replica:
     def _ack(self, p: _Push, wait: bool = False) -> None:
         """Record a push whose replies arrived (waiting for them if ``wait``)."""
         if not wait and not all(c.done() for c in p.calls):
-            return
-        replies: list[PushReply] = [outcome(c, self.cfg.timeout) for c in p.calls]
+            stuck = [s for s, c in enumerate(p.calls) if not c.done()]
+            if not any(self._replaced(s, p.keys[s], p.sent) for s in stuck):
+                return
+        replies: list[PushReply] = []
+        lost = False
+        for s, c in enumerate(p.calls):
+            try:
+                replies.append(self._wait_call(c, s, p.keys[s], p.sent))
+            except SHARD_ERRORS as err:  # counted in lost_pushes by _switch
+                self._switch(s, p.keys[s], err)
+                p.needed_by.discard(s)
+                lost = True
         p.acked, p.calls = True, []
-        for s in range(len(replies)):
+        for s in range(self.server.n_shards):
             if self.pulls[s] is None:
                 p.needed_by.discard(s)
         self.rows.append(
@@ -295,9 +472,9 @@ class Replica:
                 p.step,
                 p.loss,
                 p.examples,
-                max(r.staleness for r in replies),
-                min(r.version for r in replies),
-                all(r.accepted for r in replies),
+                max((r.staleness for r in replies), default=0),
+                min((r.version for r in replies), default=0),
+                not lost and all(r.accepted for r in replies),
             )
         )
         self.stop = self.stop or any(r.stop for r in replies)
@@ -305,9 +482,8 @@ class Replica:
 
     def _poll(self) -> None:
         """Take in every fetch and push that has completed, without blocking."""
-        for s, call in enumerate(self.pulls):
-            if call is not None and call.done():
-                self._install(s, outcome(call, self.cfg.timeout))
+        for s in range(self.server.n_shards):
+            self._take_pull(s)
         for p in list(self.pending):
             if not p.acked:
                 self._ack(p)

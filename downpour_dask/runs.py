@@ -12,11 +12,18 @@ and events tables) plus ``params.npz`` (the trained flat parameter vector) and, 
 is installed, ``accuracy_vs_time.png`` and ``loss_vs_time.png``.  It appears at its final path
 only when complete: everything is written to a temporary sibling directory that is renamed into
 place, so a failed or interrupted job leaves no run directory behind.
+
+A Downpour job checkpoints while it runs into ``<out>/.<name>.partial/`` (its settings in
+``job.json`` and the checkpoints of :mod:`downpour_dask.checkpoint`), every ``checkpoint_every``
+seconds.  If the driver dies, :func:`resume` (``downpour-dask train --resume <out>/<name>``)
+continues the job from the latest checkpoint; the partial directory is deleted once the run
+directory is written.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import shutil
 import tempfile
@@ -175,6 +182,8 @@ class Job:
     test: Any
     target: Path
     settings: dict[str, Any]
+    partial: Path | None = None  # checkpoints while the job runs (Downpour only)
+    resume_from: Path | None = None  # the partial directory of an interrupted run of this job
 
 
 @dataclass
@@ -226,7 +235,55 @@ def prepare(settings: dict[str, Any]) -> Job:
     target = Path(job["out"]) / name
     if target.exists() and not job.get("overwrite"):
         raise FileExistsError(f"run directory {str(target)!r} exists; choose another name")
-    return Job(estimator, train_data, test_data, target, job)
+    partial = None
+    if "checkpoint_dir" in accepted:
+        partial = partial_directory(target)
+        if estimator.checkpoint_dir is None:
+            estimator.set_params(checkpoint_dir=str(partial / "checkpoints"))
+    return Job(estimator, train_data, test_data, target, job, partial)
+
+
+def partial_directory(target: str | os.PathLike[str]) -> Path:
+    """Where a job writing run directory ``target`` keeps its settings and checkpoints."""
+    target = Path(target)
+    return target.parent / f".{target.name}.partial"
+
+
+def resume(run_dir: str | os.PathLike[str]) -> Job:
+    """The job of an interrupted run, ready to :func:`run` on from its latest checkpoint.
+
+    Parameters
+    ----------
+    run_dir : path
+        The run directory the interrupted job was writing (``<out>/<name>``), or its partial
+        directory ``<out>/.<name>.partial``.
+
+    Raises
+    ------
+    FileNotFoundError
+        If there is no interrupted job there.
+    FileExistsError
+        If the run directory was completed meanwhile.
+    downpour_dask.checkpoint.CheckpointError
+        (a ValueError) If its checkpoint is missing, truncated or corrupt.
+    """
+    from .checkpoint import read_checkpoint
+
+    path = Path(run_dir)
+    partial = path if (path / "job.json").is_file() else partial_directory(path)
+    if not (partial / "job.json").is_file():
+        raise FileNotFoundError(
+            f"no interrupted job to resume at {str(path)!r}: {str(partial / 'job.json')!r} "
+            f"does not exist"
+        )
+    try:
+        settings = json.loads((partial / "job.json").read_text())
+    except ValueError as err:
+        raise ValueError(f"{str(partial / 'job.json')!r} is not valid JSON: {err}") from None
+    job = prepare(settings)
+    read_checkpoint(job.estimator.checkpoint_dir)  # a clear error now, before any cluster work
+    job.resume_from = Path(job.estimator.checkpoint_dir)
+    return job
 
 
 def run(
@@ -244,12 +301,37 @@ def run(
         Passed to ``fit`` (a progress display).
     """
     estimator = job.estimator
-    estimator.fit(job.train, eval_data=job.test, client=client, callback=callback)
+    extra = {}
+    if job.partial is not None:
+        job.partial.mkdir(parents=True, exist_ok=True)
+        if job.resume_from is None:
+            settings = {**job.settings, "name": job.target.name, "out": str(job.target.parent)}
+            _write_json(job.partial / "job.json", settings)
+        else:
+            extra["resume_from"] = job.resume_from
+    try:
+        estimator.fit(job.train, eval_data=job.test, client=client, callback=callback, **extra)
+    except BaseException:
+        if job.partial is not None and job.resume_from is None:
+            from .checkpoint import has_checkpoint
+
+            if not has_checkpoint(job.estimator.checkpoint_dir):  # nothing to resume from
+                shutil.rmtree(job.partial, ignore_errors=True)
+        raise
     experiment = estimator.experiment_
     experiment.config.update(dataset=str(job.settings["dataset"]), model_spec=job.settings["model"])
     overwrite = bool(job.settings.get("overwrite"))
     path = save_run(job.target, experiment, estimator.params_, overwrite=overwrite)
+    if job.partial is not None:
+        shutil.rmtree(job.partial, ignore_errors=True)
     return RunResult(path, estimator, experiment.summary())
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str))
+    os.replace(tmp, path)
 
 
 def train(

@@ -17,11 +17,17 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from distributed import Client
+from distributed import Client, Security
 
 from . import optim
 from ._version import __version__
-from .base import ParamServerEstimator, check_int, check_positive, cluster_client
+from .base import (
+    ParamServerEstimator,
+    check_int,
+    check_positive,
+    check_security,
+    cluster_client,
+)
 from .data import Dataset, as_dataset
 from .lbfgs import LBFGS
 from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment, Progress
@@ -75,6 +81,10 @@ class SandblasterLBFGS(ParamServerEstimator):
         Seeds the initial parameters and the assignment of rows to batches.
     timeout : float, default 120
         Seconds any shard call or batch may take before the run fails instead of hanging.
+    security : distributed.Security or True, optional
+        TLS for the embedded local cluster started when ``fit`` gets no client: ``True`` for
+        temporary self-signed certificates (``Security.temporary()``), or a ``Security`` with
+        certificates for every role.  Give a client of an existing cluster its own ``security``.
 
     Attributes
     ----------
@@ -118,6 +128,7 @@ class SandblasterLBFGS(ParamServerEstimator):
         max_seconds: float | None = None,
         random_state: int | None = None,
         timeout: float = 120.0,
+        security: Security | bool | None = None,
     ):
         self.model = model
         self.n_shards = n_shards
@@ -133,6 +144,7 @@ class SandblasterLBFGS(ParamServerEstimator):
         self.max_seconds = max_seconds
         self.random_state = random_state
         self.timeout = timeout
+        self.security = security
 
     def _check_arguments(self) -> None:
         """Check every constructor argument; raises before any cluster work."""
@@ -156,6 +168,7 @@ class SandblasterLBFGS(ParamServerEstimator):
         check_int("eval_every", self.eval_every, 1)
         check_positive("max_seconds", self.max_seconds, allow_none=True)
         check_positive("timeout", self.timeout)
+        check_security(self.security)
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
 
@@ -199,7 +212,7 @@ class SandblasterLBFGS(ParamServerEstimator):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
         X, y = self._check_data(data, y, "data")
         evaluation = None if eval_data is None else self._check_data(eval_data, None, "eval_data")
-        with cluster_client(client) as active:
+        with cluster_client(client, self.security) as active:
             run = _Run(self, active, X, y, evaluation, dict(portion_delay or {}))
             run.callback = callback
             run.execute()
@@ -385,8 +398,9 @@ class _Run:
         evals = pd.DataFrame(self.evals, columns=list(columns)).astype(columns)
         events = pd.DataFrame(sorted(self.events, key=lambda e: e[0]), columns=list(EVENT_COLUMNS))
         est = self.est
-        config = {k: v for k, v in est.get_params().items() if k != "model"}
+        config = {k: v for k, v in est.get_params().items() if k not in ("model", "security")}
         config.update(
+            tls=est.security is not None,  # the Security object itself is not JSON
             model=est.model.get_config(),
             estimator=type(est).__name__,
             library_version=__version__,

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
-from distributed import Client
+from distributed import Client, Future
 
 from ._malloc import tune_malloc
 from .optim import UpdateRule
@@ -103,7 +103,16 @@ class ParameterServerShard:
     #: Seconds a push waits for an earlier push of its replica session before it is applied.
     ORDER_WAIT = 5.0
 
-    def __init__(self, shard_id: int, start: int, stop: int, values: np.ndarray, rule: UpdateRule):
+    def __init__(
+        self,
+        shard_id: int,
+        start: int,
+        stop: int,
+        values: np.ndarray,
+        rule: UpdateRule,
+        *,
+        restore: dict[str, Any] | None = None,
+    ):
         if values.shape != (stop - start,):
             raise ValueError(
                 f"shard {shard_id}: values has shape {values.shape}, expected {(stop - start,)}"
@@ -122,6 +131,8 @@ class ParameterServerShard:
         self.recent_loss = math.nan
         self.staleness_sum = 0
         self.staleness_max = 0
+        if restore is not None:
+            self._restore(restore)
         self._seqs: dict[tuple[int, str], _SeqTracker] = {}
         self._events: list[tuple[float, str, str]] = []
         self._arrived: asyncio.Condition | None = None
@@ -258,6 +269,46 @@ class ParameterServerShard:
         self.staleness_max = max(self.staleness_max, staleness)
         return PushReply(self.version, staleness, True, self.stopped)
 
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """Continue from a state exported by :meth:`export_state` (or read from a checkpoint):
+        ``version``, ``rule_state`` (arrays matching ``rule.init``), ``counters``, ``stopped``."""
+        for key, array in (saved.get("rule_state") or {}).items():
+            if key not in self.state or np.shape(array) != self.state[key].shape:
+                raise ValueError(
+                    f"shard {self.shard_id}: saved update-rule state {key!r} does not match the "
+                    f"rule {type(self.rule).__name__} (state keys {sorted(self.state)})"
+                )
+            self.state[key] = np.array(array, dtype=self.state[key].dtype, copy=True)
+        self.version = int(saved.get("version", 0))
+        self.stopped = bool(saved.get("stopped", False))
+        counters = saved.get("counters") or {}
+        self.accepted_by_replica.update(
+            {int(r): int(n) for r, n in (counters.get("accepted_by_replica") or {}).items()}
+        )
+        self.refused = int(counters.get("refused", 0))
+        self.duplicates = int(counters.get("duplicates", 0))
+        self.examples = int(counters.get("examples", 0))
+        self.staleness_sum = int(counters.get("staleness_sum", 0))
+        self.staleness_max = int(counters.get("staleness_max", 0))
+
+    async def export_state(self) -> dict[str, Any]:
+        """A consistent copy of everything a replacement shard needs: ``values``, ``rule_state``,
+        ``version`` and ``counters`` (taken under the lock local replicas use)."""
+        with self._lock:
+            return {
+                "values": self.values.copy(),
+                "rule_state": {k: np.array(v, copy=True) for k, v in self.state.items()},
+                "version": self.version,
+                "counters": {
+                    "accepted_by_replica": {str(r): n for r, n in self.accepted_by_replica.items()},
+                    "refused": self.refused,
+                    "duplicates": self.duplicates,
+                    "examples": self.examples,
+                    "staleness_sum": self.staleness_sum,
+                    "staleness_max": self.staleness_max,
+                },
+            }
+
     async def current_version(self) -> int:
         """Updates applied so far."""
         return self.version
@@ -289,6 +340,14 @@ class ParameterServerShard:
     async def events(self, since: int = 0) -> list[tuple[float, str, str]]:
         """Events recorded by this shard (``time``, ``kind``, ``detail``), from index ``since``."""
         return self._events[since:]
+
+
+class ShardLostError(RuntimeError):
+    """A parameter-server shard was lost or did not answer in time; ``shard`` is its index."""
+
+    def __init__(self, message: str, shard: int):
+        super().__init__(message)
+        self.shard = shard
 
 
 class ParameterServer:
@@ -334,6 +393,7 @@ class ParameterServer:
         workers: list[str] | None = None,
         timeout: float = 60.0,
         shard_class: type = ParameterServerShard,
+        restore: list[dict[str, Any]] | None = None,
         **per_element: np.ndarray,
     ) -> ParameterServer:
         """Start ``n_shards`` shard actors holding ``initial``, on distinct workers where possible.
@@ -342,7 +402,8 @@ class ParameterServer:
         so with at least K workers no two shards share a worker and its actor thread.
         ``shard_class`` may be a subclass of :class:`ParameterServerShard`; each array in
         ``per_element`` (as long as ``initial``) is cut like ``initial`` and passed to shard i's
-        constructor as a keyword argument of the same name.
+        constructor as a keyword argument of the same name.  ``restore`` (one dict per shard,
+        see :meth:`ParameterServerShard.export_state`) continues shards from saved state.
         """
         if workers is None:
             workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
@@ -362,6 +423,7 @@ class ParameterServer:
                     np.ascontiguousarray(initial[lo:hi], dtype=DTYPE),
                     rule,
                     **{name: array[lo:hi] for name, array in per_element.items()},
+                    **({} if restore is None else {"restore": restore[i]}),
                     actor=True,
                     workers=[address],
                     allow_other_workers=False,
@@ -389,16 +451,76 @@ class ParameterServer:
         RuntimeError
             Naming the shard and its worker, if a shard is lost or does not answer in time.
         """
-        calls = []
+        calls, replies = [], []
         try:
             for i, shard in enumerate(self.shards):
                 calls.append(getattr(shard, method)(*(args if per_shard is None else per_shard[i])))
-            return [call.result(timeout=timeout) for i, call in enumerate(calls)]
+            for i, call in enumerate(calls):  # noqa: B007 (``i`` names a shard that fails)
+                replies.append(self._reply(i, call, timeout))
+            return replies
         except (RuntimeError, OSError, TimeoutError) as err:
-            raise RuntimeError(
+            raise ShardLostError(
                 f"parameter-server shard {i} on worker {self.workers[i]} was lost or did not "
-                f"answer {method}() within {timeout} s: {err}"
+                f"answer {method}() within {timeout} s: {err}",
+                i,
             ) from err
+
+    def replace_shard(
+        self,
+        client: Client,
+        i: int,
+        values: np.ndarray,
+        rule: UpdateRule,
+        worker: str,
+        restore: dict[str, Any],
+        timeout: float = 60.0,
+    ) -> Future:
+        """Start a new actor for shard ``i`` on ``worker`` from saved state (see
+        :meth:`ParameterServerShard.export_state`) and use it from now on; return its future.
+
+        Only the default shard class is supported (Downpour's); the lost actor's future is
+        released.
+        """
+        lo, hi = self.ranges[i]
+        future = client.submit(
+            ParameterServerShard,
+            i,
+            lo,
+            hi,
+            np.ascontiguousarray(values, dtype=DTYPE),
+            rule,
+            restore=restore,
+            actor=True,
+            workers=[worker],
+            allow_other_workers=False,
+            pure=False,
+            key=f"parameterservershard-{i}-{uuid.uuid4().hex[:8]}",
+        )
+        actor = future.result(timeout=timeout)
+        self.shards[i], self.workers[i] = actor, worker
+        if i < len(self._futures):
+            self._futures[i].release()
+            self._futures[i] = future
+        return future
+
+    @property
+    def futures(self) -> list[Future]:
+        """The actors' futures (driver side only; empty in a copy sent to a task)."""
+        return list(self._futures)
+
+    def _reply(self, i: int, call: Any, timeout: float) -> Any:
+        """Wait for shard ``i``'s reply; fail at once if the driver sees its actor's task gone
+        (a call into an actor whose worker died may otherwise never complete)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return call.result(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                status = self._futures[i].status if i < len(self._futures) else "finished"
+                if status != "finished":
+                    raise RuntimeError(f"the actor's task is {status}") from None
 
     def pull(self, timeout: float = 60.0) -> tuple[np.ndarray, list[int]]:
         """The full parameter vector assembled from every shard, and each shard's version."""

@@ -1,0 +1,272 @@
+"""Failures for real: SIGKILL the worker of a replica or of a shard mid-run; resume from
+checkpoints.  Each test starts its own three-worker local cluster (worker processes with nannies,
+which start a fresh worker after a kill) and closes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+from downpour_dask import DownpourSGD, datasets, models
+from downpour_dask.checkpoint import CheckpointError, ShardState, read_checkpoint, write_checkpoint
+
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return datasets.load("mnist5k")
+
+
+@pytest.fixture
+def three_workers():
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster, timeout=TIMEOUT) as client,
+    ):
+        client.wait_for_workers(3, timeout=TIMEOUT)
+        yield client
+
+
+def _estimator(**kw) -> DownpourSGD:
+    settings = dict(
+        n_replicas=3,
+        n_shards=2,
+        optimizer="adagrad",
+        learning_rate=0.05,
+        batch_size=32,
+        warmstart_steps=50,
+        max_epochs=3,
+        random_state=0,
+        eval_every=0.25,
+        timeout=TIMEOUT,
+    )
+    settings.update(kw)
+    return DownpourSGD(models.MLP(784, (64,), 10), **settings)
+
+
+class _KillAt:
+    """A fit callback that SIGKILLs one worker process once the server applied ``pushes``."""
+
+    def __init__(self, client: Client, address: str, pushes: int):
+        self.pid = client.run(os.getpid, workers=[address])[address]
+        self.pushes, self.killed_at = pushes, None
+
+    def __call__(self, progress) -> None:
+        if self.killed_at is None and progress.pushes >= self.pushes:
+            os.kill(self.pid, signal.SIGKILL)
+            self.killed_at = progress.pushes
+
+
+def _zero_states(size: int) -> list[ShardState]:
+    """Two shards' worth of a valid Adagrad checkpoint for a model of ``size`` parameters."""
+    cut = [0, size // 2, size]
+    return [
+        ShardState(
+            i, lo, hi, np.zeros(hi - lo, np.float32), {"sum_sq": np.zeros(hi - lo, np.float32)}, 3
+        )
+        for i, (lo, hi) in enumerate(zip(cut[:-1], cut[1:]))
+    ]
+
+
+def _kinds(est: DownpourSGD) -> list[str]:
+    return list(est.experiment_.events["kind"])
+
+
+@pytest.mark.timeout(240)
+def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(three_workers, mnist):
+    client = three_workers
+    train, test = mnist
+    clean = _estimator().fit(train, eval_data=test, client=client)
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    # shards go to workers 0 and 1, replica r to worker r: worker 2 holds replica 2 only
+    kill = _KillAt(client, workers[2], pushes=150)
+    est = _estimator().fit(train, eval_data=test, client=client, callback=kill)
+    assert kill.killed_at is not None
+    kinds = _kinds(est)
+    assert "replica_failed" in kinds and "replica_restarted" in kinds
+    assert "shard_lost" not in kinds
+    events = est.experiment_.events
+    detail = events.loc[events["kind"] == "replica_failed", "detail"].iloc[0]
+    assert detail.startswith("replica 2:")
+    print(f"clean {clean.score(test):.4f}, with a replica killed {est.score(test):.4f}")
+    assert abs(est.score(test) - clean.score(test)) <= 0.02
+    assert kinds[-1] == "stop"
+
+
+@pytest.mark.timeout(240)
+def test_a_streaming_replica_restarts_from_its_files_on_another_worker(
+    tmp_path, three_workers, mnist
+):
+    import pandas as pd
+
+    train, test = mnist
+    frame = pd.DataFrame(train.X, columns=[f"x{i}" for i in range(train.X.shape[1])])
+    frame["label"] = train.y
+    paths = []
+    for i, part in enumerate(np.array_split(np.arange(len(frame)), 3)):
+        paths.append(str(tmp_path / f"part-{i}.parquet"))
+        frame.iloc[part].to_parquet(paths[-1], index=False)
+    data = datasets.from_parquet(paths, label="label")
+    client = three_workers
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    kill = _KillAt(client, workers[2], pushes=150)
+    est = _estimator().fit(data, eval_data=test, client=client, callback=kill)
+    assert kill.killed_at is not None
+    kinds = _kinds(est)
+    assert "replica_failed" in kinds and "replica_restarted" in kinds and kinds[-1] == "stop"
+    assert est.score(test) >= 0.85
+
+
+@pytest.mark.timeout(240)
+def test_killing_a_shards_worker_restores_the_shard_and_the_run_finishes(three_workers, mnist):
+    client = three_workers
+    train, test = mnist
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    kill = _KillAt(client, workers[1], pushes=200)  # shard 1 (and replica 1) live there
+    est = _estimator(checkpoint_every=0.5).fit(train, eval_data=test, client=client, callback=kill)
+    assert kill.killed_at is not None
+    events = est.experiment_.events
+    kinds = list(events["kind"])
+    assert "shard_lost" in kinds and "shard_restored" in kinds
+    restored = events.loc[events["kind"] == "shard_restored", "detail"].iloc[0]
+    assert restored.startswith("shard 1 on ")
+    assert "at version" in restored and "updates lost" in restored
+    version = int(restored.split("at version ")[1].split(";")[0])
+    lost = int(restored.split("; ")[1].split(" updates lost")[0])
+    assert version > 0 and lost >= 0
+    assert "replica_restarted" in kinds  # replica 1 died with the shard's worker
+    assert est.server_status_["worker"].iloc[1] != workers[1]
+    print(f"shard 1 restored at version {version}, {lost} updates lost: {restored}")
+    print(f"accuracy after a shard loss: {est.score(test):.4f}")
+    assert est.score(test) >= 0.85
+    assert kinds[-1] == "stop"
+
+
+@pytest.mark.timeout(120)
+def test_fit_resumes_from_a_checkpoint_and_continues_the_log(tmp_path, three_workers, mnist):
+    client = three_workers
+    train, test = mnist
+    first = _estimator(max_epochs=1, checkpoint_dir=str(tmp_path), checkpoint_every=0.3)
+    first.fit(train, eval_data=test, client=client)
+    saved = read_checkpoint(tmp_path)
+    assert min(saved.versions) > 0 and saved.meta["evals"]
+    assert "sum_sq" in saved.shards[0].rule_state
+    est = _estimator(max_epochs=2, checkpoint_every=0.3)
+    est.fit(train, eval_data=test, client=client, resume_from=tmp_path)
+    run = est.experiment_
+    kinds = list(run.events["kind"])
+    assert kinds.count("start") == 2 and "resumed" in kinds
+    assert run.evals["time"].is_monotonic_increasing
+    assert len(run.evals) > len(saved.meta["evals"])
+    assert run.evals["time"].iloc[len(saved.meta["evals"])] >= saved.elapsed
+    assert min(est.server_status_["version"]) > max(saved.versions)  # versions continued
+    assert est.score(test) >= 0.85
+
+
+def test_a_corrupt_checkpoint_fails_resume_before_any_cluster_work(tmp_path, mnist):
+    est = _estimator()
+    size = est.model.layout.size
+    states = _zero_states(size)
+    path = write_checkpoint(tmp_path, states, elapsed=1.0)
+    shard = path / "shard-0.npz"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    train, test = mnist
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="shard-0.npz.*corrupt or truncated"):
+        est.fit(train, client=object(), resume_from=tmp_path)  # never reaches the "client"
+    assert time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="n_shards=3"):
+        (path / "shard-0.npz").unlink()
+        write_checkpoint(tmp_path, states, elapsed=1.0)
+        _estimator(n_shards=3).fit(train, client=object(), resume_from=tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_a_cli_run_killed_after_a_checkpoint_resumes_and_finishes(tmp_path):
+    import subprocess
+    import sys
+
+    from downpour_dask import Experiment
+
+    out = tmp_path / "runs"
+    command = [sys.executable, "-m", "downpour_dask", "train", "--quiet"]
+    settings = ["--dataset", "digits", "--model", "mlp:32", "--n-replicas", "2", "--out", str(out)]
+    settings += ["--name", "job", "--max-epochs", "none", "--max-seconds", "10"]
+    settings += ["--checkpoint-every", "0.5", "--seed", "1"]
+    partial = out / ".job.partial"
+    # its own session: SIGKILL takes the driver and its embedded cluster down together
+    driver = subprocess.Popen(
+        command + settings, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (partial / "checkpoints" / "LATEST").exists():
+            assert driver.poll() is None, driver.communicate()[1].decode()
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.killpg(driver.pid, signal.SIGKILL)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.communicate(timeout=30)
+    assert not (out / "job").exists()  # no run directory from the killed driver
+    before = read_checkpoint(partial / "checkpoints")
+    assert min(before.versions) > 0 and json.loads((partial / "job.json").read_text())["name"]
+
+    other = subprocess.run(
+        [*command, "--resume", str(out / "job"), "--n-replicas", "3"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert other.returncode == 2 and "--resume continues a job" in other.stderr
+
+    done = subprocess.run(
+        [*command, "--resume", str(out / "job")],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert not partial.exists()
+    run = Experiment.load(out / "job")
+    events = run.events
+    kinds = list(events["kind"])
+    assert kinds.count("start") == 2 and "resumed" in kinds and kinds[-1] == "stop"
+    resumed = events.loc[events["kind"] == "resumed", "detail"].iloc[0]
+    assert f"at versions {before.versions}" in resumed
+    final = json.loads(events["detail"].iloc[-1].split("versions ")[1])
+    assert all(f > b for f, b in zip(final, before.versions))  # the version counters continued
+    assert events["time"].is_monotonic_increasing and run.evals["time"].is_monotonic_increasing
+    assert len(run.evals) > len(before.meta["evals"]) > 0  # one experiment: old rows kept
+    assert run.evals["time"].iloc[-1] >= 9.0  # the time axis continued to max_seconds
+    assert run.evals["accuracy"].iloc[-1] >= 0.85
+
+
+def test_resume_of_a_corrupt_cli_checkpoint_is_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    from downpour_dask import runs
+
+    out = tmp_path / "runs"
+    job = runs.prepare({"dataset": "digits", "model": "mlp:32", "out": str(out), "name": "job"})
+    job.partial.mkdir(parents=True)
+    (job.partial / "job.json").write_text(json.dumps({**job.settings, "name": "job"}))
+    size = job.estimator.model.layout.size
+    states = _zero_states(size)
+    path = write_checkpoint(job.partial / "checkpoints", states, elapsed=1.0)
+    (path / "checkpoint.json").write_text("{truncated")
+    done = subprocess.run(
+        [sys.executable, "-m", "downpour_dask", "train", "--resume", str(out / "job")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "checkpoint.json" in done.stderr, done.stderr
+    assert not (out / "job").exists()

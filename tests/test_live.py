@@ -1,0 +1,291 @@
+"""Live view of a running fit: publish by name, attach from another process, ``watch`` command.
+
+Every test trains on its own real local cluster (worker processes) in a background thread of the
+test process, and looks at it from a second process (``python -c`` or the ``downpour-dask``
+command) that knows only the scheduler address and the published name.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import downpour_dask
+from downpour_dask import DownpourSGD, datasets, live, models
+
+SCRIPT = Path(sys.executable).with_name("downpour-dask")
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "downpour_dask"]
+    return subprocess.run(
+        command + list(args), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return datasets.load("digits")
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as cluster:
+        yield cluster
+
+
+class Background:
+    """A fit running in a thread; ``join`` re-raises what it raised."""
+
+    def __init__(self, est: DownpourSGD, client: Client, name: str, data, eval_data=None):
+        self.error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                est.fit(data, eval_data=eval_data, client=client, publish=name)
+            except BaseException as err:  # noqa: BLE001 - handed to the test thread
+                self.error = err
+
+        self.thread = threading.Thread(target=target, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "fit did not end in time"
+        if self.error is not None:
+            raise self.error
+
+
+def wait_published(client: Client, name: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while name not in client.list_datasets():
+        assert time.monotonic() < deadline, f"{name!r} was never published"
+        time.sleep(0.05)
+
+
+def softmax_estimator(train, seconds: float) -> DownpourSGD:
+    model = models.SoftmaxRegression(train.n_features, 10)
+    return DownpourSGD(model, n_replicas=2, n_shards=2, max_seconds=seconds, random_state=0)
+
+
+ATTACH_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from distributed import Client
+    import downpour_dask
+    from downpour_dask import datasets
+    with Client(sys.argv[1], timeout=30) as client:
+        run = downpour_dask.attach(sys.argv[2], client)
+        first = run.status()
+        time.sleep(1.0)
+        second = run.status()
+        test = datasets.load("digits")[1]
+        print(json.dumps({
+            "first": first["version"].tolist(),
+            "second": second["version"].tolist(),
+            "columns": list(second.columns),
+            "rate": float(second["examples_per_s"].iloc[0]),
+            "by_replica": {str(k): v for k, v in second["accepted_by_replica"].iloc[0].items()},
+            "n_params": len(run.params()),
+            "evaluation": run.evaluate(test),
+            "read_only": [m for m in ("push", "request_stop", "close") if hasattr(run, m)],
+        }))
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_second_process_attaches_by_name_and_sees_versions_advance(own_cluster, digits):
+    train, test = digits
+    est = softmax_estimator(train, seconds=8.0)
+    with Client(own_cluster, timeout=30) as client:
+        fit = Background(est, client, "live-x", train, test)
+        wait_published(client, "live-x")
+        done = subprocess.run(
+            [sys.executable, "-c", ATTACH_SCRIPT, own_cluster.scheduler_address, "live-x"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout.strip().splitlines()[-1])
+        assert len(seen["first"]) == 2
+        assert all(b > a for a, b in zip(seen["first"], seen["second"])), seen
+        for column in ("version", "accepted_by_replica", "recent_loss", "staleness_mean"):
+            assert column in seen["columns"]
+        assert seen["rate"] > 0 and set(seen["by_replica"]) <= {"0", "1"}
+        assert seen["n_params"] == est.model.layout.size
+        assert 0.0 <= seen["evaluation"]["accuracy"] <= 1.0 and seen["evaluation"]["loss"] > 0
+        assert seen["read_only"] == []
+        fit.join(timeout=60)
+        # the run is over: unpublished, and a view attached earlier says so
+        assert "live-x" not in client.list_datasets()
+        events = client.get_events(live.topic("live-x"))
+        assert events[-1][1] == {"kind": "end"}
+        assert any(m.get("phase") == "done" for _, m in events if m.get("kind") == "progress")
+        with pytest.raises(ValueError, match="no run is published as 'live-x'"):
+            downpour_dask.attach("live-x", client)
+    assert est.score(test) > 0.8
+
+
+@pytest.mark.timeout(120)
+def test_attached_view_in_the_same_process_and_after_the_end(own_cluster, digits):
+    train, test = digits
+    est = softmax_estimator(train, seconds=4.0)
+    with Client(own_cluster, timeout=30) as client, Client(own_cluster, timeout=30) as other:
+        fit = Background(est, client, "live-y", train)
+        wait_published(client, "live-y")
+        run = downpour_dask.attach("live-y", other)
+        assert run.running and "live-y" in repr(run)
+        params = run.params()
+        assert params.dtype == np.float32 and params.shape == (est.model.layout.size,)
+        fit.join(timeout=60)
+        assert not run.running
+        with pytest.raises(RuntimeError, match="has ended"):
+            run.status()
+        # the name is free again; the actors are gone once the run is over
+        assert "live-y" not in other.list_datasets()
+
+
+@pytest.mark.timeout(60)
+def test_publish_is_checked_before_cluster_work(digits):
+    train, _ = digits
+    est = softmax_estimator(train, seconds=1.0)
+    with pytest.raises(TypeError, match="publish must be a non-empty str"):
+        est.fit(train, publish=3)
+    with pytest.raises(ValueError, match="publish must be a non-empty str"):
+        est.fit(train, publish=" ")
+
+
+@pytest.mark.timeout(120)
+def test_a_taken_name_is_refused_and_left_alone(client, digits):
+    train, _ = digits
+    client.publish_dataset(taken=[1, 2, 3])
+    try:
+        est = softmax_estimator(train, seconds=1.0)
+        with pytest.raises(ValueError, match="already published"):
+            est.fit(train, client=client, publish="taken")
+        # not unpublished by the failed fit (read from a fresh client: get_dataset re-announces
+        # every key a client holds, and the session client holds keys of finished runs' actors)
+        with Client(client.scheduler.address, timeout=30) as other:
+            assert other.get_dataset("taken") == [1, 2, 3]
+    finally:
+        client.unpublish_dataset("taken")
+
+
+@pytest.mark.timeout(180)
+def test_watch_prints_progress_until_the_run_ends(own_cluster, digits):
+    train, test = digits
+    est = softmax_estimator(train, seconds=6.0)
+    with Client(own_cluster, timeout=30) as client:
+        fit = Background(est, client, "live-w", train, test)
+        wait_published(client, "live-w")
+        done = run_cli(
+            "watch", "live-w", "--scheduler", own_cluster.scheduler_address, "--interval", "1",
+            timeout=120,
+        )  # fmt: skip
+        fit.join(timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("watching 'live-w': DownpourSGD, 2 replicas, 2 shards")
+    progress = [line for line in lines if "examples" in line and "loss" in line]
+    assert len(progress) >= 2, done.stdout  # a line about every second, then the final one
+    assert "100%" in progress[-1] and "test accuracy" in progress[-1]
+    assert lines[-1] == "run 'live-w' finished"
+
+
+@pytest.mark.timeout(120)
+def test_watch_errors_are_one_line(client):
+    done = run_cli("watch", "nothing-here", "--scheduler", client.scheduler.address)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "no run is published as 'nothing-here'" in done.stderr
+    with socket.socket() as s:  # a port where no scheduler listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = run_cli("watch", "x", "--scheduler", f"tcp://127.0.0.1:{port}", "--connect-timeout", "2")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "cannot reach the Dask scheduler" in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_view_follows_a_shard_recreated_after_its_worker_died(own_cluster):
+    """What DownpourSGD does when it restores a lost shard: replace it, re-publish (override)."""
+    import os
+
+    from downpour_dask import optim
+    from downpour_dask.server import ParameterServer
+
+    model = models.SoftmaxRegression(64, 10)
+    initial = model.init(np.random.default_rng(0))
+    rule = optim.make("sgd", 0.1)
+    with Client(own_cluster, timeout=30) as client, Client(own_cluster, timeout=30) as other:
+        client.wait_for_workers(2, timeout=60)
+        server = ParameterServer.create(client, initial, 2, rule, timeout=30)
+        info = {"model": model.get_config(), "t0": time.time()}
+        try:
+            live.publish(client, "live-r", server, info)
+            view = downpour_dask.attach("live-r", other, timeout=10)
+            assert view.status()["version"].tolist() == [0, 0]
+            lost, survivor = server.workers
+            state = server.shards[0].export_state().result(timeout=10)
+            client.run(os._exit, 1, workers=[lost], on_error="ignore")
+            deadline = time.monotonic() + 30
+            with pytest.raises(RuntimeError, match="lost a shard"):  # before re-publishing
+                while time.monotonic() < deadline:
+                    view.status()
+                    time.sleep(0.1)
+            restore = {**{k: state[k] for k in ("rule_state", "counters")}, "version": 7}
+            lo, hi = server.ranges[0]
+            server.replace_shard(client, 0, initial[lo:hi], rule, survivor, restore, 30)
+            live.publish(client, "live-r", server, info, override=True)
+            status = view.status()  # the view re-reads the publication after the failed call
+            assert status["version"].tolist() == [7, 0]
+            assert status["worker"].tolist() == [survivor, survivor]
+        finally:
+            live.unpublish(client, "live-r")
+            server.close()
+
+
+@pytest.mark.timeout(180)
+def test_watch_exits_non_zero_when_the_run_fails(own_cluster, digits):
+    train, _ = digits
+
+    def fail_late(progress) -> None:
+        if progress.time > 6.0:
+            raise KeyboardInterrupt("stopped by the test")
+
+    est = softmax_estimator(train, seconds=60.0)
+    with Client(own_cluster, timeout=30) as client:
+        outcome: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                est.fit(train, client=client, callback=fail_late, publish="live-f")
+            except BaseException as err:  # noqa: BLE001 - handed to the test thread
+                outcome.append(err)
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        wait_published(client, "live-f")
+        done = run_cli("watch", "live-f", "--scheduler", own_cluster.scheduler_address)
+        thread.join(60)
+        assert not thread.is_alive() and isinstance(outcome[0], KeyboardInterrupt)
+        assert "live-f" not in client.list_datasets()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr == "downpour-dask watch: failed: run 'live-f' ended without finishing " \
+        "(its fit failed)\n"  # fmt: skip

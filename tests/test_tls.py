@@ -1,0 +1,149 @@
+"""TLS: training on a TLS-only cluster, refusing clients without credentials, the CLI's flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from distributed import Client, LocalCluster, Security
+
+from downpour_dask import DownpourSGD, SandblasterLBFGS, datasets, models
+
+SCRIPT = Path(sys.executable).with_name("downpour-dask")
+SMALL = ["--dataset", "digits", "--model", "softmax", "--max-epochs", "1", "--n-replicas", "2"]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "downpour_dask"]
+    return subprocess.run(
+        command + list(args), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return datasets.load("digits")
+
+
+@pytest.fixture(scope="module")
+def tls_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        security=Security.temporary(),
+        protocol="tls://",
+        dashboard_address=":0",
+    ) as cluster:
+        yield cluster
+
+
+def softmax_estimator(train, **kw) -> DownpourSGD:
+    model = models.SoftmaxRegression(train.n_features, 10)
+    return DownpourSGD(model, n_replicas=2, n_shards=2, max_epochs=2, random_state=0, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_training_on_a_tls_only_cluster(tls_cluster, digits):
+    train, test = digits
+    assert tls_cluster.scheduler_address.startswith("tls://")
+    with Client(tls_cluster, security=tls_cluster.security, timeout=30) as client:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        assert workers and all(w.startswith("tls://") for w in workers)
+        est = softmax_estimator(train).fit(train, eval_data=test, client=client)
+    assert est.score(test) > 0.8
+    assert est.experiment_.config["tls"] is False  # the estimator did not start the cluster
+
+
+@pytest.mark.timeout(60)
+def test_a_client_without_the_credentials_is_refused(tls_cluster):
+    address = tls_cluster.scheduler_address
+    with pytest.raises(TypeError, match="TLS expects a `ssl_context`"):
+        Client(address, timeout=5)
+    with pytest.raises(OSError):  # plain TCP to the TLS listener
+        Client(address.replace("tls://", "tcp://"), timeout=5)
+    with pytest.raises(OSError, match="TLS certificate does not match"):  # someone else's certs
+        Client(address, security=Security.temporary(), timeout=5)
+
+
+@pytest.mark.timeout(180)
+def test_security_true_runs_an_embedded_tls_cluster(digits, monkeypatch):
+    from distributed import deploy
+
+    started = []
+    real = deploy.LocalCluster.__init__
+
+    def spy(self, *args, **kwargs):
+        started.append(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(deploy.LocalCluster, "__init__", spy)
+    train, test = digits
+    est = softmax_estimator(train, security=True).fit(train, eval_data=test)
+    assert est.score(test) > 0.8
+    assert est.experiment_.config["tls"] is True
+    assert all(w.startswith("tls://") for w in est.experiment_.config["workers"])
+    assert started[0]["protocol"] == "tls://" and started[0]["security"].require_encryption
+
+
+def test_security_is_checked_before_cluster_work(digits, client):
+    train, _ = digits
+    with pytest.raises(TypeError, match="security must be None, True"):
+        softmax_estimator(train, security="yes").fit(train)
+    with pytest.raises(TypeError, match="security must be None, True"):
+        SandblasterLBFGS(models.SoftmaxRegression(64, 10), security=1).fit(train)
+    with pytest.raises(ValueError, match="security= configures the embedded cluster"):
+        softmax_estimator(train, security=True).fit(train, client=client)
+
+
+def write_credentials(security: Security, directory: Path) -> dict[str, str]:
+    """The in-memory PEMs of ``Security.temporary()`` as files, as a real deployment has."""
+    paths = {}
+    for flag, pem in (
+        ("--tls-ca-file", security.tls_ca_file),
+        ("--tls-cert", security.tls_client_cert),
+        ("--tls-key", security.tls_client_key),
+    ):
+        path = directory / (flag.strip("-") + ".pem")
+        path.write_text(pem)
+        paths[flag] = str(path)
+    return paths
+
+
+@pytest.mark.timeout(180)
+def test_cli_trains_on_a_tls_scheduler_with_credential_files(tls_cluster, tmp_path):
+    credentials = write_credentials(tls_cluster.security, tmp_path)
+    flags = [item for pair in credentials.items() for item in pair]
+    address = tls_cluster.scheduler_address
+    out = ["--out", str(tmp_path / "runs"), "--quiet"]
+    done = run_cli("train", *SMALL, *out, "--name", "tls", "--scheduler", address, *flags)
+    assert done.returncode == 0, done.stderr
+    assert "test accuracy" in done.stdout and (tmp_path / "runs" / "tls").is_dir()
+    # without the credentials: one line, exit 1, no run directory
+    done = run_cli(
+        "train", *SMALL, *out, "--name", "no", "--scheduler", address, "--connect-timeout", "5"
+    )
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "cannot reach the Dask scheduler" in done.stderr
+    assert not (tmp_path / "runs" / "no").exists()
+
+
+def test_cli_tls_flag_misuse_is_a_usage_error(tmp_path):
+    done = run_cli("train", *SMALL, "--tls", "--scheduler", "tls://127.0.0.1:1")
+    assert done.returncode == 2 and "--tls starts a TLS-only embedded cluster" in done.stderr
+    done = run_cli("train", *SMALL, "--scheduler", "x", "--tls-cert", str(tmp_path / "no.pem"))
+    assert done.returncode == 2 and "is not a file" in done.stderr
+    (tmp_path / "c.pem").write_text("x")
+    done = run_cli("train", *SMALL, "--tls-cert", str(tmp_path / "c.pem"))
+    assert done.returncode == 2 and "credentials for --scheduler" in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.timeout(180)
+def test_cli_tls_flag_trains_on_an_embedded_tls_cluster(tmp_path):
+    done = run_cli("train", *SMALL, "--tls", "--quiet", "--out", str(tmp_path), "--name", "t")
+    assert done.returncode == 0, done.stderr
+    assert '"tls": true' in (tmp_path / "t" / "config.json").read_text()
