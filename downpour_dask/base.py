@@ -6,6 +6,7 @@ client is given.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import math
 import os
@@ -110,7 +111,13 @@ def check_positive(
 
 
 def check_security(value: Any) -> None:
-    """Raise TypeError unless ``value`` is None, True or a ``distributed.Security``."""
+    """Raise TypeError unless ``value`` is None, True or a ``distributed.Security``, and a clear
+    error if ``True`` cannot work because ``cryptography`` (the ``tls`` extra) is missing."""
+    if value is True and importlib.util.find_spec("cryptography") is None:
+        raise ValueError(
+            "security=True makes temporary TLS certificates, which needs the cryptography "
+            "package: pip install 'downpour-dask[tls]'"
+        )
     if value is None or value is True or isinstance(value, Security):
         return
     raise TypeError(

@@ -251,9 +251,8 @@ class DownpourSGD(ParamServerEstimator):
             A ``checkpoint_dir`` of an interrupted fit with the same model, ``n_shards`` and
             data: the shards start from its latest checkpoint (values, update-rule state,
             versions), each replica skips the steps it had pushed, and the experiment continues
-            the old one's evaluations, events and time axis (pushes made before the
-            interruption are not in the new log).  Checkpoints go on being written there
-            unless ``checkpoint_dir`` is set.
+            the old one's pushes, evaluations, events and time axis (up to the checkpoint).
+            Checkpoints go on being written there unless ``checkpoint_dir`` is set.
         """
         rule = self._check_arguments()
         if callback is not None and not callable(callback):
@@ -333,6 +332,7 @@ class _Run(Recovery):
         self.subsets, self.evaluation, self.max_epochs = subsets, evaluation, max_epochs
         self.events: list[tuple[float, str, str]] = []
         self.evals: list[dict[str, Any]] = []
+        self.rows: list[tuple] = []  # the push log, collected from the replicas' workers
         self.metric = "accuracy" if est.model.is_classifier else "r2"
         self.callback: Callable[[Progress], None] | None = None
         self.publish: str | None = None  # the name to publish the run under, if any
@@ -377,6 +377,7 @@ class _Run(Recovery):
             restore = [_restore_args(s) for s in self.resumed.shards]
             self.evals = [dict(e) for e in self.resumed.meta.get("evals", [])]
             self.events = [tuple(e) for e in self.resumed.meta.get("events", [])]
+            self.rows = [tuple(r) for r in self.resumed.meta.get("pushes", [])]
         self.server = ParameterServer.create(
             client, initial, est.n_shards, self.rule, workers, est.timeout, restore=restore
         )
@@ -414,6 +415,7 @@ class _Run(Recovery):
                     timeout=est.timeout,
                     run=self.token,
                     start_step=done.get(r, 0),
+                    topic=live.topic(self.publish) if self.publish is not None else "",
                 )
                 self.configs.append(config)
                 futures.append(self._submit(r, place.worker, place.data))
@@ -430,6 +432,7 @@ class _Run(Recovery):
             self.status = self.server.status(est.timeout)
             shard_events = self.server.events(est.timeout)
             results = [f.result(timeout=est.timeout) for f in futures]
+            self._collect_rows(force=True)  # the replicas' last rows, before they are forgotten
         finally:
             if any(not f.done() for f in futures):  # the driver failed: let replicas finish
                 with contextlib.suppress(Exception):
@@ -479,6 +482,7 @@ class _Run(Recovery):
             try:
                 self._tick()
                 self._maybe_checkpoint()
+                self._collect_rows()
                 if (
                     not self.stop_sent
                     and est.max_seconds is not None
@@ -570,8 +574,7 @@ class _Run(Recovery):
     def _experiment(
         self, results: list[dict], shard_events: list, workers: list[str]
     ) -> Experiment:
-        rows = [row for result in results for row in result["pushes"]]
-        pushes = pd.DataFrame(rows, columns=list(PUSH_COLUMNS)).astype(PUSH_COLUMNS)
+        pushes = pd.DataFrame(self.rows, columns=list(PUSH_COLUMNS)).astype(PUSH_COLUMNS)
         pushes = pushes.sort_values("time", kind="stable").reset_index(drop=True)
         eval_columns = {**EVAL_COLUMNS, self.metric: "float64"}
         evals = pd.DataFrame(self.evals, columns=list(eval_columns)).astype(eval_columns)

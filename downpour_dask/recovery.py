@@ -31,6 +31,7 @@ from .data import ShardedDataset
 from .replica import (
     SHARD_ERRORS,
     ReplicaConfig,
+    drain_rows,
     fetched_copy,
     forget_run,
     run_replica,
@@ -67,7 +68,7 @@ class Recovery:
             )
             self.saved.append({**state, "values": initial[lo:hi].copy()})
         self.known_versions = [int(s["version"]) for s in self.saved]
-        self.last_checkpoint = time.time()
+        self.last_checkpoint = self.last_collect = time.time()
 
     def _end_supervision(self) -> None:
         with contextlib.suppress(Exception):
@@ -219,6 +220,19 @@ class Recovery:
             f"{lost_updates} updates lost",
         )
 
+    #: Seconds between collections of the replicas' push-log rows.
+    COLLECT_EVERY = 0.5
+
+    def _collect_rows(self, force: bool = False) -> None:
+        """Take in the push-log rows replicas made since the last collection (every
+        :attr:`COLLECT_EVERY` seconds): a worker that dies loses only its newest rows."""
+        if not force and time.time() - self.last_collect < self.COLLECT_EVERY:
+            return
+        self.last_collect = time.time()
+        found = self.client.run(drain_rows, self.token, on_error="ignore")
+        for rows in found.values():
+            self.rows.extend(tuple(row) for row in rows)
+
     def _maybe_checkpoint(self, force: bool = False) -> None:
         """Every ``checkpoint_every`` seconds: copy every shard's state (kept in memory to
         restore lost shards) and, with a checkpoint directory, write it atomically."""
@@ -239,8 +253,10 @@ class Recovery:
             for i, ((lo, hi), st) in enumerate(zip(self.server.ranges, states))
         ]
         self._event("checkpoint", f"versions {[s.version for s in shards]}")
+        self._collect_rows(force=True)
         meta = {
             "model": est.model.get_config(),
+            "pushes": [[_plain(v) for v in row] for row in self.rows],
             "evals": [{k: _plain(v) for k, v in e.items()} for e in self.evals],
             "events": [list(e) for e in self.events],
         }

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 import time
 import uuid
@@ -68,6 +69,7 @@ class ReplicaConfig:
     timeout: float = 120.0
     run: str = ""  # the fit's token: names the shard variables (see shard_variable)
     start_step: int = 0  # a restarted replica skips the batches it already trained on
+    topic: str = ""  # a published run's event topic: the replica logs its metrics there
 
 
 #: Errors a call into a lost parameter-server shard raises (the worker died or did not answer;
@@ -92,6 +94,28 @@ def _remember(run: str, shard: int, key: str, version: int, values: np.ndarray) 
             _FETCHED[(run, shard, key)] = (version, values)
 
 
+#: Push-log rows of this process's replicas not yet collected by the driver, per run: the driver
+#: drains them every few seconds (``drain_rows``), so the log keeps the pushes of a replica
+#: whose worker later dies and, through checkpoints, those made before a driver was killed.
+_ROWS: dict[str, list[tuple]] = {}
+
+
+def _plain(value: Any) -> Any:
+    """A msgpack-friendly scalar (numpy scalars become Python numbers)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _log_row(run: str, row: tuple) -> None:
+    with _FETCHED_LOCK:
+        _ROWS.setdefault(run, []).append(row)
+
+
+def drain_rows(run: str) -> list[tuple]:
+    """Hand over (and forget) this process's push-log rows of ``run`` not yet collected."""
+    with _FETCHED_LOCK:
+        return _ROWS.pop(run, [])
+
+
 def fetched_copy(run: str, shard: int, key: str) -> tuple[int, np.ndarray] | None:
     """The freshest (version, values) of shard actor ``key`` fetched in this process, if any
     (run on workers with ``client.run`` by the driver)."""
@@ -104,6 +128,7 @@ def forget_run(run: str) -> None:
     with _FETCHED_LOCK:
         for k in [k for k in _FETCHED if k[0] == run]:
             del _FETCHED[k]
+        _ROWS.pop(run, None)
 
 
 @dataclass
@@ -189,6 +214,7 @@ class Replica:
         self.sessions = [uuid.uuid4().hex for _ in range(server.n_shards)]
         self.seq_base = [0] * server.n_shards
         self.lost_pushes = 0
+        self.last_metrics = -math.inf
         self.pull_sent = [0.0] * server.n_shards
         self.checked = [0.0] * server.n_shards  # last look for a replacement of each shard
         self.params = np.empty(server.size, dtype=DTYPE)
@@ -465,20 +491,33 @@ class Replica:
         for s in range(self.server.n_shards):
             if self.pulls[s] is None:
                 p.needed_by.discard(s)
-        self.rows.append(
-            (
-                time.time() - self.cfg.t0,
-                self.cfg.replica,
-                p.step,
-                p.loss,
-                p.examples,
-                max((r.staleness for r in replies), default=0),
-                min((r.version for r in replies), default=0),
-                not lost and all(r.accepted for r in replies),
-            )
+        row = (
+            time.time() - self.cfg.t0,
+            self.cfg.replica,
+            p.step,
+            p.loss,
+            p.examples,
+            max((r.staleness for r in replies), default=0),
+            min((r.version for r in replies), default=0),
+            not lost and all(r.accepted for r in replies),
         )
+        self.rows.append(row)
+        if self.cfg.run:
+            _log_row(self.cfg.run, row)
+        if self.cfg.topic and row[0] - self.last_metrics >= 1.0:
+            self._log_metrics(row)
         self.stop = self.stop or any(r.stop for r in replies)
         self._release()
+
+    def _log_metrics(self, row: tuple) -> None:
+        """About once a second, log this replica's latest push on the run's event topic (what
+        ``downpour-dask watch`` and ``Client.get_events`` read); never fails the replica."""
+        self.last_metrics = row[0]
+        names = ("time", "replica", "step", "loss", "examples", "staleness", "version")
+        with contextlib.suppress(Exception):
+            get_worker().log_event(
+                self.cfg.topic, {"kind": "replica", **dict(zip(names, map(_plain, row)))}
+            )
 
     def _poll(self) -> None:
         """Take in every fetch and push that has completed, without blocking."""

@@ -170,6 +170,10 @@ def test_fit_resumes_from_a_checkpoint_and_continues_the_log(tmp_path, three_wor
     assert run.evals["time"].iloc[len(saved.meta["evals"])] >= saved.elapsed
     assert min(est.server_status_["version"]) > max(saved.versions)  # versions continued
     assert est.score(test) >= 0.85
+    # the push log is one log too: the pushes made before the checkpoint are in it
+    assert len(saved.meta["pushes"]) > 0
+    assert len(run.pushes) > len(saved.meta["pushes"])
+    assert run.pushes["time"].min() < saved.elapsed < run.pushes["time"].max()
 
 
 def test_a_corrupt_checkpoint_fails_resume_before_any_cluster_work(tmp_path, mnist):
@@ -246,6 +250,8 @@ def test_a_cli_run_killed_after_a_checkpoint_resumes_and_finishes(tmp_path):
     assert events["time"].is_monotonic_increasing and run.evals["time"].is_monotonic_increasing
     assert len(run.evals) > len(before.meta["evals"]) > 0  # one experiment: old rows kept
     assert run.evals["time"].iloc[-1] >= 9.0  # the time axis continued to max_seconds
+    assert run.pushes["time"].min() < before.elapsed < run.pushes["time"].max()
+    assert len(run.pushes) >= len(before.meta["pushes"]) > 0  # pushes before the kill are kept
     assert run.evals["accuracy"].iloc[-1] >= 0.85
 
 

@@ -137,6 +137,10 @@ def test_second_process_attaches_by_name_and_sees_versions_advance(own_cluster, 
         events = client.get_events(live.topic("live-x"))
         assert events[-1][1] == {"kind": "end"}
         assert any(m.get("phase") == "done" for _, m in events if m.get("kind") == "progress")
+        # the replicas log their own metrics on the topic too, about once a second each
+        by_replicas = [m for _, m in events if m.get("kind") == "replica"]
+        assert {m["replica"] for m in by_replicas} == {0, 1}
+        assert all(m["loss"] > 0 and m["examples"] > 0 for m in by_replicas)
         with pytest.raises(ValueError, match="no run is published as 'live-x'"):
             downpour_dask.attach("live-x", client)
     assert est.score(test) > 0.8
