@@ -211,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long to try reaching --scheduler (default 30)",
     )
+    job.add_argument(
+        "--publish", default=argparse.SUPPRESS, metavar="NAME",
+        help="publish the running job on the cluster as NAME, for downpour-dask watch NAME and "
+        "downpour_dask.attach (downpour only)",
+    )  # fmt: skip
     job.add_argument("--quiet", action="store_true", help="no progress line")
     job.add_argument(
         "--resume",

@@ -68,7 +68,9 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 #: Settings of a job that are not estimator arguments.
-JOB_SETTINGS = ("algorithm", "dataset", "eval_dataset", "model", "out", "name", "overwrite")
+JOB_SETTINGS = (
+    "algorithm", "dataset", "eval_dataset", "model", "out", "name", "overwrite", "publish"
+)  # fmt: skip
 
 
 def estimator_arguments(algorithm: str) -> dict[str, inspect.Parameter]:
@@ -235,6 +237,13 @@ def prepare(settings: dict[str, Any]) -> Job:
     target = Path(job["out"]) / name
     if target.exists() and not job.get("overwrite"):
         raise FileExistsError(f"run directory {str(target)!r} exists; choose another name")
+    publish = job.get("publish")
+    if publish is not None:
+        if algorithm != "downpour":
+            raise ValueError(f"publish works with algorithm downpour only, not {algorithm!r}")
+        from .live import check_name
+
+        check_name(publish)
     partial = None
     if "checkpoint_dir" in accepted:
         partial = partial_directory(target)
@@ -302,6 +311,8 @@ def run(
     """
     estimator = job.estimator
     extra = {}
+    if job.settings.get("publish") is not None:  # watch it: downpour-dask watch NAME
+        extra["publish"] = job.settings["publish"]
     if job.partial is not None:
         job.partial.mkdir(parents=True, exist_ok=True)
         if job.resume_from is None:

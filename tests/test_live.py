@@ -293,3 +293,31 @@ def test_watch_exits_non_zero_when_the_run_fails(own_cluster, digits):
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stderr == "downpour-dask watch: failed: run 'live-f' ended without finishing " \
         "(its fit failed)\n"  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_a_cli_training_job_published_by_name_is_watched_from_another_command(
+    own_cluster, tmp_path
+):
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "downpour_dask"]
+    address = own_cluster.scheduler_address
+    train = subprocess.Popen(
+        command + ["train", "--dataset", "digits", "--model", "softmax", "--n-replicas", "2",
+                   "--max-epochs", "none", "--max-seconds", "5", "--scheduler", address,
+                   "--publish", "cli-job", "--out", str(tmp_path), "--name", "job", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        with Client(own_cluster, timeout=30) as client:
+            wait_published(client, "cli-job")
+        watched = run_cli("watch", "cli-job", "--scheduler", address, "--interval", "1")
+        out, err = train.communicate(timeout=120)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 0, err
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.splitlines()[-1] == "run 'cli-job' finished"
+    assert (tmp_path / "job" / "pushes.parquet").is_file()
+    bad = run_cli("train", "--algorithm", "sandblaster", "--publish", "x", "--out", str(tmp_path))
+    assert bad.returncode == 2 and "publish works with algorithm downpour only" in bad.stderr
