@@ -23,6 +23,7 @@ import time
 from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, datasets, models
+from downpour_dask.server import cluster_workers
 
 #: scenario name -> list of (pushes applied when to kill, worker index to kill)
 SCENARIOS: dict[str, list[tuple[int, int]]] = {
@@ -37,7 +38,7 @@ class Injector:
     """A fit callback that SIGKILLs workers when the server has applied given push counts."""
 
     def __init__(self, client: Client, schedule: list[tuple[int, int]]):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = sorted(cluster_workers(client))
         pids = client.run(os.getpid)
         self.plan = [(pushes, pids[workers[w]]) for pushes, w in schedule]
         self.kill_times: list[float] = []

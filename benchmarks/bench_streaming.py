@@ -31,6 +31,7 @@ import numpy as np
 from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, datasets, models
+from downpour_dask.server import cluster_workers
 from downpour_dask.shards import assign
 from downpour_dask.stream import ShardStream, StreamSpec, default_buffer
 
@@ -118,7 +119,7 @@ def main() -> None:
             ) as cluster,
             Client(cluster) as client,
         ):
-            workers = sorted(client.scheduler_info()["workers"])
+            workers = sorted(cluster_workers(client))
             results = {}
             client.run(reset_peak_rss)
             specs = [

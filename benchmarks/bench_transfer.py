@@ -28,6 +28,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import ParameterServer, optim  # noqa: E402
 from downpour_dask._malloc import tune_malloc  # noqa: E402
+from downpour_dask.server import cluster_workers  # noqa: E402
 
 SIZE = 1_000_000
 
@@ -92,7 +93,7 @@ def main() -> None:
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c,
         Client(c) as client,
     ):
-        near, far = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        near, far = sorted(cluster_workers(client))
         naive = client.submit(
             NaiveParameterActor, initial, actor=True, workers=[far], pure=False
         ).result(timeout=60)

@@ -42,7 +42,7 @@ from .replica import (
     SHARD_ERRORS,
     ReplicaConfig,
 )
-from .server import ParameterServer
+from .server import ParameterServer, cluster_workers
 
 
 class DownpourSGD(ParamServerEstimator):
@@ -350,7 +350,7 @@ class _Run(Recovery):
 
     def execute(self) -> None:
         est, client = self.est, self.client
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = sorted(cluster_workers(client))
         if not workers:
             raise RuntimeError("the Dask cluster has no workers")
         if self.publish is not None and live.is_published(client, self.publish):

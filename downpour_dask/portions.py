@@ -34,7 +34,7 @@ from ._malloc import tune_malloc
 from .lbfgs import Program, VectorStore, sum_replies
 from .models import Model
 from .params import DTYPE
-from .server import ParameterServer, ParameterServerShard
+from .server import ParameterServer, ParameterServerShard, cluster_workers
 
 if TYPE_CHECKING:
     from .sandblaster import _Run
@@ -301,7 +301,7 @@ class Portions:
     # -- scheduling ---------------------------------------------------------------------------
     def _refresh(self, first: bool = False) -> None:
         """Re-read the live workers (a killed one disappears, its restarted successor appears)."""
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        workers = cluster_workers(self.client)
         if not first:
             for gone in set(self.capacity) - set(workers):
                 self.run_.event("worker_lost", f"{gone}: its portions are re-run elsewhere")

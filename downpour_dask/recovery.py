@@ -37,7 +37,7 @@ from .replica import (
     run_replica,
     shard_variable,
 )
-from .server import ShardLostError
+from .server import ShardLostError, cluster_workers
 
 #: How often the driver restarts replicas whose worker died before it gives up on the run.
 MAX_REPLICA_RESTARTS = 10
@@ -102,7 +102,7 @@ class Recovery:
         )
 
     def _alive(self) -> list[str]:
-        return sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        return sorted(cluster_workers(self.client))
 
     def _check_failures(self) -> None:
         """Restore shards and restart replicas whose workers died; re-raise a replica's own

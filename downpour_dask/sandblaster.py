@@ -34,7 +34,7 @@ from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment, Progress
 from .models import Model, from_config
 from .params import DTYPE, split_range
 from .portions import PortionResult, Portions, SandblasterShard, evaluate_task, forget_run
-from .server import ParameterServer
+from .server import ParameterServer, cluster_workers
 
 # -- the estimator --------------------------------------------------------------------------------
 
@@ -269,7 +269,7 @@ class _Run:
 
     def execute(self) -> None:
         est, client, model = self.est, self.client, self.est.model
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = cluster_workers(client)
         if not workers:
             raise RuntimeError("the Dask cluster has no workers")
         self.t0 = time.time()

@@ -86,6 +86,17 @@ class _SeqTracker:
             self.ahead.discard(self.through)
 
 
+def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
+    """The cluster's current workers (address -> info such as ``nthreads``), asked afresh.
+
+    ``Client.scheduler_info(n_workers=-1)`` returns the client's cached identity, which the
+    client's own periodic refresh may replace at any moment with a summary *without* per-worker
+    entries (distributed 2026.8).  Under load it sometimes reported no workers at all, and a
+    healthy run then looked as if every worker had left.  So ask the scheduler directly.
+    """
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 class ParameterServerShard:
     """A Dask actor owning parameters ``[start, stop)``, their update-rule state and a version.
 
@@ -406,7 +417,7 @@ class ParameterServer:
         see :meth:`ParameterServerShard.export_state`) continues shards from saved state.
         """
         if workers is None:
-            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            workers = sorted(cluster_workers(client))
         if not workers:
             raise RuntimeError("the Dask cluster has no workers to hold parameter-server shards")
         ranges = split_range(initial.shape[0], n_shards)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from downpour_dask import cli, runs
+from downpour_dask.server import cluster_workers
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
 SMALL = ["--dataset", "digits", "--model", "mlp:32", "--max-epochs", "1", "--n-replicas", "2"]
@@ -78,7 +79,7 @@ def test_scheduler_flag_trains_on_an_existing_cluster(tmp_path, cluster, client)
         "--out", str(tmp_path), "--name", "remote", "--quiet",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(cluster_workers(client))
     assert config_of(tmp_path / "remote")["workers"] == workers  # not an embedded cluster
 
 

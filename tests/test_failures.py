@@ -15,6 +15,7 @@ from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, datasets, models
 from downpour_dask.checkpoint import CheckpointError, ShardState, read_checkpoint, write_checkpoint
+from downpour_dask.server import cluster_workers
 
 TIMEOUT = 60
 
@@ -86,7 +87,7 @@ def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(three_worker
     client = three_workers
     train, test = mnist
     clean = _estimator().fit(train, eval_data=test, client=client)
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(cluster_workers(client))
     # shards go to workers 0 and 1, replica r to worker r: worker 2 holds replica 2 only
     kill = _KillAt(client, workers[2], pushes=150)
     est = _estimator().fit(train, eval_data=test, client=client, callback=kill)
@@ -117,7 +118,7 @@ def test_a_streaming_replica_restarts_from_its_files_on_another_worker(
         frame.iloc[part].to_parquet(paths[-1], index=False)
     data = datasets.from_parquet(paths, label="label")
     client = three_workers
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(cluster_workers(client))
     kill = _KillAt(client, workers[2], pushes=150)
     est = _estimator().fit(data, eval_data=test, client=client, callback=kill)
     assert kill.killed_at is not None
@@ -130,7 +131,7 @@ def test_a_streaming_replica_restarts_from_its_files_on_another_worker(
 def test_killing_a_shards_worker_restores_the_shard_and_the_run_finishes(three_workers, mnist):
     client = three_workers
     train, test = mnist
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(cluster_workers(client))
     kill = _KillAt(client, workers[1], pushes=200)  # shard 1 (and replica 1) live there
     est = _estimator(checkpoint_every=0.5).fit(train, eval_data=test, client=client, callback=kill)
     assert kill.killed_at is not None

@@ -15,6 +15,7 @@ from downpour_dask.lbfgs import LBFGS, VectorStore, sum_replies
 from downpour_dask.params import split_range
 from downpour_dask.portions import SandblasterShard
 from downpour_dask.sandblaster import SandblasterLBFGS
+from downpour_dask.server import cluster_workers
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +226,7 @@ def _batch_seconds(run: Experiment) -> np.ndarray:
 @pytest.mark.timeout(120)
 def test_backup_tasks_beat_a_straggler_and_the_gradient_stays_exact(client, digits_binary):
     (X, y), _ = digits_binary
-    slow = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]
+    slow = sorted(cluster_workers(client))[1]
     model = models.LogisticRegression(64, l2=1e-2)
     reference = None
     batch_time = {}
@@ -260,7 +261,7 @@ def test_a_worker_killed_mid_batch_loses_nothing(digits_binary):
         Client(cluster) as client,
     ):
         client.wait_for_workers(3, timeout=60)
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = sorted(cluster_workers(client))
         victim = workers[2]  # shards go to workers[0] and workers[1]
         pid = client.run(os.getpid, workers=[victim])[victim]
         est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)

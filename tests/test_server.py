@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import optim
-from downpour_dask.server import ParameterServer, ParameterServerShard
+from downpour_dask.server import ParameterServer, ParameterServerShard, cluster_workers
 
 TIMEOUT = 30
 
@@ -21,7 +21,7 @@ def server(client):
 
 def test_two_shards_live_on_different_workers_and_cover_the_vector_once(client, server):
     assert len(set(server.workers)) == 2
-    assert set(server.workers) == set(client.scheduler_info(n_workers=-1)["workers"])
+    assert set(server.workers) == set(cluster_workers(client))
     status = server.status(TIMEOUT)
     covered = np.concatenate([np.arange(lo, hi) for lo, hi in zip(status["start"], status["stop"])])
     assert np.array_equal(covered, np.arange(10))

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from downpour_dask import DownpourSGD, datasets, models
+from downpour_dask.server import cluster_workers
 from downpour_dask.shards import ShardDataError, ShardReadError, assign
 from downpour_dask.stream import ShardStream, StreamSpec, prefetched
 
@@ -370,7 +371,7 @@ def test_dask_partitions_are_read_on_the_worker_that_holds_them(client, tmp_path
     frame = _frame(1200)
     ddf = dd.from_pandas(frame, npartitions=6)
     ds = datasets.from_dask(ddf, label="label", shuffle_buffer=40)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(cluster_workers(client))
     model = models.SoftmaxRegression(N_FEATURES + 1, N_CLASSES)
     placements = place_replicas(client, ds, 4, workers, 16, model, timeout=60)
     rows = {}

@@ -11,6 +11,7 @@ import pytest
 from distributed import Client, LocalCluster, Security
 
 from downpour_dask import DownpourSGD, SandblasterLBFGS, datasets, models
+from downpour_dask.server import cluster_workers
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
 SMALL = ["--dataset", "digits", "--model", "softmax", "--max-epochs", "1", "--n-replicas", "2"]
@@ -51,7 +52,7 @@ def test_training_on_a_tls_only_cluster(tls_cluster, digits):
     train, test = digits
     assert tls_cluster.scheduler_address.startswith("tls://")
     with Client(tls_cluster, security=tls_cluster.security, timeout=30) as client:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = cluster_workers(client)
         assert workers and all(w.startswith("tls://") for w in workers)
         est = softmax_estimator(train).fit(train, eval_data=test, client=client)
     assert est.score(test) > 0.8
