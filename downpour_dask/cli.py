@@ -205,13 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on an existing Dask cluster (e.g. tcp://host:8786) instead of an embedded one",
     )
     job.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="how long to try reaching --scheduler (default 30)",
-    )
-    job.add_argument(
         "--publish", default=argparse.SUPPRESS, metavar="NAME",
         help="publish the running job on the cluster as NAME, for downpour-dask watch NAME and "
         "downpour_dask.attach (downpour only)",
@@ -229,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the embedded cluster on TLS only, with temporary self-signed certificates",
     )
-    _add_tls_flags(train)
+    _add_connection_flags(train)
     _add_estimator_flags(train)
     train.set_defaults(handler=_train)
 
@@ -247,20 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Dask scheduler of the run's cluster (e.g. tcp://host:8786)",
     )
     watch.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="how long to try reaching --scheduler (default 30)",
-    )
-    watch.add_argument(
         "--interval",
         type=float,
         default=2.0,
         metavar="SECONDS",
         help="seconds between progress lines when the output is not a terminal (default 2)",
     )
-    _add_tls_flags(watch)
+    _add_connection_flags(watch)
     watch.set_defaults(handler=_watch)
 
     synthetic = commands.add_parser(
@@ -384,7 +370,15 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """``--connect-timeout`` and the TLS credentials: how a command reaches ``--scheduler``."""
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to try reaching --scheduler (default 30)",
+    )
     group = parser.add_argument_group(
         "TLS credentials for --scheduler (default: Dask's distributed.comm.tls configuration)"
     )
