@@ -1,0 +1,389 @@
+"""Model parallelism: one MLP replica split by neurons into P partitions (no Dask here).
+
+DistBelief partitions each model replica across machines and lets only the values on edges that
+cross a partition boundary travel (see ``PAPER.md``, "Model parallelism").  For a fully
+connected network the split that keeps P partitions equally busy is by **neurons within
+layers**: partition ``p`` owns the ``p``-th block of units of every hidden layer, so each
+partition does 1/P of every matrix product whatever the layer widths.  (A split by layers would
+leave the partitions as unequal as the layers: MLP 1024-4096-4096-10 has 4.2M parameters in its
+first layer and 16.8M in its second, so at best 1.25x on two workers, and micro-batch pipelining
+would only hide that behind bubbles.)
+
+Partition ``p`` holds:
+
+* for every hidden layer ``l``: the incoming weights and biases of its units,
+  ``W_l[:, block_l(p)]`` and ``b_l[block_l(p)]`` (column split);
+* for the output layer: the outgoing weights of its units of the last hidden layer,
+  ``W_L[block_{L-1}(p), :]`` (row split); the output bias belongs to partition 0.
+
+One step on a minibatch ``X`` (every partition reads the same batches) then moves, per example:
+
+* forward, after each hidden layer but the last: every partition's block of activations to every
+  other partition (all-gather), because the next layer's units read all of them;
+* forward, at the output: each partition's partial logits (``n_outputs`` values), summed
+  (all-reduce), so that every partition computes the same loss and output gradient;
+* backward, below each hidden layer but the first: each partition's partial gradient with
+  respect to the previous layer's activations, block ``q`` going to partition ``q`` who sums them
+  (reduce-scatter).
+
+The last hidden layer's activations and gradients never travel: the row split of the output
+layer keeps them local.  Sums are taken in partition order, so every partition gets bitwise the
+same logits.  The mathematics is the unpartitioned model's: only the order of floating-point
+additions inside matrix products differs (tested against :class:`~downpour_dask.models.MLP`).
+
+How messages travel is a :class:`Link`'s business: :mod:`downpour_dask.model_parallel` sends
+them through Dask actors, the tests through threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from .models import MLP, Model, _Workspace
+from .params import ParamLayout, split_range
+
+
+class Link(Protocol):
+    """How one partition exchanges messages with the other partitions of its replica.
+
+    Messages are identified by sender and tag; every partition runs the same sequence of
+    collectives, so tags match without coordination.  ``send`` takes ownership of ``payload``
+    (the caller never writes to it again), and must not block for long.
+    """
+
+    def send(self, to: int, tag: int, payload: Any) -> None: ...
+
+    def receive(self, sender: int, tag: int) -> Any: ...
+
+
+class PartitionPlan:
+    """How the neurons of an MLP are divided among ``partitions`` partitions.
+
+    Parameters
+    ----------
+    model : MLP
+        A network with at least one hidden layer.
+    partitions : int
+        Number of partitions P; at most the width of the narrowest hidden layer (every
+        partition must own at least one unit of every hidden layer).
+
+    Attributes
+    ----------
+    blocks : list of list of (start, stop)
+        ``blocks[l][p]``: the units of hidden layer ``l`` that partition ``p`` owns.
+    layouts : list of ParamLayout
+        Each partition's own parameters, in the names and order of its flat vector.
+    offsets : list of (start, stop)
+        Where each partition's vector lies in the concatenated ("packed") vector that the
+        parameter server holds.
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is not an MLP with a hidden layer.
+    ValueError
+        If ``partitions`` is not between 1 and the narrowest hidden layer's width.
+    """
+
+    def __init__(self, model: Model, partitions: int):
+        if not isinstance(model, MLP) or not model.hidden:
+            hint = "" if isinstance(model, MLP) else f" {type(model).__name__} has no hidden layer;"
+            raise TypeError(
+                f"partitions > 1 splits the hidden units of an MLP with at least one hidden "
+                f"layer:{hint} got {model!r}; use partitions=1 for this model"
+            )
+        if isinstance(partitions, bool) or not isinstance(partitions, (int, np.integer)):
+            raise TypeError(f"partitions must be an int, got {type(partitions).__name__}")
+        narrowest = min(model.hidden)
+        if not 1 <= partitions <= narrowest:
+            raise ValueError(
+                f"partitions must be between 1 and {narrowest} (the narrowest hidden layer of "
+                f"hidden={list(model.hidden)}: each partition owns at least one unit of every "
+                f"hidden layer), got {partitions}"
+            )
+        self.model, self.partitions = model, int(partitions)
+        self.fan_in = [model.n_inputs, *model.hidden]
+        self.blocks = [split_range(width, self.partitions) for width in model.hidden]
+        self.layouts = [self._layout(p) for p in range(self.partitions)]
+        bounds = np.cumsum([0] + [layout.size for layout in self.layouts]).tolist()
+        self.offsets = list(zip(bounds[:-1], bounds[1:]))
+        self.size = bounds[-1]
+
+    @property
+    def n_hidden(self) -> int:
+        """Number of hidden layers."""
+        return len(self.model.hidden)
+
+    def _layout(self, p: int) -> ParamLayout:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for layer, blocks in enumerate(self.blocks):
+            lo, hi = blocks[p]
+            shapes[f"W{layer}"] = (self.fan_in[layer], hi - lo)
+            shapes[f"b{layer}"] = (hi - lo,)
+        lo, hi = self.blocks[-1][p]
+        out = self.n_hidden
+        shapes[f"W{out}"] = (hi - lo, self.model.n_outputs)
+        if p == 0:
+            shapes[f"b{out}"] = (self.model.n_outputs,)
+        return ParamLayout(shapes)
+
+    def _pieces(self, p: int, full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Partition ``p``'s arrays as views into the full model's named arrays."""
+        pieces = {}
+        for layer, blocks in enumerate(self.blocks):
+            lo, hi = blocks[p]
+            pieces[f"W{layer}"] = full[f"W{layer}"][:, lo:hi]
+            pieces[f"b{layer}"] = full[f"b{layer}"][lo:hi]
+        lo, hi = self.blocks[-1][p]
+        out = self.n_hidden
+        pieces[f"W{out}"] = full[f"W{out}"][lo:hi, :]
+        if p == 0:
+            pieces[f"b{out}"] = full[f"b{out}"]
+        return pieces
+
+    def pack(self, params: np.ndarray) -> np.ndarray:
+        """The model's flat vector rearranged partition by partition (what the server holds)."""
+        full = self.model.layout.views(np.asarray(params))
+        packed = np.empty(self.size, dtype=params.dtype)
+        for p, (lo, hi) in enumerate(self.offsets):
+            views = self.layouts[p].views(packed[lo:hi])
+            for name, piece in self._pieces(p, full).items():
+                views[name][...] = piece
+        return packed
+
+    def unpack(self, packed: np.ndarray) -> np.ndarray:
+        """The inverse of :meth:`pack`: the model's own flat vector (for predict, score...)."""
+        if packed.shape != (self.size,):
+            raise ValueError(f"packed must have shape ({self.size},), got {packed.shape}")
+        params = np.empty(self.model.layout.size, dtype=packed.dtype)
+        full = self.model.layout.views(params)
+        for p, (lo, hi) in enumerate(self.offsets):
+            views = self.layouts[p].views(packed[lo:hi])
+            for name, piece in self._pieces(p, full).items():
+                piece[...] = views[name]
+        return params
+
+    def shard_ranges(self, n_shards: int) -> list[tuple[int, int]]:
+        """Ranges of ``n_shards`` parameter-server shards aligned with the partitions: each
+        partition's range is cut into its share of the shards, so no shard spans two partitions.
+
+        Raises
+        ------
+        ValueError
+            If ``n_shards`` is smaller than the number of partitions.
+        """
+        if n_shards < self.partitions:
+            raise ValueError(
+                f"n_shards must be at least partitions={self.partitions} (every partition "
+                f"needs a parameter-server shard of its own), got {n_shards}"
+            )
+        ranges = []
+        for p, (start, count) in enumerate(zip(self.offsets, self.shards_per_partition(n_shards))):
+            ranges += [(start[0] + lo, start[0] + hi) for lo, hi in self.layouts[p].split(count)]
+        return ranges
+
+    def shards_per_partition(self, n_shards: int) -> list[int]:
+        """How many of ``n_shards`` shards each partition gets (as even as possible)."""
+        return [hi - lo for lo, hi in split_range(n_shards, self.partitions)]
+
+    def boundary_values_per_example(self) -> int:
+        """Values that cross partition boundaries per example and step (both directions)."""
+        P = self.partitions
+        gathered = sum(self.model.hidden[:-1])  # all-gather and reduce-scatter of these layers
+        return 2 * (P - 1) * gathered + P * (P - 1) * self.model.n_outputs
+
+
+class MLPPart:
+    """Partition ``p`` of an MLP replica: computes the gradient of its own parameters.
+
+    It is used by the replica loop exactly like a :class:`~downpour_dask.models.Model` (only
+    :meth:`loss_and_grad` and ``layout``), but each call runs in lockstep with the other
+    partitions' calls, exchanging activations and their gradients through ``link``.
+
+    ``vote`` (optional) is asked on every step whether this partition wants to stop (its shards
+    said so); the answers of all partitions are combined with the logits, and
+    :attr:`agreed_stop` becomes true on every partition at the same step.
+    """
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        partition: int,
+        link: Link,
+        vote: Callable[[], bool] | None = None,
+    ):
+        self.plan, self.p, self.link = plan, int(partition), link
+        self.layout = plan.layouts[self.p]
+        self.vote = vote
+        self.agreed_stop = False
+        self.values_sent = 0
+        self._tag = 0
+        self._ws: dict[tuple[int, str], dict[str, Any]] = {}
+        self._act = plan.model._act
+
+    # -- collectives -----------------------------------------------------------------------------
+    def _next_tag(self) -> int:
+        self._tag += 1
+        return self._tag
+
+    def _send(self, to: int, tag: int, payload: Any, values: int) -> None:
+        self.values_sent += values
+        self.link.send(to, tag, payload)
+
+    def _all_gather(self, block: np.ndarray, out: np.ndarray, blocks: list) -> None:
+        """Fill ``out`` (n x width) with every partition's ``block`` in its columns."""
+        tag, me = self._next_tag(), self.p
+        for q in range(self.plan.partitions):
+            if q != me:
+                self._send(q, tag, block.copy(), block.size)
+        lo, hi = blocks[me]
+        out[:, lo:hi] = block
+        for q in range(self.plan.partitions):
+            if q != me:
+                lo, hi = blocks[q]
+                out[:, lo:hi] = self.link.receive(q, tag)
+
+    def _reduce_scatter(self, partial: np.ndarray, out: np.ndarray, blocks: list) -> None:
+        """``out`` = the sum over partitions of their ``partial[:, own block]``, in partition
+        order."""
+        tag, me = self._next_tag(), self.p
+        for q in range(self.plan.partitions):
+            if q != me:
+                lo, hi = blocks[q]
+                piece = np.ascontiguousarray(partial[:, lo:hi])
+                self._send(q, tag, piece, piece.size)
+        lo, hi = blocks[me]
+        for q in range(self.plan.partitions):
+            part = partial[:, lo:hi] if q == me else self.link.receive(q, tag)
+            if q == 0:
+                out[...] = part
+            else:
+                out += part
+
+    def _all_reduce_output(
+        self, logits: np.ndarray, penalty: float, stop: bool
+    ) -> tuple[float, bool]:
+        """Sum every partition's partial ``logits`` in place (in partition order) and their
+        penalties; OR their stop votes."""
+        tag, me = self._next_tag(), self.p
+        for q in range(self.plan.partitions):
+            if q != me:
+                self._send(q, tag, (logits.copy(), penalty, stop), logits.size)
+        own = logits.copy()
+        total_penalty, any_stop = 0.0, False
+        for q in range(self.plan.partitions):
+            part, pen, vote = (own, penalty, stop) if q == me else self.link.receive(q, tag)
+            if q == 0:
+                logits[...] = part
+            else:
+                logits += part
+            total_penalty += pen
+            any_stop = any_stop or bool(vote)
+        return total_penalty, any_stop
+
+    # -- the gradient ----------------------------------------------------------------------------
+    def _workspace(self, n: int, dtype: np.dtype) -> dict[str, Any]:
+        key = (n, dtype.char)
+        ws = self._ws.get(key)
+        if ws is None:
+            plan, p = self.plan, self.p
+            own = [hi - lo for lo, hi in (blocks[p] for blocks in plan.blocks)]
+            ws = {
+                "h": [np.empty((n, w), dtype) for w in own],  # own activations per hidden layer
+                "full": [np.empty((n, w), dtype) for w in plan.model.hidden[:-1]],  # gathered
+                "d": [np.empty((n, w), dtype) for w in own],  # own deltas
+                "partial": [np.empty((n, w), dtype) for w in plan.model.hidden[:-1]],
+                "out": _Workspace([plan.model.n_outputs], n, dtype, 1),
+            }
+            self._ws = {key: ws}  # one batch size at a time (the last batch may be smaller)
+        return ws
+
+    def _activate(self, z: np.ndarray) -> None:
+        if self._act == "relu":
+            np.maximum(z, 0, out=z)
+        else:
+            np.tanh(z, out=z)
+
+    def _derivative(self, h: np.ndarray, d: np.ndarray) -> None:
+        """``d *= act'(z)``, from the activation ``h = act(z)``, which is no longer needed and
+        is overwritten (no temporaries)."""
+        if self._act == "relu":
+            np.sign(h, out=h)
+        else:
+            np.multiply(h, h, out=h)
+            np.subtract(1, h, out=h)
+        d *= h
+
+    def _penalty(self, layers: dict[str, np.ndarray], grads: dict[str, np.ndarray] | None) -> float:
+        l2 = self.plan.model.l2
+        if l2 == 0:
+            return 0.0
+        total = 0.0
+        for name, W in layers.items():
+            if name.startswith("W"):
+                total += float(np.vdot(W, W))
+                if grads is not None:
+                    grads[name] += l2 * W
+        return 0.5 * l2 * total
+
+    def loss_and_grad(
+        self, params: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray | None = None
+    ) -> tuple[float, np.ndarray]:
+        """The whole model's objective on one batch and the gradient of this partition's own
+        parameters (``out``, a flat vector of ``layout.size``).
+
+        Every partition must call it with the same batch; it returns once the partitions have
+        exchanged what crosses their boundaries.
+        """
+        plan, me, model = self.plan, self.p, self.plan.model
+        dtype = params.dtype
+        X = X if X.dtype == dtype else X.astype(dtype)
+        n, L = X.shape[0], plan.n_hidden
+        if out is None:
+            out = np.empty(self.layout.size, dtype)
+        layers, grads = self.layout.views(params), self.layout.views(out)
+        ws = self._workspace(n, dtype)
+        # forward: own units of each hidden layer, gathering all units but the last layer's
+        a = X
+        for layer in range(L):
+            h = ws["h"][layer]
+            np.dot(a, layers[f"W{layer}"], out=h)
+            h += layers[f"b{layer}"]
+            self._activate(h)
+            if layer < L - 1:
+                a = ws["full"][layer]
+                self._all_gather(h, a, plan.blocks[layer])
+        logits = ws["out"].acts[0][:n]
+        np.dot(ws["h"][L - 1], layers[f"W{L}"], out=logits)
+        if me == 0:
+            logits += layers[f"b{L}"]
+        penalty = self._penalty(layers, None)
+        vote = bool(self.vote()) if self.vote is not None else False
+        penalty, self.agreed_stop = self._all_reduce_output(logits, penalty, vote)
+        data_loss = model._output_loss(logits, y, ws["out"], delta=True) / n
+        delta = logits
+        delta *= 1.0 / n
+        # backward: the output layer's rows, then down through the hidden layers
+        h_last = ws["h"][L - 1]
+        np.dot(h_last.T, delta, out=grads[f"W{L}"])
+        if me == 0:
+            np.sum(delta, axis=0, out=grads[f"b{L}"])
+        d = ws["d"][L - 1]
+        np.dot(delta, layers[f"W{L}"].T, out=d)
+        self._derivative(h_last, d)
+        for layer in range(L - 1, -1, -1):
+            a_prev = X if layer == 0 else ws["full"][layer - 1]
+            np.dot(a_prev.T, d, out=grads[f"W{layer}"])
+            np.sum(d, axis=0, out=grads[f"b{layer}"])
+            if layer == 0:
+                break
+            partial = ws["partial"][layer - 1]
+            np.dot(d, layers[f"W{layer}"].T, out=partial)
+            d = ws["d"][layer - 1]
+            self._reduce_scatter(partial, d, plan.blocks[layer - 1])
+            self._derivative(ws["h"][layer - 1], d)
+        self._penalty(layers, grads)
+        return data_loss + penalty, out
