@@ -35,8 +35,10 @@ from .checkpoint import Checkpoint, ShardState, read_checkpoint
 from .dask_data import place_replicas
 from .data import Dataset, ShardedDataset, as_dataset
 from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment, Progress
+from .model_parallel import partition_workers
 from .models import Model
 from .params import split_range
+from .partition import PartitionPlan
 from .recovery import Recovery
 from .replica import (
     SHARD_ERRORS,
@@ -94,6 +96,13 @@ class DownpourSGD(ParamServerEstimator):
     checkpoint_every : float, default 30
         Seconds between checkpoints.  The driver also keeps the latest one in memory (even
         without ``checkpoint_dir``) to restore a shard whose worker dies.
+    partitions : int, default 1
+        Model parallelism: split every replica of an MLP into this many partitions on as many
+        different workers, by neurons (partition p owns the p-th block of units of every hidden
+        layer; see :mod:`downpour_dask.partition`).  Each partition fetches and pushes only its
+        own parameters, from shards that hold nothing else (``n_shards >= partitions``); only
+        activations and their gradients that cross partitions travel.  Needs an MLP, at most as
+        many partitions as the narrowest hidden layer has units, and as many workers.
 
     Attributes
     ----------
@@ -126,6 +135,7 @@ class DownpourSGD(ParamServerEstimator):
         security: Security | bool | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: float = 30.0,
+        partitions: int = 1,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -146,6 +156,7 @@ class DownpourSGD(ParamServerEstimator):
         self.security = security
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
+        self.partitions = partitions
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self) -> optim.UpdateRule:
@@ -157,6 +168,8 @@ class DownpourSGD(ParamServerEstimator):
             )
         check_int("n_replicas", self.n_replicas, 1)
         check_int("n_shards", self.n_shards, 1, self.model.layout.size)
+        check_int("partitions", self.partitions, 1)
+        self._shard_ranges()  # partitions the model cannot take, or too few shards, raise here
         check_int("batch_size", self.batch_size, 1)
         check_int("n_fetch", self.n_fetch, 1)
         check_int("n_push", self.n_push, 1)
@@ -193,6 +206,17 @@ class DownpourSGD(ParamServerEstimator):
                 f"got {type(self.optimizer).__name__}"
             )
         return optim.make(self.optimizer, self.learning_rate)
+
+    def _plan(self) -> PartitionPlan | None:
+        """How replicas are split (None without model parallelism)."""
+        return None if self.partitions == 1 else PartitionPlan(self.model, self.partitions)
+
+    def _shard_ranges(self) -> list[tuple[int, int]]:
+        """The shards' ranges of the server's vector: balanced, or aligned with partitions."""
+        plan = self._plan()
+        if plan is None:
+            return split_range(self.model.layout.size, self.n_shards)
+        return plan.shard_ranges(self.n_shards)
 
     def _check_data(self, data: Any, y: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
         dataset = as_dataset(data, y, what=what)
@@ -286,12 +310,14 @@ class DownpourSGD(ParamServerEstimator):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"resume_from must be a path, got {type(path).__name__}")
         checkpoint = read_checkpoint(path)  # CheckpointError (a ValueError) naming the file
-        ranges = split_range(self.model.layout.size, self.n_shards)
+        ranges = self._shard_ranges()
         found = [(s.start, s.stop) for s in checkpoint.shards]
-        if found != [tuple(r) for r in ranges]:
+        saved_partitions = int(checkpoint.meta.get("partitions", 1))
+        if found != [tuple(r) for r in ranges] or saved_partitions != self.partitions:
             raise ValueError(
                 f"resume_from={str(path)!r}: the checkpoint holds {len(found)} shard(s) covering "
-                f"{found[-1][1]} parameters, but this estimator has n_shards={self.n_shards} and "
+                f"{found[-1][1]} parameters of a model in {saved_partitions} partition(s), but "
+                f"this estimator has n_shards={self.n_shards}, partitions={self.partitions} and "
                 f"a model of {self.model.layout.size} parameters; use the interrupted run's "
                 f"settings"
             )
@@ -353,6 +379,12 @@ class _Run(Recovery):
         workers = sorted(cluster_workers(client))
         if not workers:
             raise RuntimeError("the Dask cluster has no workers")
+        if est.partitions > len(workers):
+            raise ValueError(
+                f"partitions={est.partitions} puts each replica's partitions on "
+                f"{est.partitions} different workers, but the cluster has {len(workers)}; use "
+                f"partitions <= {len(workers)} or a cluster with more workers"
+            )
         if self.publish is not None and live.is_published(client, self.publish):
             raise ValueError(
                 f"publish={self.publish!r}: a run or dataset of that name is already published "
@@ -368,7 +400,10 @@ class _Run(Recovery):
             self.data_info = {"kind": "arrays", "n_shards": len(placements), "rows": self.n_rows}
         self.t0 = time.time()
         rng = np.random.default_rng(est.random_state)
+        self.plan = est._plan()
         initial = est.model.init(rng)
+        if self.plan is not None:  # the server holds the parameters partition by partition
+            initial = self.plan.pack(initial)
         seed = int(rng.integers(2**31)) if est.random_state is None else est.random_state
         restore = None
         if self.resumed is not None:  # continue the interrupted run's time axis and log
@@ -379,7 +414,14 @@ class _Run(Recovery):
             self.events = [tuple(e) for e in self.resumed.meta.get("events", [])]
             self.rows = [tuple(r) for r in self.resumed.meta.get("pushes", [])]
         self.server = ParameterServer.create(
-            client, initial, est.n_shards, self.rule, workers, est.timeout, restore=restore
+            client,
+            initial,
+            est.n_shards,
+            self.rule,
+            self._shard_workers(placements[0].worker, workers),
+            est.timeout,
+            restore=restore,
+            ranges=est._shard_ranges(),
         )
         self._start_supervision(initial, restore)
         if self.resumed is not None:
@@ -402,28 +444,22 @@ class _Run(Recovery):
             self.placements = placements
             done = self._steps_done(restore)
             for r, place in enumerate(placements):
-                config = ReplicaConfig(
-                    replica=r,
-                    batch_size=est.batch_size,
-                    n_fetch=est.n_fetch,
-                    n_push=est.n_push,
-                    local_learning_rate=alpha,
-                    seed=seed,
-                    t0=self.t0,
-                    max_epochs=self.max_epochs,
-                    max_steps=est.max_steps,
-                    timeout=est.timeout,
-                    run=self.token,
-                    start_step=done.get(r, 0),
-                    topic=live.topic(self.publish) if self.publish is not None else "",
-                )
-                self.configs.append(config)
-                futures.append(self._submit(r, place.worker, place.data))
+                placed = partition_workers(place.worker, est.partitions, workers)
+                if self.plan is not None:
+                    self._open_mailboxes(r, placed)
+                for p, worker in enumerate(placed):
+                    self._start_slot(
+                        r,
+                        p,
+                        worker,
+                        place.data,
+                        self._replica_config(r, p, alpha, seed, done.get(r, 0)),
+                    )
                 warm = est.n_replicas > 1 and est.warmstart_steps > 0 and self.resumed is None
                 if r == 0 and warm:
                     self._warmstart(futures[0])
             self._supervise(futures)
-            self.params, versions = self.server.pull(est.timeout)
+            self.params, versions = self._pull()
             self._evaluate(self.params, versions)
             if self.callback is not None or self.publish is not None:
                 self.phase = "done"
@@ -444,6 +480,44 @@ class _Run(Recovery):
             self._end_supervision()
             self.server.close()
         self.experiment = self._experiment(results, shard_events, workers)
+
+    def _replica_config(self, r: int, p: int, alpha: float, seed: int, start: int) -> ReplicaConfig:
+        est = self.est
+        return ReplicaConfig(
+            replica=r,
+            batch_size=est.batch_size,
+            n_fetch=est.n_fetch,
+            n_push=est.n_push,
+            local_learning_rate=alpha,
+            seed=seed,  # the same for every partition of a replica: they read the same batches
+            t0=self.t0,
+            max_epochs=self.max_epochs,
+            max_steps=est.max_steps,
+            timeout=est.timeout,
+            run=self.token,
+            start_step=start,
+            topic=live.topic(self.publish) if self.publish is not None else "",
+            partition=p,
+        )
+
+    def _shard_workers(self, first: str, workers: list[str]) -> list[str]:
+        """Where each shard goes: round robin over the workers; with model parallelism, next to
+        the partition of replica 0 whose parameters it holds (further shards of a partition
+        continue round robin from there)."""
+        if self.plan is None:
+            return workers
+        placed = []
+        counts = self.plan.shards_per_partition(self.est.n_shards)
+        start = workers.index(first)
+        for p, count in enumerate(counts):
+            for j in range(count):
+                placed.append(workers[(start + p + j * self.plan.partitions) % len(workers)])
+        return placed
+
+    def _pull(self) -> tuple[np.ndarray, list[int]]:
+        """The model's flat parameters assembled from every shard, and each shard's version."""
+        values, versions = self.server.pull(self.est.timeout)
+        return (values if self.plan is None else self.plan.unpack(values)), versions
 
     def _warmstart(self, first: Future) -> None:
         """Let replica 0 alone make ``warmstart_steps`` steps' worth of pushes, then go on."""
@@ -501,7 +575,7 @@ class _Run(Recovery):
         if self.evaluation is None or time.time() - self.t0 - last < self.est.eval_every:
             versions = self.server.versions(self.est.timeout)  # a few bytes, not the vector
         else:
-            params, versions = self.server.pull(self.est.timeout)
+            params, versions = self._pull()
             self._evaluate(params, versions)
         version = min(versions)
         self.known_versions = [max(k, v) for k, v in zip(self.known_versions, versions)]
@@ -525,6 +599,7 @@ class _Run(Recovery):
             "t0": self.t0,
             "n_replicas": est.n_replicas,
             "n_shards": est.n_shards,
+            "partitions": est.partitions,
             "n_rows": self.n_rows,
             "metric": self.metric,
         }
@@ -574,7 +649,8 @@ class _Run(Recovery):
     def _experiment(
         self, results: list[dict], shard_events: list, workers: list[str]
     ) -> Experiment:
-        pushes = pd.DataFrame(self.rows, columns=list(PUSH_COLUMNS)).astype(PUSH_COLUMNS)
+        rows = [(*row, 0) if len(row) == len(PUSH_COLUMNS) - 1 else row for row in self.rows]
+        pushes = pd.DataFrame(rows, columns=list(PUSH_COLUMNS)).astype(PUSH_COLUMNS)
         pushes = pushes.sort_values("time", kind="stable").reset_index(drop=True)
         eval_columns = {**EVAL_COLUMNS, self.metric: "float64"}
         evals = pd.DataFrame(self.evals, columns=list(eval_columns)).astype(eval_columns)
@@ -582,8 +658,21 @@ class _Run(Recovery):
         events_frame = pd.DataFrame(sorted(events, key=lambda e: e[0]), columns=list(EVENT_COLUMNS))
         config = self.est._config(self.n_rows, workers)
         config["data"] = self.data_info
-        config["replica_steps"] = [r["steps"] for r in results]
+        config["replica_steps"] = [r["steps"] for r in results if r.get("partition", 0) == 0]
         config["lost_pushes"] = sum(r.get("lost_pushes", 0) for r in results)
+        if self.plan is not None:  # what crossed partition boundaries, over the whole run
+            config["partition_bytes_sent"] = sum(r.get("bytes_sent", 0) for r in results)
+            first = [*self._first_shards(), self.server.n_shards]
+            config["partition_slots"] = [  # where each partition ran, and whom it talked to
+                {
+                    "replica": r,
+                    "partition": p,
+                    "worker": worker,
+                    "shards": list(range(first[p], first[p + 1])),
+                    "sessions": list(result.get("sessions", [])),
+                }
+                for (r, p), worker, result in zip(self.slots, self.slot_workers, results)
+            ]
         config["replica_restarts"] = self.restarts
         return Experiment(config, pushes, evals, events_frame.astype(EVENT_COLUMNS))
 

@@ -28,6 +28,7 @@ from distributed import Client
 from . import models
 from .data import Dataset, as_dataset
 from .log import Progress
+from .partition import PartitionPlan
 from .server import ParameterServer
 
 #: Prefix of the scheduler event topic a published run logs its progress under.
@@ -270,7 +271,13 @@ class LiveRun:
         return values
 
     def _pull(self) -> tuple[np.ndarray, list[int]]:
-        return self._retrying(lambda server: server.pull(self._timeout))
+        """The model's flat parameters (a model-parallel run's shards hold them partition by
+        partition: see :meth:`PartitionPlan.pack`) and each shard's version."""
+        values, versions = self._retrying(lambda server: server.pull(self._timeout))
+        partitions = int(self.info.get("partitions", 1))
+        if partitions > 1:
+            values = PartitionPlan(self.model, partitions).unpack(values)
+        return values, versions
 
     def evaluate(self, data: Dataset | tuple, y: np.ndarray | None = None) -> dict[str, float]:
         """Loss and accuracy (classifiers) or R^2 (regression) of the current parameters.

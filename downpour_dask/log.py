@@ -30,6 +30,9 @@ PUSH_COLUMNS = {
     "staleness": "int64",  # max over shards of updates applied between fetch and push
     "version": "int64",  # min over shards of the version after applying this push
     "accepted": "bool",  # False when a shard refused the push (non-finite gradient)
+    # Which partition of a model-parallel replica pushed (its own parameter range); 0 without
+    # model parallelism.  A replica split in P partitions makes P rows per push, one each.
+    "partition": "int64",
 }
 #: Columns of :attr:`Experiment.evals`; ``accuracy`` for classifiers, ``r2`` for regression.
 EVAL_COLUMNS = {
@@ -134,12 +137,13 @@ class Experiment:
             the run was evaluated, ``final_<metric>`` / ``best_<metric>`` / ``final_loss``.
         """
         p, e = self.pushes, self.evals
+        first = p[p["partition"] == 0] if "partition" in p else p  # one row per replica push
         stop = self.events.loc[self.events["kind"] == "stop", "time"]
         duration = float(stop.iloc[-1]) if len(stop) else float(p["time"].max() if len(p) else 0)
         out: dict[str, float] = {
             "duration": duration,
-            "pushes": float(len(p)),
-            "examples": float(p["examples"].sum()) if len(p) else 0.0,
+            "pushes": float(len(first)),
+            "examples": float(first["examples"].sum()) if len(first) else 0.0,
         }
         out["examples_per_s"] = out["examples"] / duration if duration > 0 else float("nan")
         out["pushes_per_s"] = out["pushes"] / duration if duration > 0 else float("nan")
@@ -222,9 +226,12 @@ class Experiment:
             )
         with open(src / "config.json") as f:
             config = json.load(f)
+        pushes = pd.read_parquet(src / "pushes.parquet")
+        if "partition" not in pushes:  # written before model parallelism existed
+            pushes["partition"] = np.zeros(len(pushes), dtype="int64")
         return cls(
             config,
-            pd.read_parquet(src / "pushes.parquet"),
+            pushes,
             pd.read_parquet(src / "evals.parquet"),
             pd.read_parquet(src / "events.parquet"),
         )

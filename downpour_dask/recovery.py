@@ -6,7 +6,9 @@ workers die.  Dask re-runs tasks of a dead worker but never brings back an actor
 * a **replica** whose worker died (``KilledWorker``, a cancelled or lost task, its worker gone)
   is resubmitted on the least-loaded surviving worker, with its in-memory data re-scattered from
   the driver's copy, continuing after the steps it had pushed; a replica that raised an error of
-  its own (a data error, a bug) still ends the run with that error;
+  its own (a data error, a bug) still ends the run with that error.  A model-parallel replica
+  runs as one task per partition (a *slot*); losing any of them restarts all of them, on
+  distinct workers where possible, after their surviving peers are told to give up;
 * a lost **shard** is recreated on a surviving worker from the freshest state available: the last
   checkpoint (values and update-rule state) or, when fresher, the newest copy of its values a
   replica fetched; replicas find the replacement in a per-run ``distributed.Variable`` and switch
@@ -28,6 +30,7 @@ from distributed import Future, KilledWorker, Variable
 from . import live
 from .checkpoint import ShardState, write_checkpoint
 from .data import ShardedDataset
+from .model_parallel import Mailbox, PartitionLost, Peers, run_partition
 from .replica import (
     SHARD_ERRORS,
     ReplicaConfig,
@@ -47,13 +50,18 @@ class Recovery:
     """Failure handling and checkpoints of a Downpour driver (mixed into ``downpour._Run``).
 
     It relies on the driver's ``est``, ``client``, ``server``, ``rule``, ``token``, ``subsets``,
-    ``placements``, ``futures``, ``evals``, ``events``, ``t0`` and its ``_event`` method.
+    ``placements``, ``plan``, ``futures``, ``evals``, ``events``, ``t0`` and its ``_event``
+    method.  ``futures`` has one task per slot: slot ``i`` runs partition ``slots[i][1]`` of
+    replica ``slots[i][0]`` on ``slot_workers[i]`` (one slot per replica without partitions).
     """
 
     def _start_supervision(self, initial: np.ndarray, restore: list[dict] | None) -> None:
         """Publish each shard's actor future (replicas find replacements there) and keep the
         starting state as the first in-memory checkpoint."""
         self.configs: list[ReplicaConfig] = []
+        self.slots: list[tuple[int, int]] = []
+        self.slot_workers: list[str] = []
+        self.mailboxes: dict[int, list[Future]] = {}  # replica -> its partitions' mailboxes
         self.variables = []
         for i, future in enumerate(self.server.futures):
             variable = Variable(shard_variable(self.token, i), client=self.client)
@@ -71,6 +79,8 @@ class Recovery:
         self.last_checkpoint = self.last_collect = time.time()
 
     def _end_supervision(self) -> None:
+        for r in list(self.mailboxes):
+            self._close_mailboxes(r, "the run ended")
         with contextlib.suppress(Exception):
             self.client.run(forget_run, self.token, on_error="ignore")
         for variable in getattr(self, "variables", []):
@@ -81,25 +91,91 @@ class Recovery:
         """Steps each replica had pushed before a resume (from shard 0's counters)."""
         if restore is None:
             return {}
-        by_replica = restore[0].get("counters", {}).get("accepted_by_replica", {})
-        return {int(r): int(n) * self.est.n_push for r, n in by_replica.items()}
+        done: dict[int, int] = {}
+        for i in self._first_shards():  # a partition's first shard counts its pushes
+            by_replica = restore[i].get("counters", {}).get("accepted_by_replica", {})
+            for r, n in by_replica.items():
+                done[int(r)] = max(done.get(int(r), 0), int(n) * self.est.n_push)
+        return done
 
-    def _submit(self, r: int, worker: str, data: Any, start_step: int | None = None) -> Future:
-        """Submit replica ``r``'s loop on ``worker`` (a restart gets a fresh key)."""
-        config = self.configs[r]
+    def _first_shards(self) -> list[int]:
+        """Index of each partition's first shard (shard 0 alone without partitions)."""
+        if self.plan is None:
+            return [0]
+        counts = self.plan.shards_per_partition(self.est.n_shards)
+        return [sum(counts[:p]) for p in range(len(counts))]
+
+    def _start_slot(self, r: int, p: int, worker: str, data: Any, config: ReplicaConfig) -> None:
+        """Add slot (replica ``r``, partition ``p``) and submit its task on ``worker``."""
+        self.slots.append((r, p))
+        self.slot_workers.append(worker)
+        self.configs.append(config)
+        self.futures.append(self._submit(len(self.futures), worker, data))
+
+    def _submit(self, i: int, worker: str, data: Any, start_step: int | None = None) -> Future:
+        """Submit slot ``i``'s loop on ``worker`` (a restart gets a fresh key)."""
+        r, p = self.slots[i]
+        config = self.configs[i]
         if start_step is not None:
             config = dataclasses.replace(config, start_step=start_step)
+        parts = self.placements[r].parts  # Dask partitions, resolved on the worker holding them
+        if self.plan is None:
+            return self.client.submit(
+                run_replica,
+                self.server,
+                self.est.model,
+                data,  # (X, y) futures, or the replica's shard descriptors
+                config,
+                parts,
+                workers=[worker],
+                pure=False,
+                key=f"replica-{r}-{self.token}-{self.restarts}",
+            )
+        first = self._first_shards() + [self.server.n_shards]
         return self.client.submit(
-            run_replica,
-            self.server,
+            run_partition,
+            self.server.subset(first[p], first[p + 1]),  # only this partition's shards
             self.est.model,
-            data,  # (X, y) futures, or the replica's shard descriptors
+            self.plan.partitions,
+            Peers([m.result(timeout=self.est.timeout) for m in self.mailboxes[r]]),
+            data,
             config,
-            self.placements[r].parts,  # Dask partitions, resolved on the worker holding them
+            parts,
             workers=[worker],
+            allow_other_workers=False,  # its mailbox is there
             pure=False,
-            key=f"replica-{r}-{self.token}-{self.restarts}",
+            key=f"replica-{r}-partition-{p}-{self.token}-{self.restarts}",
         )
+
+    def _open_mailboxes(self, r: int, workers: list[str]) -> None:
+        """Create the mailbox actors of replica ``r``'s partitions, partition p's on
+        ``workers[p]``."""
+        futures = [
+            self.client.submit(
+                Mailbox,
+                actor=True,
+                workers=[worker],
+                allow_other_workers=False,
+                pure=False,
+                key=f"mailbox-{r}-{p}-{self.token}-{self.restarts}",
+            )
+            for p, worker in enumerate(workers)
+        ]
+        for future in futures:
+            future.result(timeout=self.est.timeout)
+        self.mailboxes[r] = futures
+
+    def _close_mailboxes(self, r: int, reason: str) -> None:
+        """Make replica ``r``'s partitions that still run give up (their peers are gone), and
+        let the mailbox actors go."""
+        calls = []
+        for future in self.mailboxes.pop(r, []):
+            with contextlib.suppress(Exception):
+                if future.status == "finished":
+                    calls.append(future.result(timeout=1).close(reason))
+        for call in calls:
+            with contextlib.suppress(Exception):
+                call.result(timeout=5)
 
     def _alive(self) -> list[str]:
         return sorted(cluster_workers(self.client))
@@ -111,21 +187,25 @@ class Recovery:
         gone = [i for i, w in enumerate(self.server.workers) if w not in alive]
         for i in gone:
             self._recover_shard(i, f"worker {self.server.workers[i]} left the cluster", alive)
-        for r, f in enumerate(self.futures):
+        for i, f in enumerate(self.futures):
+            r, p = self.slots[i]
             if f.status == "finished":
                 continue
             if f.status == "error":
                 error = f.exception(timeout=self.est.timeout)
-                if not isinstance(error, KilledWorker):
+                # A partition whose peer died fails with PartitionLost: restart the replica too.
+                if not isinstance(error, (KilledWorker, PartitionLost)):
                     self.server.request_stop(self.est.timeout)
                     raise RuntimeError(f"replica task {f.key} failed: {error!r}") from error
                 why = f"{error!r}"
             elif f.status in ("cancelled", "lost"):
                 why = f"its task was {f.status}"
-            elif self.placements[r].worker not in alive:
-                why = f"worker {self.placements[r].worker} left the cluster"
+            elif self.slot_workers[i] not in alive:
+                why = f"worker {self.slot_workers[i]} left the cluster"
             else:
                 continue
+            if self.plan is not None:
+                why = f"partition {p}: {why}"
             self._restart_replica(r, why, alive)
 
     def _restart_replica(self, r: int, why: str, alive: list[str]) -> None:
@@ -138,21 +218,34 @@ class Recovery:
                 f"giving up"
             )
         self.restarts += 1
-        self.futures[r].cancel()
+        slots = [i for i, (q, _) in enumerate(self.slots) if q == r]
+        for i in slots:
+            self.futures[i].cancel()
+        if self.plan is not None:  # surviving partitions wait for a dead peer: release them
+            self._close_mailboxes(r, f"replica {r} is restarted: {why}")
         load = {w: 0 for w in alive}
-        for q, place in enumerate(self.placements):
-            if q != r and place.worker in load and self.futures[q].status != "finished":
-                load[place.worker] += 1
-        worker = min(alive, key=lambda w: (load[w], w in self.server.workers, w))
+        for i, (q, _) in enumerate(self.slots):
+            worker = self.slot_workers[i]
+            if q != r and worker in load and self.futures[i].status != "finished":
+                load[worker] += 1
+        ranked = sorted(alive, key=lambda w: (load[w], w in self.server.workers, w))
+        workers = [ranked[p % len(ranked)] for p in range(len(slots))]  # distinct if possible
         data = self.placements[r].data
         if not isinstance(self.subsets, ShardedDataset):  # scattered data died with the worker
             X_r, y_r = self.subsets[r]
-            data = tuple(self.client.scatter([X_r, y_r], workers=[worker], hash=False))
-        status = self.server.shards[0].status().result(timeout=est.timeout)
-        done = int(status["accepted_by_replica"].get(r, 0)) * est.n_push
-        self.placements[r] = dataclasses.replace(self.placements[r], worker=worker, data=data)
-        self.futures[r] = self._submit(r, worker, data, start_step=done)
-        self._event("replica_restarted", f"replica {r} on {worker}, continuing after step {done}")
+            data = tuple(self.client.scatter([X_r, y_r], workers=[workers[0]], hash=False))
+        done = 0  # steps pushed: by the partition furthest ahead (none is pushed twice)
+        for shard in self._first_shards():
+            status = self.server.shards[shard].status().result(timeout=est.timeout)
+            done = max(done, int(status["accepted_by_replica"].get(r, 0)) * est.n_push)
+        self.placements[r] = dataclasses.replace(self.placements[r], worker=workers[0], data=data)
+        if self.plan is not None:
+            self._open_mailboxes(r, workers)
+        for i, worker in zip(slots, workers):
+            self.slot_workers[i] = worker
+            self.futures[i] = self._submit(i, worker, data, start_step=done)
+        where = ", ".join(workers)
+        self._event("replica_restarted", f"replica {r} on {where}, continuing after step {done}")
 
     def _recover_lost_shards(self, err: BaseException) -> None:
         """After a failed shard call, find which shard(s) are lost and restore them."""
@@ -256,6 +349,7 @@ class Recovery:
         self._collect_rows(force=True)
         meta = {
             "model": est.model.get_config(),
+            "partitions": est.partitions,
             "pushes": [[_plain(v) for v in row] for row in self.rows],
             "evals": [{k: _plain(v) for k, v in e.items()} for e in self.evals],
             "events": [list(e) for e in self.events],

@@ -70,6 +70,7 @@ class ReplicaConfig:
     run: str = ""  # the fit's token: names the shard variables (see shard_variable)
     start_step: int = 0  # a restarted replica skips the batches it already trained on
     topic: str = ""  # a published run's event topic: the replica logs its metrics there
+    partition: int = 0  # which partition of a model-parallel replica this loop runs
 
 
 #: Errors a call into a lost parameter-server shard raises (the worker died or did not answer;
@@ -282,18 +283,21 @@ class Replica:
                 self._ack(p, wait=True)
         return {
             "replica": cfg.replica,
+            "partition": cfg.partition,
             "steps": step,
             "epochs": epochs,
             "pushes": self.rows,
             "lost_pushes": self.lost_pushes,
+            "sessions": self.sessions,
         }
 
     def _done(self, step: int, epochs: int) -> bool:
+        return self.stop or self._limit_reached(step, epochs)
+
+    def _limit_reached(self, step: int, epochs: int) -> bool:
         cfg = self.cfg
-        return (
-            self.stop
-            or (cfg.max_steps is not None and step >= cfg.max_steps)
-            or (cfg.max_epochs is not None and epochs >= cfg.max_epochs)
+        return (cfg.max_steps is not None and step >= cfg.max_steps) or (
+            cfg.max_epochs is not None and epochs >= cfg.max_epochs
         )
 
     # -- fetching --------------------------------------------------------------------------------
@@ -327,7 +331,9 @@ class Replica:
         self.checked[s] = now
         future = None
         with contextlib.suppress(TimeoutError, OSError):
-            future = Variable(shard_variable(self.cfg.run, s)).get(timeout=self.cfg.timeout)
+            future = Variable(shard_variable(self.cfg.run, self.server.ids[s])).get(
+                timeout=self.cfg.timeout
+            )
         return future is not None and future.key != key
 
     def _wait_call(self, call: Any, s: int, key: str, sent: float) -> Any:
@@ -368,7 +374,7 @@ class Replica:
             return  # already switched
         cfg = self.cfg
         deadline = time.monotonic() + cfg.timeout
-        variable = Variable(shard_variable(cfg.run, s)) if cfg.run else None
+        variable = Variable(shard_variable(cfg.run, self.server.ids[s])) if cfg.run else None
         while True:
             future = None
             if variable is not None:
@@ -400,7 +406,7 @@ class Replica:
         self.pulls[s] = None
         if self.cfg.run:
             key = self.server.shards[s].key
-            _remember(self.cfg.run, s, key, reply.version, reply.values)
+            _remember(self.cfg.run, self.server.ids[s], key, reply.version, reply.values)
         lo, hi = self.server.ranges[s]
         base = self.seq_base[s]
         local, scratch, alpha = (
@@ -500,6 +506,7 @@ class Replica:
             max((r.staleness for r in replies), default=0),
             min((r.version for r in replies), default=0),
             not lost and all(r.accepted for r in replies),
+            self.cfg.partition,
         )
         self.rows.append(row)
         if self.cfg.run:
@@ -516,7 +523,12 @@ class Replica:
         names = ("time", "replica", "step", "loss", "examples", "staleness", "version")
         with contextlib.suppress(Exception):
             get_worker().log_event(
-                self.cfg.topic, {"kind": "replica", **dict(zip(names, map(_plain, row)))}
+                self.cfg.topic,
+                {
+                    "kind": "replica",
+                    **dict(zip(names, map(_plain, row))),
+                    "partition": self.cfg.partition,
+                },
             )
 
     def _poll(self) -> None:

@@ -243,7 +243,7 @@ class _Run:
         replica = self.worker_index.setdefault(r.worker, len(self.worker_index))
         loss = r.loss_sum / r.examples
         self.pushes.append(
-            (now - self.t0, replica, r.version, loss, r.examples, 0, r.version, True)
+            (now - self.t0, replica, r.version, loss, r.examples, 0, r.version, True, 0)
         )
 
     def _batches(self, workers: dict) -> list[list]:

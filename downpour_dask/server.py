@@ -145,6 +145,7 @@ class ParameterServerShard:
         if restore is not None:
             self._restore(restore)
         self._seqs: dict[tuple[int, str], _SeqTracker] = {}
+        self._sessions: set[str] = set()  # replica sessions that pulled or pushed here
         self._events: list[tuple[float, str, str]] = []
         self._arrived: asyncio.Condition | None = None
         # Replicas on this worker call snapshot/apply_push directly from their own threads
@@ -210,6 +211,8 @@ class ParameterServerShard:
         """A copy of the values with the version, the stop flag and which of this replica
         session's pushes they contain."""
         with self._lock:
+            if session:
+                self._sessions.add(session)
             tracker = self._seqs.get((replica, session)) or _SeqTracker()
             return PullReply(
                 self.values.copy(),
@@ -248,6 +251,8 @@ class ParameterServerShard:
                 f"shape {grad.shape}"
             )
         staleness = max(0, self.version - int(fetched_version))
+        if session:
+            self._sessions.add(session)
         tracker = None
         if seq is not None:
             tracker = self._seqs.setdefault((replica, session), _SeqTracker())
@@ -346,6 +351,7 @@ class ParameterServerShard:
             "staleness_max": self.staleness_max,
             "accepted_by_replica": dict(self.accepted_by_replica),
             "stopped": self.stopped,
+            "sessions": sorted(self._sessions),
         }
 
     async def events(self, since: int = 0) -> list[tuple[float, str, str]]:
@@ -378,10 +384,16 @@ class ParameterServer:
     """
 
     def __init__(
-        self, shards: list, ranges: list[tuple[int, int]], workers: list[str], futures=None
+        self,
+        shards: list,
+        ranges: list[tuple[int, int]],
+        workers: list[str],
+        futures=None,
+        ids: list[int] | None = None,
     ):
         self.shards, self.ranges, self.workers = shards, ranges, workers
         self.size = ranges[-1][1]
+        self.ids = list(range(len(shards))) if ids is None else list(ids)
         self._futures = futures or []
 
     def __getstate__(self) -> dict:
@@ -394,6 +406,18 @@ class ParameterServer:
         """Number of shards."""
         return len(self.shards)
 
+    def subset(self, first: int, stop: int) -> ParameterServer:
+        """A view over shards ``first..stop-1`` only, as if their ranges made a vector of their
+        own (the part of the parameters one model partition owns); ``ids`` keeps the shards'
+        numbers in the whole server."""
+        offset = self.ranges[first][0]
+        return ParameterServer(
+            self.shards[first:stop],
+            [(lo - offset, hi - offset) for lo, hi in self.ranges[first:stop]],
+            self.workers[first:stop],
+            ids=self.ids[first:stop],
+        )
+
     @classmethod
     def create(
         cls,
@@ -405,6 +429,7 @@ class ParameterServer:
         timeout: float = 60.0,
         shard_class: type = ParameterServerShard,
         restore: list[dict[str, Any]] | None = None,
+        ranges: list[tuple[int, int]] | None = None,
         **per_element: np.ndarray,
     ) -> ParameterServer:
         """Start ``n_shards`` shard actors holding ``initial``, on distinct workers where possible.
@@ -415,12 +440,21 @@ class ParameterServer:
         ``per_element`` (as long as ``initial``) is cut like ``initial`` and passed to shard i's
         constructor as a keyword argument of the same name.  ``restore`` (one dict per shard,
         see :meth:`ParameterServerShard.export_state`) continues shards from saved state.
+        ``ranges`` chooses the shards' ranges (default: ``split_range``, balanced); they must
+        tile the vector in order.
         """
         if workers is None:
             workers = sorted(cluster_workers(client))
         if not workers:
             raise RuntimeError("the Dask cluster has no workers to hold parameter-server shards")
-        ranges = split_range(initial.shape[0], n_shards)
+        if ranges is None:
+            ranges = split_range(initial.shape[0], n_shards)
+        bounds = [0] + [b for r in ranges for b in r] + [initial.shape[0]]
+        if len(ranges) != n_shards or any(a != b for a, b in zip(bounds[::2], bounds[1::2])):
+            raise ValueError(
+                f"ranges must be {n_shards} contiguous (start, stop) pairs covering "
+                f"[0, {initial.shape[0]}) in order, got {ranges}"
+            )
         token = uuid.uuid4().hex[:8]
         futures, placed = [], []
         for i, (lo, hi) in enumerate(ranges):

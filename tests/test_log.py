@@ -18,6 +18,7 @@ def _experiment():
             "staleness": [0, 1, 3],
             "version": [1, 2, 3],
             "accepted": [True, True, False],
+            "partition": [0, 0, 0],
         }
     )
     evals = pd.DataFrame(
@@ -48,6 +49,22 @@ def test_save_and_load_round_trip_without_pickles(tmp_path):
     pd.testing.assert_frame_equal(back.evals, run.evals)
     assert list(back.events["kind"]) == ["start", "stop"]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["a"]  # no temporary left over
+
+
+def test_a_run_saved_before_model_parallelism_loads_with_partition_zero(tmp_path):
+    run = _experiment()
+    run.pushes = run.pushes.drop(columns="partition")  # the push log as saved before
+    back = Experiment.load(run.save(tmp_path / "old"))
+    assert back.pushes["partition"].tolist() == [0, 0, 0]
+    assert back.summary()["pushes"] == 3
+
+
+def test_summary_counts_a_model_parallel_push_once_not_once_per_partition():
+    run = _experiment()
+    both = pd.concat([run.pushes, run.pushes.assign(partition=1)], ignore_index=True)
+    split = Experiment(run.config, both, run.evals, run.events)
+    assert split.summary()["pushes"] == run.summary()["pushes"] == 3
+    assert split.summary()["examples"] == run.summary()["examples"] == 96
 
 
 def test_save_refuses_to_overwrite_and_leaves_nothing_half_written(tmp_path):

@@ -1,0 +1,146 @@
+"""Model parallelism: examples/s of one replica split over P = 2 workers against P = 1.
+
+Model: MLP 1024-4096-4096-10 (relu, softmax; 21M parameters, 84 MB), too wide to be fast on one
+single-threaded worker.  Data: 8,192 synthetic rows of 1,024 features labelled by a random
+teacher.  One Downpour replica with Adagrad, batch 128, 2 shards, on a local cluster of 2
+single-threaded worker processes; P = 1 runs the replica on one worker (its shards on both),
+P = 2 splits it by neurons over both (each partition with the shard of its own parameters).
+Each configuration is repeated and the median reported; ratios are against P = 1 measured in
+this same run, with the same n_fetch = n_push.  A single-threaded in-process numpy loop of the
+same model shows what one core does with no communication at all.
+
+The bytes crossing partition boundaries are counted by the partitions themselves (every message
+payload) and compared with the plan's count of values per example.
+
+    python benchmarks/bench_model_parallel.py [--seconds 10] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread, as Dask's nanny gives every worker: the serial baseline is a single-thread loop.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+from downpour_dask import DownpourSGD, models  # noqa: E402
+from downpour_dask.data import minibatches  # noqa: E402
+from downpour_dask.partition import PartitionPlan  # noqa: E402
+
+BATCH = 128
+FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
+
+
+def synthetic(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian features labelled by a random linear teacher (float32, int64)."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((rows, FEATURES), dtype=np.float32)
+    teacher = rng.standard_normal((FEATURES, CLASSES), dtype=np.float32)
+    return X, np.argmax(X @ teacher, axis=1).astype(np.int64)
+
+
+def serial_examples_per_s(model, X, y, seconds: float) -> float:
+    """Single-threaded in-process SGD loop: gradient + update, no communication."""
+    params = model.init(np.random.default_rng(0))
+    grad = np.empty_like(params)
+    rng = np.random.default_rng(0)
+    examples, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for Xb, yb in minibatches(X, y, BATCH, rng):
+            model.loss_and_grad(params, Xb, yb, out=grad)
+            params -= np.float32(0.001) * grad
+            examples += len(yb)
+            if time.perf_counter() - start >= seconds:
+                break
+    return examples / (time.perf_counter() - start)
+
+
+def replica_run(client, model, X, y, partitions: int, every: int, seconds: float):
+    """Examples/s of one replica in the window after the first 2 s, and boundary bytes/example."""
+    est = DownpourSGD(
+        model,
+        n_replicas=1,
+        n_shards=2,
+        optimizer="adagrad",
+        learning_rate=0.01,
+        batch_size=BATCH,
+        n_fetch=every,
+        n_push=every,
+        max_seconds=seconds,
+        max_epochs=10_000,
+        eval_every=seconds,
+        random_state=0,
+        timeout=300,
+        partitions=partitions,
+    ).fit((X, y), client=client)
+    run = est.experiment_
+    pushes = run.pushes[run.pushes["partition"] == 0]
+    window = pushes[(pushes["time"] >= 2.0) & (pushes["time"] <= seconds)]
+    span = window["time"].max() - 2.0 if len(window) else float("nan")
+    rate = window["examples"].sum() / span if span > 0 else float("nan")
+    sent = run.config.get("partition_bytes_sent", 0) / max(1.0, run.summary()["examples"])
+    return rate, sent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model = models.MLP(FEATURES, HIDDEN, CLASSES)
+    X, y = synthetic(8192)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"python {platform.python_version()}"
+    )
+    serial = statistics.median(
+        serial_examples_per_s(model, X, y, args.seconds / 2) for _ in range(args.repeats)
+    )
+    rows = [("serial numpy loop (1 thread, in process)", "-", serial, None, None)]
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        for every in (1, 4):
+            base = None
+            for partitions in (1, 2):
+                runs = [
+                    replica_run(client, model, X, y, partitions, every, args.seconds)
+                    for _ in range(args.repeats)
+                ]
+                rate = statistics.median(r for r, _ in runs)
+                sent = statistics.median(s for _, s in runs)
+                base = rate if partitions == 1 else base
+                rows.append((f"1 replica, P = {partitions}", str(every), rate, rate / base, sent))
+    plan = PartitionPlan(model, 2)
+    print(
+        f"\nMLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES} ({model.layout.size:,} "
+        f"parameters), batch {BATCH}, Adagrad, 2 workers; median of {args.repeats} runs of "
+        f"{args.seconds:.0f} s"
+    )
+    header = f"{'configuration':42} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs P = 1':>9}"
+    print(f"{header} {'bytes/example across partitions':>32}")
+    for name, every, rate, ratio, sent in rows:
+        ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
+        sent_text = "-" if sent is None else f"{sent:,.0f}"
+        print(f"{name:42} {every:>14} {rate:>11,.1f} {ratio_text:>9} {sent_text:>32}")
+    print(
+        f"\nplan for P = 2: {plan.boundary_values_per_example():,} float32 values cross "
+        f"partitions per example ({4 * plan.boundary_values_per_example():,} bytes): the "
+        f"all-gather and reduce-scatter of hidden layer 0 ({HIDDEN[0]} units) and the "
+        f"all-reduce of the {CLASSES} logits; hidden layer 1 never travels"
+    )
+
+
+if __name__ == "__main__":
+    main()

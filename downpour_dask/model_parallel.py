@@ -1,0 +1,230 @@
+"""Model-parallel replicas on Dask: the P partitions of one replica as P tasks on P workers.
+
+Each partition of a replica (see :mod:`downpour_dask.partition` for the neuron split) runs the
+ordinary Downpour replica loop (:class:`~downpour_dask.replica.Replica`: fetch every n_fetch
+steps, local alpha updates, push every n_push steps, all asynchronous) over *its own* parameter
+range, talking only to the parameter-server shards that hold that range.  What it cannot compute
+alone -- the activations and gradients that cross partition boundaries -- travels through
+**mailboxes**: one small actor per partition, on the partition's worker.  A partition sends a
+message with an actor call into the receiver's mailbox (worker to worker, served on the
+receiving worker's event loop) and reads its own mailbox in-process, without any message.
+
+Partitions step in lockstep (each step's collectives wait for the peers), so they must agree on
+when to stop: a shard's stop flag reaches the partitions at different steps, so each partition's
+wish to stop rides with the step's logits and all of them stop after the same step.
+
+When a partition's worker dies, its peers would wait forever; the driver closes their mailboxes
+(:meth:`Mailbox.close`), which makes them fail with :class:`PartitionAborted`, and restarts the
+whole replica (``recovery.py``).  A peer that stops answering for ``timeout`` seconds, or a
+message that cannot be delivered, fails the partition with :class:`PartitionLost`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from distributed import get_worker, secede
+
+from ._malloc import tune_malloc
+from .models import Model
+from .partition import MLPPart, PartitionPlan
+from .replica import Replica, ReplicaConfig, outcome
+from .server import ParameterServer
+from .stream import StreamSpec, make_source
+
+
+class PartitionLost(RuntimeError):
+    """A peer partition of the same replica stopped answering (its worker probably died)."""
+
+
+class PartitionAborted(RuntimeError):
+    """The driver closed this partition's mailbox: its replica is being restarted."""
+
+
+class Mailbox:
+    """A Dask actor receiving the messages sent to one partition of one replica.
+
+    Peers call :meth:`put` (async: served on the worker's event loop as soon as the message
+    arrives, not queued behind other actors' work); the partition on the same worker calls
+    :meth:`take` directly on the object, blocking its own thread only.
+    """
+
+    def __init__(self) -> None:
+        self._box: dict[tuple[int, int], Any] = {}
+        self._cond = threading.Condition()
+        self._closed: str | None = None
+
+    async def put(self, sender: int, tag: int, payload: Any) -> None:
+        """Deliver ``payload`` from partition ``sender`` under ``tag``."""
+        with self._cond:
+            self._box[(sender, tag)] = payload
+            self._cond.notify_all()
+
+    async def close(self, reason: str) -> None:
+        """Make every present and future :meth:`take` fail with :class:`PartitionAborted`."""
+        with self._cond:
+            self._closed = reason
+            self._cond.notify_all()
+
+    def take(self, sender: int, tag: int, timeout: float) -> Any:
+        """Wait (at most ``timeout`` seconds) for the message from ``sender`` under ``tag``.
+
+        Raises
+        ------
+        PartitionAborted
+            If the mailbox was closed.
+        PartitionLost
+            If nothing arrived in time.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed is not None:
+                    raise PartitionAborted(self._closed)
+                if (sender, tag) in self._box:
+                    return self._box.pop((sender, tag))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PartitionLost(
+                        f"partition {sender} sent nothing for {timeout} s (message {tag}); "
+                        f"its worker probably died"
+                    )
+                self._cond.wait(min(remaining, 1.0))
+
+
+class MailboxLink:
+    """A :class:`~downpour_dask.partition.Link` over mailbox actors.
+
+    Sends are asynchronous actor calls; their replies are checked later (every call, without
+    blocking) so that an undeliverable message fails the partition instead of vanishing.  At
+    most ``max_inflight`` sends may be unanswered, which bounds the memory held by messages.
+    """
+
+    def __init__(
+        self,
+        partition: int,
+        mailboxes: list,
+        own: Mailbox,
+        timeout: float,
+        max_inflight: int = 16,
+    ):
+        self.partition, self.mailboxes, self.own = partition, mailboxes, own
+        self.timeout, self.max_inflight = timeout, max_inflight
+        self.bytes_sent = 0
+        self._inflight: list[tuple[int, Any]] = []
+
+    def send(self, to: int, tag: int, payload: Any) -> None:
+        self._settle(wait=len(self._inflight) >= self.max_inflight)
+        self.bytes_sent += _nbytes(payload)
+        try:
+            call = self.mailboxes[to].put(self.partition, tag, payload)
+        except (RuntimeError, OSError) as err:
+            raise PartitionLost(f"cannot send to partition {to}: {err}") from err
+        self._inflight.append((to, call))
+
+    def receive(self, sender: int, tag: int) -> Any:
+        self._settle(wait=False)
+        return self.own.take(sender, tag, self.timeout)
+
+    def _settle(self, wait: bool) -> None:
+        """Drop answered sends (raising if one failed); with ``wait``, wait for the oldest."""
+        keep = []
+        for i, (to, call) in enumerate(self._inflight):
+            if call.done() or (wait and i == 0):
+                try:
+                    outcome(call, self.timeout)
+                except Exception as err:  # the receiver's worker is gone or did not answer
+                    raise PartitionLost(f"a message to partition {to} was lost: {err!r}") from err
+            else:
+                keep.append((to, call))
+        self._inflight = keep
+
+    def flush(self) -> None:
+        """Wait until every message sent was delivered."""
+        while self._inflight:
+            self._settle(wait=True)
+
+
+def _nbytes(payload: Any) -> int:
+    if isinstance(payload, np.ndarray):
+        return payload.nbytes
+    if isinstance(payload, tuple):
+        return sum(_nbytes(p) for p in payload)
+    return 8
+
+
+class PartitionReplica(Replica):
+    """The replica loop of one partition: stops only when all partitions agree to."""
+
+    def __init__(self, server: ParameterServer, part: MLPPart, config: ReplicaConfig):
+        super().__init__(server, part, config)
+        part.vote = lambda: self.stop
+
+    def _done(self, step: int, epochs: int) -> bool:
+        return self.model.agreed_stop or self._limit_reached(step, epochs)
+
+
+class Peers:
+    """The mailbox actor handles of one replica's partitions, as one opaque task argument.
+
+    Dask treats actor handles found in a task's list arguments as the task's dependencies and
+    fails the task ("Worker holding Actor was lost") as soon as any of them is lost; wrapped,
+    a partition whose peer died learns it from its own calls and reports :class:`PartitionLost`.
+    """
+
+    def __init__(self, mailboxes: list):
+        self.mailboxes = list(mailboxes)
+
+
+def local_mailbox(mailbox: Any) -> Mailbox:
+    """The mailbox object of actor handle ``mailbox``, which must live in this worker."""
+    found = get_worker().state.actors.get(mailbox.key)
+    if not isinstance(found, Mailbox):
+        raise RuntimeError(
+            f"the mailbox {mailbox.key} of this partition is not on this worker; "
+            f"a partition task must run where its mailbox was created"
+        )
+    return found
+
+
+def run_partition(
+    server: ParameterServer,
+    model: Model,
+    partitions: int,
+    peers: Peers,
+    data: tuple[np.ndarray, np.ndarray] | StreamSpec,
+    config: ReplicaConfig,
+    parts: list | tuple = (),
+) -> dict[str, Any]:
+    """Dask task entry point: run partition ``config.partition`` of replica ``config.replica``.
+
+    ``server`` is the view over this partition's own shards only
+    (:meth:`~downpour_dask.server.ParameterServer.subset`); ``peers`` holds the mailboxes of
+    every partition of the replica, this one's on this worker; ``data`` is the replica's
+    data, which every partition reads in the same order.
+    """
+    secede()  # a partition runs for the whole fit; it must not hold a task slot
+    tune_malloc()
+    plan = PartitionPlan(model, partitions)
+    p = config.partition
+    mailboxes = peers.mailboxes
+    link = MailboxLink(p, mailboxes, local_mailbox(mailboxes[p]), config.timeout)
+    part = MLPPart(plan, p, link)
+    result = PartitionReplica(server, part, config).run(make_source(data, config.batch_size, parts))
+    with contextlib.suppress(PartitionLost):  # the peers got what they needed; they may be done
+        link.flush()
+    result["bytes_sent"] = link.bytes_sent
+    result["values_sent"] = part.values_sent
+    return result
+
+
+def partition_workers(first: str, partitions: int, workers: list[str]) -> list[str]:
+    """Workers for the ``partitions`` partitions of a replica whose partition 0 (the one next
+    to its data) runs on ``first``: the next workers in ``workers``' order, so the partitions
+    of a replica are on distinct workers whenever there are enough."""
+    start = workers.index(first) if first in workers else 0
+    return [workers[(start + p) % len(workers)] for p in range(partitions)]
