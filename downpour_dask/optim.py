@@ -180,14 +180,22 @@ class Adagrad(UpdateRule):
     def _state(self, size):
         return {"sum_sq": np.zeros(size, np.float32)}
 
+    #: Elements updated per block: six passes over a block that stays in the CPU cache cost
+    #: about half of six passes over a shard of tens of MB (measured: 16 vs 37 ms for 10.5M).
+    BLOCK = 1 << 17
+
     def _step(self, params, grad, state, lr):
-        acc, tmp = state["sum_sq"], _scratch(params)
-        acc += np.multiply(grad, grad, out=tmp)
-        np.sqrt(acc, out=tmp)
-        tmp += self.eps
-        np.divide(grad, tmp, out=tmp)
-        tmp *= lr
-        params -= tmp
+        params, grad, acc = params.reshape(-1), grad.reshape(-1), state["sum_sq"].reshape(-1)
+        scratch = _scratch(params[: self.BLOCK])
+        for lo in range(0, params.size, self.BLOCK):
+            hi = min(lo + self.BLOCK, params.size)
+            g, tmp = grad[lo:hi], scratch[: hi - lo]
+            acc[lo:hi] += np.multiply(g, g, out=tmp)
+            np.sqrt(acc[lo:hi], out=tmp)
+            tmp += self.eps
+            np.divide(g, tmp, out=tmp)
+            tmp *= lr
+            params[lo:hi] -= tmp
 
 
 class Adam(UpdateRule):

@@ -228,6 +228,7 @@ class Replica:
         self.versions = [0] * server.n_shards  # effective version of each local slice
         self.pulls: list = [None] * server.n_shards
         self.local = [local_shard(shard) for shard in server.shards]
+        self.fetch_bufs: list[np.ndarray | None] = [None] * server.n_shards  # for local shards
         self.pending: list[_Push] = []
         self.next_seq = 0
         self.stop = False
@@ -249,6 +250,7 @@ class Replica:
             while self.pulls[s] is not None:
                 self._take_pull(s, wait=True)
         step, epochs = 0, 0
+        fetched = False  # whether the last push also fetched (an exchange): no fetch needed now
         while not self._done(step, epochs):
             with contextlib.closing(source.epoch(rng)) as batches:  # leaving early stops a reader
                 for Xb, yb in batches:
@@ -258,8 +260,9 @@ class Replica:
                         step += 1
                         continue
                     self._poll()
-                    if step % cfg.n_fetch == 0 and step > 0:
+                    if step % cfg.n_fetch == 0 and step > 0 and not fetched:
                         self._start_fetches()
+                    fetched = False
                     loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=self.grad)
                     if self.accrual_steps == 0:
                         self.base_versions = list(self.versions)
@@ -272,7 +275,8 @@ class Replica:
                     self.accrual_loss += float(loss)
                     self.accrual_examples += len(Xb)
                     if (step + 1) % cfg.n_push == 0:  # with the next step's fetch, if due
-                        self._push(step, fetch=(step + 1) % cfg.n_fetch == 0)
+                        fetched = (step + 1) % cfg.n_fetch == 0
+                        self._push(step, fetch=fetched)
                     step += 1
                 else:
                     epochs += 1
@@ -308,10 +312,18 @@ class Replica:
     def _start_fetch(self, s: int) -> None:
         shard = self.server.shards[s]
         if self.local[s] is not None:
-            self.pulls[s] = _Done(self.local[s].snapshot(self.cfg.replica, self.sessions[s]))
+            self.pulls[s] = self._local_pull(s)
         elif self.pulls[s] is None:  # one pull per shard in flight; it will be fresh enough
             self.pulls[s] = shard.pull(self.cfg.replica, self.sessions[s])
             self.pull_sent[s] = time.monotonic()
+
+    def _local_pull(self, s: int) -> _Done:
+        """Fetch shard ``s``, which lives in this process, into a buffer reused every time."""
+        buf = self.fetch_bufs[s]
+        if buf is None:
+            lo, hi = self.server.ranges[s]
+            buf = self.fetch_bufs[s] = np.empty(hi - lo, dtype=DTYPE)
+        return _Done(self.local[s].snapshot_into(buf, self.cfg.replica, self.sessions[s]))
 
     #: Seconds a call may be outstanding before the replica asks whether its shard was replaced.
     STUCK = 1.0
@@ -404,7 +416,7 @@ class Replica:
     def _install(self, s: int, reply: PullReply) -> None:
         """Overwrite slice ``s`` of the local copy with fetched values plus own missing updates."""
         self.pulls[s] = None
-        if self.cfg.run:
+        if self.cfg.run and self.local[s] is None:  # a local shard's copy would die with it
             key = self.server.shards[s].key
             _remember(self.cfg.run, self.server.ids[s], key, reply.version, reply.values)
         lo, hi = self.server.ranges[s]
@@ -453,9 +465,7 @@ class Replica:
             if self.local[s] is not None:  # same process: no message at all
                 calls.append(_Done(self.local[s].apply_push(*args, **kw)))
                 if fetch:
-                    self.pulls[s] = _Done(
-                        self.local[s].snapshot(self.cfg.replica, self.sessions[s])
-                    )
+                    self.pulls[s] = self._local_pull(s)
             elif fetch and self.pulls[s] is None:
                 call = shard.exchange(*args, **kw)
                 calls.append(_Half(call, 0))

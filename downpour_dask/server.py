@@ -222,6 +222,17 @@ class ParameterServerShard:
                 tuple(tracker.ahead),
             )
 
+    def snapshot_into(self, out: np.ndarray, replica: int = -1, session: str = "") -> PullReply:
+        """:meth:`snapshot` for a replica on this worker, copying the values into its buffer
+        ``out`` instead of a new array: a fresh array of tens of MB is page-faulted afresh on
+        every pull (allocations above glibc's 32 MiB limit are always new mappings)."""
+        with self._lock:
+            if session:
+                self._sessions.add(session)
+            np.copyto(out, self.values)
+            tracker = self._seqs.get((replica, session)) or _SeqTracker()
+            return PullReply(out, self.version, self.stopped, tracker.through, tuple(tracker.ahead))
+
     def apply_push(
         self,
         grad: np.ndarray,
@@ -459,13 +470,18 @@ class ParameterServer:
         futures, placed = [], []
         for i, (lo, hi) in enumerate(ranges):
             address = workers[i % len(workers)]
+            # scattered first: tens of MB of values inside the task graph would make the
+            # scheduler carry (and warn about) them
+            values = client.scatter(
+                np.ascontiguousarray(initial[lo:hi], dtype=DTYPE), workers=[address], hash=False
+            )
             futures.append(
                 client.submit(
                     shard_class,
                     i,
                     lo,
                     hi,
-                    np.ascontiguousarray(initial[lo:hi], dtype=DTYPE),
+                    values,
                     rule,
                     **{name: array[lo:hi] for name, array in per_element.items()},
                     **({} if restore is None else {"restore": restore[i]}),
