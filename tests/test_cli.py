@@ -102,6 +102,8 @@ def free_port() -> int:
         (["--algorithm", "hogwild"], "invalid choice: 'hogwild'"),
         (["--scheduler", "tcp://127.0.0.1:{port}", "--connect-timeout", "2"], "cannot reach"),
         (["--config", "missing.toml"], "cannot read --config"),
+        (["--model", "softmax", "--partitions", "2"], "SoftmaxRegression has no hidden layer"),
+        (["--model", "mlp:8,1", "--partitions", "2"], "partitions must be between 1 and 1"),
     ],
 )
 def test_bad_input_is_one_line_a_nonzero_status_and_no_run_directory(tmp_path, args, message):
@@ -114,6 +116,21 @@ def test_bad_input_is_one_line_a_nonzero_status_and_no_run_directory(tmp_path, a
     assert message in lines[0] and "Traceback" not in done.stderr
     assert not (out / "bad").exists()
     assert not out.exists() or not any(out.iterdir())  # no temporary leftovers either
+
+
+@pytest.mark.timeout(180)
+def test_partitions_flag_splits_every_replica_over_two_workers(tmp_path, cluster):
+    done = run_cli(
+        "train", *SMALL, "--partitions", "2", "--scheduler", cluster.scheduler_address,
+        "--out", str(tmp_path), "--name", "split", "--quiet",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    experiment, model, params = runs.load_run(tmp_path / "split")
+    assert config_of(tmp_path / "split")["partitions"] == 2
+    assert sorted(experiment.pushes["partition"].unique()) == [0, 1]
+    assert params.shape == (model.layout.size,)  # saved in the model's own layout
+    test = runs.load_dataset("digits")[1]
+    assert model.score(params, test.X, test.y) > 0.6
 
 
 def test_an_existing_run_directory_is_not_overwritten(tmp_path):

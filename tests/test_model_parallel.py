@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 
-from downpour_dask import DownpourSGD, datasets, models
+from downpour_dask import DownpourSGD, attach, datasets, models
 from downpour_dask.partition import PartitionPlan
 from downpour_dask.server import cluster_workers
 
@@ -108,9 +108,17 @@ def test_two_replicas_of_two_partitions_learn_mnist5k(client, mnist):
         random_state=0,
         timeout=TIMEOUT,
     )
-    est.fit(train, eval_data=test, client=client)
+    seen = []
+
+    def look(progress):  # what another process attached to the run would see
+        if not seen and progress.pushes >= 100:
+            view = attach("split-mnist", client)
+            seen.append((view.params().shape, view.evaluate(test)["accuracy"]))
+
+    est.fit(train, eval_data=test, client=client, publish="split-mnist", callback=look)
     accuracy = est.score(test)
-    print(f"R=2 x P=2 on mnist5k: test accuracy {accuracy:.4f}")
+    print(f"R=2 x P=2 on mnist5k: test accuracy {accuracy:.4f}; live view saw {seen}")
+    assert seen and seen[0][0] == (est.model.layout.size,) and seen[0][1] > 0.5
     assert accuracy >= 0.90
     assert est.experiment_.evals["accuracy"].iloc[-1] == pytest.approx(accuracy)
     assert est.predict(test.X).shape == (len(test.y),)  # params_ are the whole model's
