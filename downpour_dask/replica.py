@@ -65,7 +65,7 @@ class ReplicaConfig:
     t0: float  # wall-clock time at which fit started; log times are relative to it
     max_epochs: int | None = None
     max_steps: int | None = None
-    max_inflight: int = 2
+    max_inflight: int = 4
     timeout: float = 120.0
     run: str = ""  # the fit's token: names the shard variables (see shard_variable)
     start_step: int = 0  # a restarted replica skips the batches it already trained on

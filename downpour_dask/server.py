@@ -378,6 +378,12 @@ class ShardLostError(RuntimeError):
         self.shard = shard
 
 
+#: Initial shard values larger than this (bytes) are scattered to their worker before the shard
+#: is created, rather than sent inside the task (Dask warns about graphs over 10 MB); smaller
+#: ones travel with the task and save the scatter's round trip.
+SCATTER_ABOVE = 4 * 2**20
+
+
 class ParameterServer:
     """The client-side view over the K shards of one parameter vector.
 
@@ -470,11 +476,9 @@ class ParameterServer:
         futures, placed = [], []
         for i, (lo, hi) in enumerate(ranges):
             address = workers[i % len(workers)]
-            # scattered first: tens of MB of values inside the task graph would make the
-            # scheduler carry (and warn about) them
-            values = client.scatter(
-                np.ascontiguousarray(initial[lo:hi], dtype=DTYPE), workers=[address], hash=False
-            )
+            values = np.ascontiguousarray(initial[lo:hi], dtype=DTYPE)
+            if values.nbytes > SCATTER_ABOVE:  # not inside the task graph the scheduler carries
+                values = client.scatter(values, workers=[address], hash=False)
             futures.append(
                 client.submit(
                     shard_class,
