@@ -33,7 +33,7 @@ from ._malloc import tune_malloc
 from .models import Model
 from .partition import MLPPart, PartitionPlan
 from .replica import Replica, ReplicaConfig, outcome
-from .server import ParameterServer
+from .server import ActorRef, ParameterServer
 from .stream import StreamSpec, make_source
 
 
@@ -169,15 +169,22 @@ class PartitionReplica(Replica):
 
 
 class Peers:
-    """The mailbox actor handles of one replica's partitions, as one opaque task argument.
+    """The mailboxes of one replica's partitions, as one opaque task argument of (key, worker
+    address) pairs.
 
-    Dask treats actor handles found in a task's list arguments as the task's dependencies and
-    fails the task ("Worker holding Actor was lost") as soon as any of them is lost; wrapped,
-    a partition whose peer died learns it from its own calls and reports :class:`PartitionLost`.
+    Not actor handles: Dask treats handles found in a task's list arguments as the task's
+    dependencies and fails the task ("Worker holding Actor was lost") as soon as any of them is
+    lost, and a handle made in the driver keeps its actor alive (see
+    :class:`~downpour_dask.server.ActorRef`).  A partition whose peer died learns it from its
+    own calls and reports :class:`PartitionLost`.
     """
 
-    def __init__(self, mailboxes: list):
-        self.mailboxes = list(mailboxes)
+    def __init__(self, mailboxes: list[tuple[str, str]]):
+        self.mailboxes = [ActorRef(Mailbox, address, key) for key, address in mailboxes]
+
+    def open(self) -> list:
+        """Actor handles of the mailboxes (call it in the partition's task)."""
+        return [ref.open() for ref in self.mailboxes]
 
 
 def local_mailbox(mailbox: Any) -> Mailbox:
@@ -211,7 +218,7 @@ def run_partition(
     tune_malloc()
     plan = PartitionPlan(model, partitions)
     p = config.partition
-    mailboxes = peers.mailboxes
+    mailboxes = peers.open()
     link = MailboxLink(p, mailboxes, local_mailbox(mailboxes[p]), config.timeout)
     part = MLPPart(plan, p, link)
     result = PartitionReplica(server, part, config).run(make_source(data, config.batch_size, parts))

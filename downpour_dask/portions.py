@@ -165,6 +165,7 @@ def run_portion(
     addresses to seconds slept first: a fault-injection knob that makes a worker a straggler.
     """
     tune_malloc()  # see _malloc.py: this worker may hold no shard
+    server = server.opened()  # actor handles from the references the task was given
     address = get_worker().address
     if delay and delay.get(address):
         time.sleep(delay[address])
@@ -330,9 +331,9 @@ class Portions:
         self._refresh()
 
     def _submit(self, version: int, pid: int, worker: str, backup: bool) -> _Copy:
-        est = self.est
+        est, server = self.est, self.server.portable()
         future = self.client.submit(
-            run_portion, self.server, self.run_.token, version, pid, self.blocks[pid], self.model,
+            run_portion, server, self.run_.token, version, pid, self.blocks[pid], self.model,
             backup, est.timeout, self.run_.delay,
             workers=[worker], allow_other_workers=True, pure=False,
             key=f"portion-{pid}-v{version}-{'b' if backup else 'o'}-{uuid.uuid4().hex[:6]}",

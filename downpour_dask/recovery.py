@@ -62,6 +62,7 @@ class Recovery:
         self.slots: list[tuple[int, int]] = []
         self.slot_workers: list[str] = []
         self.mailboxes: dict[int, list[Future]] = {}  # replica -> its partitions' mailboxes
+        self.mailbox_workers: dict[int, list[str]] = {}  # ... and where they are
         self.variables = []
         for i, future in enumerate(self.server.futures):
             variable = Variable(shard_variable(self.token, i), client=self.client)
@@ -122,7 +123,7 @@ class Recovery:
         if self.plan is None:
             return self.client.submit(
                 run_replica,
-                self.server,
+                self.server.portable(),
                 self.est.model,
                 data,  # (X, y) futures, or the replica's shard descriptors
                 config,
@@ -134,10 +135,10 @@ class Recovery:
         first = self._first_shards() + [self.server.n_shards]
         return self.client.submit(
             run_partition,
-            self.server.subset(first[p], first[p + 1]),  # only this partition's shards
+            self.server.subset(first[p], first[p + 1]).portable(),  # only its own shards
             self.est.model,
             self.plan.partitions,
-            Peers([m.result(timeout=self.est.timeout) for m in self.mailboxes[r]]),
+            Peers([(m.key, w) for m, w in zip(self.mailboxes[r], self.mailbox_workers[r])]),
             data,
             config,
             parts,
@@ -163,7 +164,7 @@ class Recovery:
         ]
         for future in futures:
             future.result(timeout=self.est.timeout)
-        self.mailboxes[r] = futures
+        self.mailboxes[r], self.mailbox_workers[r] = futures, list(workers)
 
     def _close_mailboxes(self, r: int, reason: str) -> None:
         """Make replica ``r``'s partitions that still run give up (their peers are gone), and

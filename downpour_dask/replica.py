@@ -33,7 +33,6 @@ with ``local_learning_rate=0`` it is the paper's plain overwrite.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import threading
 import time
@@ -207,8 +206,7 @@ class Replica:
     """State of one running replica: local parameters, gradient accrual, fetches and pushes."""
 
     def __init__(self, server: ParameterServer, model: Model, config: ReplicaConfig):
-        server = copy.copy(server)  # shards may be replaced (see _switch): keep our own list
-        server.shards = list(server.shards)
+        server = server.opened()  # our own handles: shards may be replaced (see _switch)
         self.server, self.model, self.cfg = server, model, config
         # A session tells apart this run of the replica; a replaced shard gets a new one, and
         # push numbers sent to it restart from 0 (seq - seq_base).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import math
 import threading
 import time
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
-from distributed import Client, Future
+from distributed import Actor, Client, Future
 
 from ._malloc import tune_malloc
 from .optim import UpdateRule
@@ -378,6 +379,30 @@ class ShardLostError(RuntimeError):
         self.shard = shard
 
 
+class ActorRef(NamedTuple):
+    """What a task needs to reach an actor: its class, worker address and key.
+
+    Task arguments carry these instead of :class:`distributed.Actor` handles.  A handle made in
+    the driver holds a future of its key, and Dask's client keeps its recent messages (up to
+    ``distributed.admin.low-level-log-length``, 1000), task arguments included: handles in
+    arguments kept every fit's shards alive on the workers long after the fit ended (measured:
+    two more actors per fit, never released).  :meth:`open` makes the handle inside the task.
+    """
+
+    cls: type
+    address: str
+    key: str
+
+    def open(self) -> Actor:
+        """An actor handle (call it from the task that uses it, on a worker)."""
+        return Actor(self.cls, self.address, self.key)
+
+
+def refer(actor: Any, cls: type, address: str) -> ActorRef:
+    """An :class:`ActorRef` to ``actor`` (a handle, or already a reference)."""
+    return actor if isinstance(actor, ActorRef) else ActorRef(cls, address, actor.key)
+
+
 #: Initial shard values larger than this (bytes) are scattered to their worker before the shard
 #: is created, rather than sent inside the task (Dask warns about graphs over 10 MB); smaller
 #: ones travel with the task and save the scatter's round trip.
@@ -411,6 +436,7 @@ class ParameterServer:
         self.shards, self.ranges, self.workers = shards, ranges, workers
         self.size = ranges[-1][1]
         self.ids = list(range(len(shards))) if ids is None else list(ids)
+        self.shard_class: type = ParameterServerShard
         self._futures = futures or []
 
     def __getstate__(self) -> dict:
@@ -423,17 +449,34 @@ class ParameterServer:
         """Number of shards."""
         return len(self.shards)
 
+    def portable(self) -> ParameterServer:
+        """A copy to pass to tasks: every shard is an :class:`ActorRef`, not a handle (see
+        there why); the task calls :meth:`opened`."""
+        view = copy.copy(self)
+        view.shards = [refer(a, self.shard_class, w) for a, w in zip(self.shards, self.workers)]
+        view._futures = []
+        return view
+
+    def opened(self) -> ParameterServer:
+        """A copy whose shards are actor handles (in a task: from :meth:`portable`'s refs)."""
+        view = copy.copy(self)
+        view.shards = [a.open() if isinstance(a, ActorRef) else a for a in self.shards]
+        view._futures = []
+        return view
+
     def subset(self, first: int, stop: int) -> ParameterServer:
         """A view over shards ``first..stop-1`` only, as if their ranges made a vector of their
         own (the part of the parameters one model partition owns); ``ids`` keeps the shards'
         numbers in the whole server."""
         offset = self.ranges[first][0]
-        return ParameterServer(
+        view = ParameterServer(
             self.shards[first:stop],
             [(lo - offset, hi - offset) for lo, hi in self.ranges[first:stop]],
             self.workers[first:stop],
             ids=self.ids[first:stop],
         )
+        view.shard_class = self.shard_class
+        return view
 
     @classmethod
     def create(
@@ -503,7 +546,9 @@ class ParameterServer:
             for f in futures:
                 f.release()
             raise
-        return cls(shards, ranges, placed, futures)
+        server = cls(shards, ranges, placed, futures)
+        server.shard_class = shard_class
+        return server
 
     def call_all(
         self, method: str, *args: Any, timeout: float, per_shard: list[tuple] | None = None

@@ -308,3 +308,23 @@ def test_an_exception_in_the_callback_stops_the_run_and_propagates(client, digit
     # The replicas were told to stop: the cluster is free for the next fit at once.
     est.set_params(max_seconds=None, max_epochs=1).fit(train, client=client)
     assert est.params_.shape == (est.model.layout.size,)
+
+
+def _actors(dask_worker) -> int:
+    return len(dask_worker.state.actors)
+
+
+def test_finished_fits_release_their_shards_on_the_workers(client, digits):
+    """A notebook runs fit after fit on one cluster: each fit's shard (and mailbox) actors must
+    go when it ends, not stay in the workers' memory."""
+    import time
+
+    before = sum(client.run(_actors).values())
+    for partitions in (1, 2, 1):
+        DownpourSGD(
+            models.MLP(64, (16,), 10), n_replicas=2, partitions=partitions, max_steps=5
+        ).fit(digits[0], client=client)
+    deadline = time.monotonic() + 20  # releases travel asynchronously through the scheduler
+    while sum(client.run(_actors).values()) > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sum(client.run(_actors).values()) <= before
