@@ -17,9 +17,10 @@ every push carry exactly n_push steps of gradient and puts it right before the n
 Fetches and pushes are actor calls that run on the worker's event loop while this thread keeps
 computing -- the paper's three weakly synchronised activities.  Pulls and pushes are checked
 without blocking at the top of every step; the only waits are the very first fetch and a
-back-pressure wait when ``max_inflight`` pushes are still unacknowledged.  Three things keep the
+back-pressure wait when ``max_inflight`` pushes are still unacknowledged.  Four things keep the
 communication cheap (see ``benchmarks/bench_downpour.py``): a push followed by a due fetch goes
-as one ``exchange`` message per shard; a shard on the replica's own worker is called in-process;
+as one ``exchange`` message per shard (and that is the step's fetch: none follows it); a shard on
+the replica's own worker is called in-process, copying into a buffer reused for every pull;
 and finished calls are read without a round trip through the event loop.
 
 One refinement over the paper, so that an asynchronous fetch never *undoes* the replica's own
