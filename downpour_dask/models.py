@@ -83,6 +83,17 @@ def _to_float32(name: str, arr: np.ndarray) -> np.ndarray:
     return out
 
 
+def times_derivative(delta: np.ndarray, a: np.ndarray, activation: str) -> None:
+    """``delta *= act'(z)`` from the activation ``a = act(z)``, in place and without
+    temporaries: ``a`` is overwritten with the derivative, so it must not be needed again."""
+    if activation == "relu":
+        np.sign(a, out=a)
+    else:  # tanh' = 1 - tanh**2
+        np.multiply(a, a, out=a)
+        np.subtract(1, a, out=a)
+    delta *= a
+
+
 class _Workspace:
     """Buffers for up to ``capacity`` rows; a batch of ``n <= capacity`` uses ``buf[:n]``."""
 
@@ -267,13 +278,7 @@ class Model:
                 return
             d_prev = ws.deltas[i - 1][:n]
             np.dot(delta, layers[i][0].T, out=d_prev)
-            # a_prev is not needed any more: overwrite it with the activation's derivative
-            if self._act == "relu":
-                np.sign(a_prev, out=a_prev)
-            else:
-                np.multiply(a_prev, a_prev, out=a_prev)
-                np.subtract(1, a_prev, out=a_prev)
-            d_prev *= a_prev
+            times_derivative(d_prev, a_prev, self._act)  # a_prev is not needed any more
             delta = d_prev
 
     def _penalty(self, layers: list, grads: list | None, ws: _Workspace | None) -> float:

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .models import MLP, Model, _Workspace
+from .models import MLP, Model, _Workspace, times_derivative
 from .params import ParamLayout, split_range
 
 
@@ -307,16 +307,6 @@ class MLPPart:
         else:
             np.tanh(z, out=z)
 
-    def _derivative(self, h: np.ndarray, d: np.ndarray) -> None:
-        """``d *= act'(z)``, from the activation ``h = act(z)``, which is no longer needed and
-        is overwritten (no temporaries)."""
-        if self._act == "relu":
-            np.sign(h, out=h)
-        else:
-            np.multiply(h, h, out=h)
-            np.subtract(1, h, out=h)
-        d *= h
-
     def _penalty(self, layers: dict[str, np.ndarray], grads: dict[str, np.ndarray] | None) -> float:
         l2 = self.plan.model.l2
         if l2 == 0:
@@ -373,7 +363,7 @@ class MLPPart:
             np.sum(delta, axis=0, out=grads[f"b{L}"])
         d = ws["d"][L - 1]
         np.dot(delta, layers[f"W{L}"].T, out=d)
-        self._derivative(h_last, d)
+        times_derivative(d, h_last, self._act)
         for layer in range(L - 1, -1, -1):
             a_prev = X if layer == 0 else ws["full"][layer - 1]
             np.dot(a_prev.T, d, out=grads[f"W{layer}"])
@@ -384,6 +374,6 @@ class MLPPart:
             np.dot(d, layers[f"W{layer}"].T, out=partial)
             d = ws["d"][layer - 1]
             self._reduce_scatter(partial, d, plan.blocks[layer - 1])
-            self._derivative(ws["h"][layer - 1], d)
+            times_derivative(d, ws["h"][layer - 1], self._act)
         self._penalty(layers, grads)
         return data_loss + penalty, out
