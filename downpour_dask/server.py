@@ -211,17 +211,7 @@ class ParameterServerShard:
     def snapshot(self, replica: int = -1, session: str = "") -> PullReply:
         """A copy of the values with the version, the stop flag and which of this replica
         session's pushes they contain."""
-        with self._lock:
-            if session:
-                self._sessions.add(session)
-            tracker = self._seqs.get((replica, session)) or _SeqTracker()
-            return PullReply(
-                self.values.copy(),
-                self.version,
-                self.stopped,
-                tracker.through,
-                tuple(tracker.ahead),
-            )
+        return self.snapshot_into(np.empty_like(self.values), replica, session)
 
     def snapshot_into(self, out: np.ndarray, replica: int = -1, session: str = "") -> PullReply:
         """:meth:`snapshot` for a replica on this worker, copying the values into its buffer
