@@ -2,8 +2,10 @@
 
 Model: MLP 784-256-10 (relu, softmax), batch 128, plain SGD, on the shipped mnist5k training set
 (4,000 rows, cycled).  Downpour runs on a local cluster of 2 single-threaded worker processes with
-2 shards, for 1, 2 and 4 replicas and n_fetch = n_push in {1, 4}.  Each configuration is repeated
-and the median reported; ratios are against the serial loop measured in this same run.
+2 shards, for 1, 2 and 4 replicas and n_fetch = n_push in {1, 4}, and with 1 shard for 2 replicas
+(on 2 workers one shard halves the messages: one replica calls it in-process).  Each
+configuration is repeated and the median reported; ratios are against the serial loop measured
+in this same run.
 
     python benchmarks/bench_downpour.py [--seconds 4] [--repeats 3]
 """
@@ -45,12 +47,12 @@ def serial_examples_per_s(model, X, y, seconds: float) -> float:
 
 
 def downpour_examples_per_s(
-    client, model, train, replicas: int, every: int, seconds: float
+    client, model, train, replicas: int, every: int, seconds: float, shards: int = 2
 ) -> float:
     est = DownpourSGD(
         model,
         n_replicas=replicas,
-        n_shards=2,
+        n_shards=shards,
         optimizer="sgd",
         learning_rate=0.01,
         batch_size=BATCH,
@@ -89,12 +91,15 @@ def main() -> None:
         Client(cluster) as client,
     ):
         for every in (1, 4):
-            for replicas in (1, 2, 4):
+            for replicas, shards in ((1, 2), (2, 2), (4, 2), (2, 1)):
                 rate = statistics.median(
-                    downpour_examples_per_s(client, model, train, replicas, every, args.seconds)
+                    downpour_examples_per_s(
+                        client, model, train, replicas, every, args.seconds, shards
+                    )
                     for _ in range(args.repeats)
                 )
-                rows.append((f"Downpour, {replicas} replica(s), 2 shards", str(every), rate))
+                name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
+                rows.append((name, str(every), rate))
     print(f"\nMLP 784-256-10, batch {BATCH}, median of {args.repeats} runs of {args.seconds:.0f} s")
     print(f"{'configuration':44} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs serial':>10}")
     for name, every, rate in rows:
