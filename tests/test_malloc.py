@@ -1,5 +1,6 @@
 """The allocator tuning that shard and replica processes apply to themselves."""
 
+import platform
 import subprocess
 import sys
 
@@ -7,18 +8,17 @@ import pytest
 
 from downpour_dask._malloc import tune_malloc
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt only")
+#: mallopt exists on glibc only; elsewhere tuning must report False, not fail.
+GLIBC = platform.libc_ver()[0] == "glibc"
 
 
-@glibc
 def test_workers_holding_shards_are_tuned(client):
     # The session cluster's workers hold shards in other tests; tuning is idempotent either way.
-    assert all(client.run(tune_malloc).values())
+    assert all(client.run(tune_malloc).values()) is GLIBC
     assert tune_malloc() is tune_malloc()
 
 
-@glibc
-@pytest.mark.parametrize("setting, expected", [("0", "False"), ("1", "True")])
+@pytest.mark.parametrize("setting, expected", [("0", "False"), ("1", str(GLIBC))])
 def test_the_environment_variable_turns_it_off(setting, expected):
     done = subprocess.run(
         [
