@@ -26,16 +26,14 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+from bench_downpour import BATCH, serial_examples_per_s  # noqa: E402  (the same baseline loop)
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import DownpourSGD, models  # noqa: E402
-from downpour_dask.data import minibatches  # noqa: E402
 from downpour_dask.partition import PartitionPlan  # noqa: E402
 
-BATCH = 128
 FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
 
 
@@ -45,22 +43,6 @@ def synthetic(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     X = rng.standard_normal((rows, FEATURES), dtype=np.float32)
     teacher = rng.standard_normal((FEATURES, CLASSES), dtype=np.float32)
     return X, np.argmax(X @ teacher, axis=1).astype(np.int64)
-
-
-def serial_examples_per_s(model, X, y, seconds: float) -> float:
-    """Single-threaded in-process SGD loop: gradient + update, no communication."""
-    params = model.init(np.random.default_rng(0))
-    grad = np.empty_like(params)
-    rng = np.random.default_rng(0)
-    examples, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for Xb, yb in minibatches(X, y, BATCH, rng):
-            model.loss_and_grad(params, Xb, yb, out=grad)
-            params -= np.float32(0.001) * grad
-            examples += len(yb)
-            if time.perf_counter() - start >= seconds:
-                break
-    return examples / (time.perf_counter() - start)
 
 
 def replica_run(client, model, X, y, partitions: int, every: int, seconds: float):
@@ -102,7 +84,8 @@ def main() -> None:
         f"python {platform.python_version()}"
     )
     serial = statistics.median(
-        serial_examples_per_s(model, X, y, args.seconds / 2) for _ in range(args.repeats)
+        serial_examples_per_s(model, X, y, args.seconds / 2, learning_rate=0.001)
+        for _ in range(args.repeats)
     )
     rows = [("serial numpy loop (1 thread, in process)", "-", serial, None, None)]
     with (
