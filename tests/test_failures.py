@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from downpour_dask import DownpourSGD, datasets, models
 from downpour_dask.checkpoint import CheckpointError, ShardState, read_checkpoint, write_checkpoint
@@ -23,18 +23,6 @@ TIMEOUT = 60
 @pytest.fixture(scope="module")
 def mnist():
     return datasets.load("mnist5k")
-
-
-@pytest.fixture
-def three_workers():
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster, timeout=TIMEOUT) as client,
-    ):
-        client.wait_for_workers(3, timeout=TIMEOUT)
-        yield client
 
 
 def _estimator(**kw) -> DownpourSGD:

@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, attach, datasets, models
 from downpour_dask.partition import PartitionPlan
@@ -154,40 +153,36 @@ def test_more_partitions_than_workers_is_refused_before_training(client, mnist):
 
 
 @pytest.mark.timeout(240)
-def test_losing_a_partitions_worker_restarts_that_replica_and_the_others_go_on(mnist):
+def test_losing_a_partitions_worker_restarts_that_replica_and_the_others_go_on(
+    three_workers, mnist
+):
     train, test = mnist
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster, timeout=TIMEOUT) as client,
-    ):
-        client.wait_for_workers(3, timeout=TIMEOUT)
-        workers = sorted(cluster_workers(client))
-        # replica r's partitions start on workers r and r+1; shards sit with replica 0's
-        # partitions on workers 0 and 1; so worker 2 holds partition 1 of replica 1 and
-        # partition 0 of replica 2, and no shard
-        pid = client.run(os.getpid, workers=[workers[2]])[workers[2]]
-        killed = []
+    client = three_workers
+    workers = sorted(cluster_workers(client))
+    # replica r's partitions start on workers r and r+1; shards sit with replica 0's
+    # partitions on workers 0 and 1; so worker 2 holds partition 1 of replica 1 and
+    # partition 0 of replica 2, and no shard
+    pid = client.run(os.getpid, workers=[workers[2]])[workers[2]]
+    killed = []
 
-        def kill(progress):
-            if not killed and progress.pushes >= 150:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(time.monotonic())
+    def kill(progress):
+        if not killed and progress.pushes >= 150:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(time.monotonic())
 
-        est = DownpourSGD(
-            models.MLP(784, (64,), 10),
-            n_replicas=3,
-            n_shards=2,
-            partitions=2,
-            batch_size=32,
-            max_epochs=3,
-            warmstart_steps=50,
-            random_state=0,
-            eval_every=0.25,
-            timeout=TIMEOUT,
-        )
-        est.fit(train, eval_data=test, client=client, callback=kill)
+    est = DownpourSGD(
+        models.MLP(784, (64,), 10),
+        n_replicas=3,
+        n_shards=2,
+        partitions=2,
+        batch_size=32,
+        max_epochs=3,
+        warmstart_steps=50,
+        random_state=0,
+        eval_every=0.25,
+        timeout=TIMEOUT,
+    )
+    est.fit(train, eval_data=test, client=client, callback=kill)
     assert killed
     events = est.experiment_.events
     kinds = list(events["kind"])
