@@ -50,10 +50,10 @@ def serial_examples_per_s(model, X, y, seconds: float, learning_rate: float = 0.
 
 
 def downpour_examples_per_s(
-    client, model, train, replicas: int, every: int, seconds: float, shards: int = 2
+    client, model, train, replicas: int, every: int, seconds: float, shards: int = 2, **extra
 ) -> float:
-    est = DownpourSGD(
-        model,
+    """Examples/s of one Downpour fit; ``extra`` overrides further ``DownpourSGD`` settings."""
+    settings = dict(
         n_replicas=replicas,
         n_shards=shards,
         optimizer="sgd",
@@ -65,7 +65,8 @@ def downpour_examples_per_s(
         max_epochs=10_000,
         eval_every=1.0,
         random_state=0,
-    ).fit(train, client=client)
+    )
+    est = DownpourSGD(model, **{**settings, **extra}).fit(train, client=client)
     pushes = est.experiment_.pushes
     # throughput while all replicas run: examples acknowledged in the window after the first second
     window = pushes[(pushes["time"] >= 1.0) & (pushes["time"] <= seconds)]
