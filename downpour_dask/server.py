@@ -665,7 +665,13 @@ class ParameterServer:
         return sorted(e for shard_events in found for e in shard_events)
 
     def close(self) -> None:
-        """Release the actors (they are deleted once no future refers to them)."""
+        """Release the actors (they are deleted once no future refers to them).
+
+        The actor handles go too, replaced by :class:`ActorRef` objects: each handle holds a future
+        of its key, and a handle caught in a reference cycle would keep its actor alive until
+        Python's cyclic garbage collector happens to run.
+        """
         for f in self._futures:
             f.release()
         self._futures = []
+        self.shards = [refer(a, self.shard_class, w) for a, w in zip(self.shards, self.workers)]
