@@ -61,6 +61,7 @@ class Recovery:
         self.configs: list[ReplicaConfig] = []
         self.slots: list[tuple[int, int]] = []
         self.slot_workers: list[str] = []
+        self.results: dict[int, dict] = {}  # slot -> its loop's result, gathered as it finishes
         self.mailboxes: dict[int, list[Future]] = {}  # replica -> its partitions' mailboxes
         self.mailbox_workers: dict[int, list[str]] = {}  # ... and where they are
         self.variables = []
@@ -190,9 +191,17 @@ class Recovery:
             self._recover_shard(i, f"worker {self.server.workers[i]} left the cluster", alive)
         for i, f in enumerate(self.futures):
             r, p = self.slots[i]
-            if f.status == "finished":
+            if i in self.results:
                 continue
-            if f.status == "error":
+            if f.status == "finished":
+                # Gathered now, not at the end: a finished task's result lives on its worker,
+                # and a worker that dies before the run ends would take it along.
+                try:
+                    self.results[i] = f.result(timeout=self.est.timeout)
+                    continue
+                except Exception as err:  # any way of losing it means the same
+                    why = f"its result was lost with its worker ({err!r})"
+            elif f.status == "error":
                 error = f.exception(timeout=self.est.timeout)
                 # A partition whose peer died fails with PartitionLost: restart the replica too.
                 if not isinstance(error, (KilledWorker, PartitionLost)):
@@ -222,6 +231,7 @@ class Recovery:
         slots = [i for i, (q, _) in enumerate(self.slots) if q == r]
         for i in slots:
             self.futures[i].cancel()
+            self.results.pop(i, None)
         if self.plan is not None:  # surviving partitions wait for a dead peer: release them
             self._close_mailboxes(r, f"replica {r} is restarted: {why}")
         load = {w: 0 for w in alive}

@@ -18,6 +18,9 @@ from downpour_dask.checkpoint import CheckpointError, ShardState, read_checkpoin
 from downpour_dask.server import cluster_workers
 
 TIMEOUT = 60
+#: Epochs of the runs a worker is killed in: long enough that every replica is still training
+#: when the callback (about 4 times a second) sees the push count that triggers the kill.
+KILL_EPOCHS = 10
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +77,13 @@ def _kinds(est: DownpourSGD) -> list[str]:
 def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(three_workers, mnist):
     client = three_workers
     train, test = mnist
-    clean = _estimator().fit(train, eval_data=test, client=client)
+    clean = _estimator(max_epochs=KILL_EPOCHS).fit(train, eval_data=test, client=client)
     workers = sorted(cluster_workers(client))
     # shards go to workers 0 and 1, replica r to worker r: worker 2 holds replica 2 only
     kill = _KillAt(client, workers[2], pushes=150)
-    est = _estimator().fit(train, eval_data=test, client=client, callback=kill)
+    est = _estimator(max_epochs=KILL_EPOCHS).fit(
+        train, eval_data=test, client=client, callback=kill
+    )
     assert kill.killed_at is not None
     kinds = _kinds(est)
     assert "replica_failed" in kinds and "replica_restarted" in kinds
@@ -108,7 +113,7 @@ def test_a_streaming_replica_restarts_from_its_files_on_another_worker(
     client = three_workers
     workers = sorted(cluster_workers(client))
     kill = _KillAt(client, workers[2], pushes=150)
-    est = _estimator().fit(data, eval_data=test, client=client, callback=kill)
+    est = _estimator(max_epochs=KILL_EPOCHS).fit(data, eval_data=test, client=client, callback=kill)
     assert kill.killed_at is not None
     kinds = _kinds(est)
     assert "replica_failed" in kinds and "replica_restarted" in kinds and kinds[-1] == "stop"
@@ -121,7 +126,9 @@ def test_killing_a_shards_worker_restores_the_shard_and_the_run_finishes(three_w
     train, test = mnist
     workers = sorted(cluster_workers(client))
     kill = _KillAt(client, workers[1], pushes=200)  # shard 1 (and replica 1) live there
-    est = _estimator(checkpoint_every=0.5).fit(train, eval_data=test, client=client, callback=kill)
+    est = _estimator(max_epochs=KILL_EPOCHS, checkpoint_every=0.5).fit(
+        train, eval_data=test, client=client, callback=kill
+    )
     assert kill.killed_at is not None
     events = est.experiment_.events
     kinds = list(events["kind"])
