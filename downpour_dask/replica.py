@@ -50,6 +50,7 @@ from .models import Model
 from .params import DTYPE
 from .server import ParameterServer, ParameterServerShard, PullReply, PushReply
 from .stream import ArraySource, ShardStream, StreamSpec, make_source
+from .wire import WireClient, WireError
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class ReplicaConfig:
     start_step: int = 0  # a restarted replica skips the batches it already trained on
     topic: str = ""  # a published run's event topic: the replica logs its metrics there
     partition: int = 0  # which partition of a model-parallel replica this loop runs
+    transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
 
 
 #: Errors a call into a lost parameter-server shard raises (the worker died or did not answer;
@@ -227,6 +229,7 @@ class Replica:
         self.versions = [0] * server.n_shards  # effective version of each local slice
         self.pulls: list = [None] * server.n_shards
         self.local = [local_shard(shard) for shard in server.shards]
+        self.wires: list[WireClient | None] = [None] * server.n_shards  # see _open_wires
         self.fetch_bufs: list[np.ndarray | None] = [None] * server.n_shards  # for local shards
         self.pending: list[_Push] = []
         self.next_seq = 0
@@ -241,6 +244,15 @@ class Replica:
         (:class:`~downpour_dask.stream.ArraySource`) or shards streamed from files or Dask
         partitions (:class:`~downpour_dask.stream.ShardStream`).
         """
+        try:
+            self._open_wires(range(self.server.n_shards))
+            return self._train(source)
+        finally:
+            for wire in self.wires:
+                if wire is not None:
+                    wire.close()
+
+    def _train(self, source: ArraySource | ShardStream) -> dict[str, Any]:
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, cfg.replica])
         alpha = cfg.local_learning_rate
@@ -292,7 +304,16 @@ class Replica:
             "pushes": self.rows,
             "lost_pushes": self.lost_pushes,
             "sessions": self.sessions,
+            "transports": self.transports(),
         }
+
+    def transports(self) -> list[str]:
+        """How this replica reaches each shard: ``"local"`` (in-process), ``"wire"`` (a direct
+        connection, see :mod:`downpour_dask.wire`) or ``"actor"`` (Dask actor messages)."""
+        return [
+            "local" if local is not None else "wire" if wire is not None else "actor"
+            for local, wire in zip(self.local, self.wires)
+        ]
 
     def _done(self, step: int, epochs: int) -> bool:
         return self.stop or self._limit_reached(step, epochs)
@@ -303,17 +324,37 @@ class Replica:
             cfg.max_epochs is not None and epochs >= cfg.max_epochs
         )
 
+    # -- reaching the shards ---------------------------------------------------------------------
+    def _open_wires(self, indices: range | list[int]) -> None:
+        """Connect directly (:mod:`downpour_dask.wire`) to the shards ``indices`` that live on
+        other workers.  A shard that offers no endpoint (its worker's comm is not plain TCP) or
+        cannot be reached that way is called through Dask's actor messages instead; a shard that
+        does not answer at all is left to the first fetch, which handles lost shards."""
+        if self.cfg.transport != "auto":
+            return
+        asked = {s: self.server.shards[s].open_wire() for s in indices if self.local[s] is None}
+        for s, call in asked.items():
+            try:
+                endpoint = outcome(call, self.cfg.timeout)
+                if endpoint is not None:
+                    self.wires[s] = WireClient(endpoint, timeout=min(10.0, self.cfg.timeout))
+            except (*SHARD_ERRORS, WireError):
+                self.wires[s] = None
+
+    def _remote(self, s: int) -> Any:
+        """What to call for shard ``s`` on another worker: its direct connection, else its actor."""
+        return self.wires[s] or self.server.shards[s]
+
     # -- fetching --------------------------------------------------------------------------------
     def _start_fetches(self) -> None:
         for s in range(self.server.n_shards):
             self._start_fetch(s)
 
     def _start_fetch(self, s: int) -> None:
-        shard = self.server.shards[s]
         if self.local[s] is not None:
             self.pulls[s] = self._local_pull(s)
         elif self.pulls[s] is None:  # one pull per shard in flight; it will be fresh enough
-            self.pulls[s] = shard.pull(self.cfg.replica, self.sessions[s])
+            self.pulls[s] = self._remote(s).pull(self.cfg.replica, self.sessions[s])
             self.pull_sent[s] = time.monotonic()
 
     def _local_pull(self, s: int) -> _Done:
@@ -402,6 +443,10 @@ class Replica:
             time.sleep(0.05)
         self.server.shards[s] = actor
         self.local[s] = local_shard(actor)
+        if self.wires[s] is not None:
+            self.wires[s].close()
+            self.wires[s] = None
+        self._open_wires([s])
         self.pulls[s] = None  # a fetch from the lost actor may never complete: ask the new one
         self.sessions[s] = uuid.uuid4().hex
         self.seq_base[s] = self.next_seq
@@ -453,7 +498,7 @@ class Replica:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         loss = self.accrual_loss / self.accrual_steps
         calls = []
-        for s, (shard, (lo, hi)) in enumerate(zip(self.server.shards, self.server.ranges)):
+        for s, (lo, hi) in enumerate(self.server.ranges):
             args = (grad[lo:hi], self.base_versions[s], self.cfg.replica)
             kw = dict(
                 seq=seq - self.seq_base[s],
@@ -466,12 +511,12 @@ class Replica:
                 if fetch:
                     self.pulls[s] = self._local_pull(s)
             elif fetch and self.pulls[s] is None:
-                call = shard.exchange(*args, **kw)
+                call = self._remote(s).exchange(*args, **kw)
                 calls.append(_Half(call, 0))
                 self.pulls[s] = _Half(call, 1)
                 self.pull_sent[s] = time.monotonic()
             else:
-                calls.append(shard.push(*args, **kw))
+                calls.append(self._remote(s).push(*args, **kw))
         self.pending.append(
             _Push(
                 seq,

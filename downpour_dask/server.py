@@ -33,35 +33,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
-from distributed import Actor, Client, Future
+from distributed import Actor, Client, Future, get_worker
 
 from ._malloc import tune_malloc
 from .optim import UpdateRule
 from .params import DTYPE, split_range
-
-
-class PullReply(NamedTuple):
-    """What a shard returns to :meth:`ParameterServerShard.pull`.
-
-    ``applied_through`` / ``applied_ahead`` tell the calling replica which of its own pushes these
-    values already contain: every push numbered ``<= applied_through`` and those in
-    ``applied_ahead`` (pushes that overtook an earlier one on the network).
-    """
-
-    values: np.ndarray
-    version: int
-    stop: bool
-    applied_through: int
-    applied_ahead: tuple[int, ...]
-
-
-class PushReply(NamedTuple):
-    """What a shard returns to :meth:`ParameterServerShard.push`."""
-
-    version: int  # the shard's version after this push
-    staleness: int  # updates the shard applied between the pusher's fetch and this push
-    accepted: bool  # False: refused (non-finite gradient, or a duplicate)
-    stop: bool  # the run is over: the replica should finish
+from .wire import PullReply, PushReply, serve
 
 
 class _SeqTracker:
@@ -96,6 +73,19 @@ def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
     healthy run then looked as if every worker had left.  So ask the scheduler directly.
     """
     return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
+def _tcp_host() -> str | None:
+    """This worker's host if its comm is plain TCP (where wire.py may listen too), else None
+    (TLS or another protocol, or not running on a worker)."""
+    try:
+        address = get_worker().address
+    except ValueError:
+        return None
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://") :].rsplit(":", 1)[0]
+    return host.strip("[]")
 
 
 class ParameterServerShard:
@@ -150,8 +140,11 @@ class ParameterServerShard:
         self._events: list[tuple[float, str, str]] = []
         self._arrived: asyncio.Condition | None = None
         # Replicas on this worker call snapshot/apply_push directly from their own threads
-        # (see replica.py), concurrently with the event loop serving remote replicas.
+        # (see replica.py), and replicas on other workers through wire.py's threads, concurrently
+        # with the event loop serving actor calls.
         self._lock = threading.Lock()
+        self._host = _tcp_host()
+        self._endpoint: tuple[str, int, str] | None = None
 
     # -- what replicas call (async: served on the event loop, see the module docstring) ----------
     async def pull(self, replica: int = -1, session: str = "") -> PullReply:
@@ -173,6 +166,15 @@ class ParameterServerShard:
         reply = self.apply_push(grad, fetched_version, replica, **kw)
         await self._notify()
         return reply, self.snapshot(replica, kw.get("session", ""))
+
+    async def open_wire(self) -> tuple[str, int, str] | None:
+        """Where a replica on another worker can reach this shard without actor messages:
+        ``(host, port, shard id)`` of this process's :class:`~downpour_dask.wire.ShardService`,
+        or None when the worker's comm is not plain TCP (e.g. TLS), so the replica keeps using
+        actor calls."""
+        if self._endpoint is None and self._host is not None:
+            self._endpoint = serve(self, self._host)
+        return self._endpoint
 
     async def _notify(self) -> None:
         """Wake pushes waiting in :meth:`_in_order` for the one just applied."""

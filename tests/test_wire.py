@@ -1,0 +1,173 @@
+"""The direct replica-to-shard connection: the protocol in-process, then on the real cluster."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from downpour_dask import DownpourSGD, datasets, models, optim, wire
+from downpour_dask.server import ParameterServerShard
+from downpour_dask.wire import PullReply, PushReply, WireClient, WireError
+
+TIMEOUT = 10.0
+
+
+def make_shard(size: int = 1000, rate: float = 0.5) -> ParameterServerShard:
+    values = np.linspace(-1, 1, size, dtype=np.float32)
+    return ParameterServerShard(0, 0, size, values, optim.make("sgd", rate))
+
+
+@pytest.fixture
+def shard_and_client():
+    shard = make_shard()
+    client = WireClient(wire.serve(shard, "127.0.0.1"), timeout=TIMEOUT)
+    yield shard, client
+    client.close()
+
+
+def test_pull_push_and_exchange_match_the_shards_own_methods(shard_and_client):
+    shard, client = shard_and_client
+    twin = make_shard()  # the same calls made directly, for comparison
+    pulled = client.pull(3, "s").result(TIMEOUT)
+    assert isinstance(pulled, PullReply)
+    np.testing.assert_array_equal(pulled.values, twin.snapshot(3, "s").values)
+    assert (pulled.version, pulled.stop, pulled.applied_through) == (0, False, -1)
+
+    grad = np.arange(1000, dtype=np.float32) / 1000
+    kw = dict(seq=0, session="s", examples=32, loss=0.7)
+    pushed = client.push(grad, 0, 3, **kw).result(TIMEOUT)
+    assert pushed == twin.apply_push(grad, 0, 3, **kw)
+    assert isinstance(pushed, PushReply) and pushed.accepted and pushed.version == 1
+
+    kw = dict(seq=1, session="s", examples=32, loss=0.5)
+    got_push, got_pull = client.exchange(grad, 0, 3, **kw).result(TIMEOUT)
+    want_push = twin.apply_push(grad, 0, 3, **kw)
+    assert got_push == want_push and got_push.staleness == 1
+    np.testing.assert_array_equal(got_pull.values, twin.values)
+    assert got_pull.applied_through == 1  # the replica learns its pushes 0 and 1 are in
+    assert shard.examples == 64 and shard.recent_loss == twin.recent_loss
+
+
+def test_pushes_are_applied_in_the_order_sent_and_a_repeat_is_refused(shard_and_client):
+    shard, client = shard_and_client
+    grads = [np.full(1000, i, dtype=np.float32) for i in range(1, 41)]
+    calls = [client.push(g, 0, 1, seq=i, session="s") for i, g in enumerate(grads)]
+    replies = [c.result(TIMEOUT) for c in calls]
+    assert [r.version for r in replies] == list(range(1, 41))  # one connection: in order
+    repeat = client.push(grads[0], 0, 1, seq=5, session="s").result(TIMEOUT)
+    assert not repeat.accepted and shard.duplicates == 1 and shard.version == 40
+
+
+def test_a_non_finite_gradient_is_refused_and_the_connection_stays_usable(shard_and_client):
+    shard, client = shard_and_client
+    bad = np.zeros(1000, dtype=np.float32)
+    bad[7] = np.nan
+    assert not client.push(bad, 0, 0, seq=0, session="s").result(TIMEOUT).accepted
+    assert client.pull(0, "s").result(TIMEOUT).version == 0
+    assert shard.refused == 1
+
+
+def test_a_gradient_of_the_wrong_shape_or_dtype_is_refused_before_sending(shard_and_client):
+    _, client = shard_and_client
+    with pytest.raises(ValueError, match=r"contiguous float32 array of shape \(1000,\)"):
+        client.push(np.zeros(999, dtype=np.float32), 0, 0)
+    with pytest.raises(ValueError, match="dtype float64"):
+        client.push(np.zeros(1000), 0, 0)
+    assert client.pull().result(TIMEOUT).version == 0  # nothing half-sent broke the stream
+
+
+def test_an_unknown_or_ended_shard_is_refused_with_a_clear_error():
+    shard = make_shard()
+    host, port, shard_id = wire.serve(shard, "127.0.0.1")
+    with pytest.raises(WireError, match="no such parameter-server shard"):
+        WireClient((host, port, "0" * 32), timeout=TIMEOUT)
+    del shard
+    gc.collect()  # the service holds shards weakly: an ended fit's shard is not kept alive
+    with pytest.raises(WireError, match="no such parameter-server shard"):
+        WireClient((host, port, shard_id), timeout=TIMEOUT)
+
+
+def test_a_lost_shard_fails_every_call_in_flight_with_connection_error():
+    """What a replica sees when the shard's worker dies: the connection closes and the calls
+    waiting for replies fail at once (``ConnectionError`` is an ``OSError``, which the replica
+    treats as a lost shard), and later calls fail too instead of hanging."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def shard_side() -> None:  # accepts the shard id, then reads requests and never answers
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.recv(1024)
+        conn.sendall(wire._STATUS.pack(0, 0) + wire._SIZE.pack(1000))
+
+    thread = threading.Thread(target=shard_side)
+    thread.start()
+    client = WireClient(("127.0.0.1", listener.getsockname()[1], "x"), timeout=TIMEOUT)
+    thread.join(TIMEOUT)
+    calls = [client.pull(), client.push(np.zeros(1000, dtype=np.float32), 0, 0)]
+    time.sleep(0.1)
+    assert not any(c.done() for c in calls)
+    accepted[0].close()  # the worker died
+    for call in calls:
+        with pytest.raises(ConnectionError):
+            call.result(TIMEOUT)
+    with pytest.raises(ConnectionError):
+        client.pull().result(TIMEOUT)
+    client.close()
+    listener.close()
+
+
+def test_a_call_without_a_reply_times_out_instead_of_hanging(shard_and_client):
+    _, client = shard_and_client
+    call = wire.WireCall(wire.PULL)  # never answered
+    with pytest.raises(TimeoutError, match="within 0.05 s"):
+        call.result(0.05)
+
+
+# -- on the real two-worker cluster ----------------------------------------------------------
+def _served_shards(dask_worker) -> int:
+    gc.collect()
+    return 0 if wire._SERVICE is None else len(wire._SERVICE._shards)
+
+
+@pytest.mark.timeout(120)
+def test_replicas_reach_remote_shards_directly_and_train_as_with_actor_messages(client):
+    """One replica, plain SGD: Downpour equals serial SGD whatever the timing, so the direct
+    path and Dask's actor messages must end with the same parameters (2 shards: one of them is
+    on the other worker).  The run records how each replica reached each shard, and the
+    shards are released afterwards."""
+    train, _ = datasets.load("digits")
+    fitted = {}
+    for transport in ("auto", "dask"):
+        est = DownpourSGD(
+            models.MLP(64, (16,), 10),
+            n_replicas=1,
+            n_shards=2,
+            optimizer="sgd",
+            learning_rate=0.1,
+            batch_size=32,
+            max_epochs=2,
+            random_state=5,
+            transport=transport,
+        ).fit(train, client=client)
+        fitted[transport] = est
+    routes = {t: e.experiment_.config["replica_transports"] for t, e in fitted.items()}
+    assert sorted(routes["auto"]["0"]) == ["local", "wire"]
+    assert sorted(routes["dask"]["0"]) == ["actor", "local"]
+    np.testing.assert_allclose(fitted["auto"].params_, fitted["dask"].params_, rtol=0, atol=1e-5)
+    deadline = time.monotonic() + 20
+    while sum(client.run(_served_shards).values()) and time.monotonic() < deadline:
+        gc.collect()  # see test_finished_fits_release_their_shards_on_the_workers for why
+        time.sleep(0.1)
+    assert sum(client.run(_served_shards).values()) == 0
+
+
+def test_transport_must_be_auto_or_dask():
+    est = DownpourSGD(models.SoftmaxRegression(4, 3), n_replicas=1, n_shards=1, transport="tcp")
+    with pytest.raises(ValueError, match="transport must be one of 'auto', 'dask', got 'tcp'"):
+        est.fit(np.zeros((10, 4), np.float32), np.zeros(10, int), client="never used")
