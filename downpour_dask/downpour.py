@@ -388,6 +388,7 @@ class _Run(Recovery):
         self.publish: str | None = None  # the name to publish the run under, if any
         self.published = False
         self.phase = "training"
+        self.last_report = -math.inf  # time.monotonic() of the last progress report
         self.resumed: Checkpoint | None = None  # set by fit(resume_from=...)
         self.checkpoint_dir: str | os.PathLike[str] | None = None
         self.token = uuid.uuid4().hex[:8]  # names this run's shard variables
@@ -558,7 +559,7 @@ class _Run(Recovery):
             except SHARD_ERRORS as err:  # a shard was lost: restore it, then go on
                 self._recover_lost_shards(err)
             try:
-                wait(first, timeout=min(self.est.eval_every, 0.05))
+                wait(first, timeout=min(self.est.eval_every, 0.01))  # the others wait on this
             except (TimeoutError, CancelledError):  # a lost replica: restarted
                 pass
         self.phase = "training"
@@ -569,11 +570,9 @@ class _Run(Recovery):
     def _supervise(self, futures: list[Future]) -> None:
         """Evaluate periodically and enforce ``max_seconds`` until every replica has finished."""
         est = self.est
-        watched = self.callback is not None or self.publish is not None
-        interval = min(est.eval_every, 0.25) if watched else est.eval_every
         while True:
             try:
-                wait(futures, timeout=interval)
+                wait(futures, timeout=self._until_next_tick())
             except (TimeoutError, CancelledError):  # a lost replica: restarted
                 pass
             self._check_failures()  # restarts replicas and shards lost with their workers
@@ -594,6 +593,20 @@ class _Run(Recovery):
             except SHARD_ERRORS as err:  # a shard was lost: restore it, then go on
                 self._recover_lost_shards(err)
 
+    #: Seconds between progress reports to the callback and to watchers of a published run.
+    REPORT_EVERY = 0.25
+
+    def _until_next_tick(self) -> float:
+        """How long the supervision loop may wait: until the next evaluation is due (so that
+        evaluations keep to ``eval_every`` instead of drifting late) or the next report."""
+        watched = self.callback is not None or self.publish is not None
+        interval = min(self.est.eval_every, self.REPORT_EVERY) if watched else self.est.eval_every
+        if self.evaluation is not None:
+            last = self.evals[-1]["time"] if self.evals else -np.inf
+            due = last + self.est.eval_every - (time.time() - self.t0)
+            interval = min(interval, due)
+        return max(0.002, interval)
+
     def _tick(self) -> int:
         """Evaluate if ``eval_every`` has passed since the last evaluation, report progress to
         the callback; return the (minimum) version."""
@@ -605,12 +618,14 @@ class _Run(Recovery):
             self._evaluate(params, versions)
         version = min(versions)
         self.known_versions = [max(k, v) for k, v in zip(self.known_versions, versions)]
-        if self.callback is not None or self.publish is not None:
+        watched = self.callback is not None or self.publish is not None
+        if watched and time.monotonic() - self.last_report >= self.REPORT_EVERY:
             self._report(self._progress())
         return version
 
     def _report(self, progress: Progress) -> None:
         """Hand a snapshot to the callback and, for a published run, log it for watchers."""
+        self.last_report = time.monotonic()
         if self.publish is not None:
             live.log_progress(self.client, self.publish, progress)
         if self.callback is not None:

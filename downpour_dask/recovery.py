@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -44,6 +45,8 @@ from .server import ShardLostError, cluster_workers
 
 #: How often the driver restarts replicas whose worker died before it gives up on the run.
 MAX_REPLICA_RESTARTS = 10
+#: Seconds between the supervision loop's asks for the cluster's worker list.
+ALIVE_EVERY = 0.5
 
 
 class Recovery:
@@ -62,6 +65,8 @@ class Recovery:
         self.slots: list[tuple[int, int]] = []
         self.slot_workers: list[str] = []
         self.results: dict[int, dict] = {}  # slot -> its loop's result, gathered as it finishes
+        self._alive_list: list[str] = []
+        self._alive_at = -math.inf
         self.mailboxes: dict[int, list[Future]] = {}  # replica -> its partitions' mailboxes
         self.mailbox_workers: dict[int, list[str]] = {}  # ... and where they are
         self.variables = []
@@ -179,16 +184,23 @@ class Recovery:
             with contextlib.suppress(Exception):
                 call.result(timeout=5)
 
-    def _alive(self) -> list[str]:
-        return sorted(cluster_workers(self.client))
+    def _alive(self, fresh: bool = True) -> list[str]:
+        """The cluster's workers; without ``fresh``, a list at most :data:`ALIVE_EVERY` old (the
+        supervision loop runs up to every few ms and the list costs a scheduler round trip)."""
+        now = time.monotonic()
+        if fresh or now - self._alive_at >= ALIVE_EVERY:
+            self._alive_list = sorted(cluster_workers(self.client))
+            self._alive_at = now
+        return self._alive_list
 
     def _check_failures(self) -> None:
         """Restore shards and restart replicas whose workers died; re-raise a replica's own
         error (a data error, a bug) as the run's failure."""
-        alive = self._alive()
+        alive = self._alive(fresh=False)  # refreshed below before anything is placed on it
         gone = [i for i, w in enumerate(self.server.workers) if w not in alive]
         for i in gone:
-            self._recover_shard(i, f"worker {self.server.workers[i]} left the cluster", alive)
+            why = f"worker {self.server.workers[i]} left the cluster"
+            self._recover_shard(i, why, self._alive())
         for i, f in enumerate(self.futures):
             r, p = self.slots[i]
             if i in self.results:
@@ -216,7 +228,7 @@ class Recovery:
                 continue
             if self.plan is not None:
                 why = f"partition {p}: {why}"
-            self._restart_replica(r, why, alive)
+            self._restart_replica(r, why, self._alive())
 
     def _restart_replica(self, r: int, why: str, alive: list[str]) -> None:
         est = self.est
