@@ -275,9 +275,11 @@ class Replica:
                         self._start_fetches()
                     fetched = False
                     loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=self.grad)
-                    if self.accrual_steps == 0:
+                    if self.accrual_steps == 0:  # the buffer's old contents are not zeroed
                         self.base_versions = list(self.versions)
-                    self.accrued += g
+                        np.copyto(self.accrued, g)
+                    else:
+                        self.accrued += g
                     if np.isfinite(
                         loss
                     ):  # a diverged step is not applied locally; the shard refuses it
@@ -595,11 +597,11 @@ class Replica:
 
     # -- gradient buffers ------------------------------------------------------------------------
     def _buffer(self) -> np.ndarray:
+        """A gradient buffer, recycled if one is free; its contents are undefined (the first
+        step of an accrual overwrites it, and nothing reads it before)."""
         if self._free:
-            buf = self._free.pop()
-            buf.fill(0)
-            return buf
-        return np.zeros(self.server.size, dtype=DTYPE)
+            return self._free.pop()
+        return np.empty(self.server.size, dtype=DTYPE)
 
     def _release(self) -> None:
         """Recycle the buffers of pushes that are acknowledged and needed for no replay."""

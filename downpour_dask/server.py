@@ -264,8 +264,9 @@ class ParameterServerShard:
                 self.duplicates += 1
                 return PushReply(self.version, staleness, False, self.stopped)
             tracker.add(seq)
-        # Sum in float64: finite iff every element is finite, without a temporary the grad's size.
-        if not math.isfinite(float(np.add.reduce(grad, dtype=np.float64))):
+        # One fast float32 sum: it is NaN or inf if any element is.  Huge finite values can make
+        # it overflow too; only then is every element checked (a temporary the grad's size).
+        if not math.isfinite(float(np.add.reduce(grad))) and not np.isfinite(grad).all():
             self.refused += 1
             bad = int(np.count_nonzero(~np.isfinite(grad)))
             self._events.append(

@@ -57,6 +57,15 @@ def test_non_finite_gradient_is_refused_and_parameters_unchanged(server, bad):
     assert kinds == ["gradient_refused"]
 
 
+def test_a_huge_but_finite_gradient_is_accepted(server):
+    """The check sums the gradient in float32; a sum that overflows must not be mistaken for a
+    NaN or inf in the gradient itself."""
+    grad = np.full(10, 3e38, dtype=np.float32)  # each finite; their sum is not
+    replies = server.push(grad, [0, 0], replica=0, timeout=TIMEOUT)
+    assert [r.accepted for r in replies] == [True, True]
+    assert server.status(TIMEOUT)["refused"].tolist() == [0, 0]
+
+
 def test_a_retried_push_is_applied_once_and_pull_reports_which_pushes_it_holds(server):
     shard = server.shards[0]
     grad = np.ones(5, dtype=np.float32)
