@@ -468,6 +468,8 @@ class _Run(Recovery):
             )
             self.placements = placements
             done = self._steps_done(restore)
+            warm = est.n_replicas > 1 and est.warmstart_steps > 0 and self.resumed is None
+            gate = -(-est.warmstart_steps // est.n_push) if warm else 0  # replica 0's pushes
             for r, place in enumerate(placements):
                 placed = partition_workers(place.worker, est.partitions, workers)
                 if self.plan is not None:
@@ -478,11 +480,10 @@ class _Run(Recovery):
                         p,
                         worker,
                         place.data,
-                        self._replica_config(r, p, alpha, seed, done.get(r, 0)),
+                        self._replica_config(r, p, alpha, seed, done.get(r, 0), gate if r else 0),
                     )
-                warm = est.n_replicas > 1 and est.warmstart_steps > 0 and self.resumed is None
-                if r == 0 and warm:
-                    self._warmstart(futures[0])
+            if warm:
+                self._warmstart(futures[0], gate)
             self._supervise(futures)
             self.params, versions = self._pull()
             self._evaluate(self.params, versions)
@@ -506,7 +507,9 @@ class _Run(Recovery):
             self.server.close()
         self.experiment = self._experiment(results, shard_events, workers)
 
-    def _replica_config(self, r: int, p: int, alpha: float, seed: int, start: int) -> ReplicaConfig:
+    def _replica_config(
+        self, r: int, p: int, alpha: float, seed: int, start: int, gate: int = 0
+    ) -> ReplicaConfig:
         est = self.est
         return ReplicaConfig(
             replica=r,
@@ -525,6 +528,7 @@ class _Run(Recovery):
             topic=live.topic(self.publish) if self.publish is not None else "",
             partition=p,
             transport=est.transport,
+            start_after_version=gate,
         )
 
     def _shard_workers(self, first: str, workers: list[str]) -> list[str]:
@@ -546,9 +550,13 @@ class _Run(Recovery):
         values, versions = self.server.pull(self.est.timeout)
         return (values if self.plan is None else self.plan.unpack(values)), versions
 
-    def _warmstart(self, first: Future) -> None:
-        """Let replica 0 alone make ``warmstart_steps`` steps' worth of pushes, then go on."""
-        target = -(-self.est.warmstart_steps // self.est.n_push)
+    def _warmstart(self, first: Future, target: int) -> None:
+        """Watch replica 0 make ``target`` pushes (``warmstart_steps`` steps) alone.
+
+        The other replicas wait for that on the shards themselves (see
+        ``Replica._await_warmstart``); the driver logs the end, and releases them if replica 0
+        finishes without reaching it.
+        """
         self.phase = "warmstart"
         while not first.done():
             self._check_failures()
@@ -559,9 +567,17 @@ class _Run(Recovery):
             except SHARD_ERRORS as err:  # a shard was lost: restore it, then go on
                 self._recover_lost_shards(err)
             try:
-                wait(first, timeout=min(self.est.eval_every, 0.01))  # the others wait on this
+                wait(first, timeout=min(self.est.eval_every, 0.05))
             except (TimeoutError, CancelledError):  # a lost replica: restarted
                 pass
+        for attempt in range(2):
+            try:
+                self.server.call_all("release_warmstart", timeout=self.est.timeout)
+                break
+            except SHARD_ERRORS as err:  # a shard was lost: restore it, then release the new one
+                if attempt:
+                    raise
+                self._recover_lost_shards(err)
         self.phase = "training"
         self._event(
             "warmstart_done", f"replica 0 trained alone for {self.est.warmstart_steps} steps"

@@ -14,14 +14,16 @@ The loop follows the paper's pseudo-code::
 (The paper tests ``step % n_push``; pushing at the *end* of each n_push-step cycle instead makes
 every push carry exactly n_push steps of gradient and puts it right before the next fetch.)
 
-Fetches and pushes are actor calls that run on the worker's event loop while this thread keeps
-computing -- the paper's three weakly synchronised activities.  Pulls and pushes are checked
-without blocking at the top of every step; the only waits are the very first fetch and a
-back-pressure wait when ``max_inflight`` pushes are still unacknowledged.  Four things keep the
-communication cheap (see ``benchmarks/bench_downpour.py``): a push followed by a due fetch goes
-as one ``exchange`` message per shard (and that is the step's fetch: none follows it); a shard on
-the replica's own worker is called in-process, copying into a buffer reused for every pull;
-and finished calls are read without a round trip through the event loop.
+Fetches and pushes travel while this thread keeps computing -- the paper's three weakly
+synchronised activities.  Pulls and pushes are checked without blocking at the top of every
+step; the only waits are the very first fetch and a back-pressure wait when ``max_inflight``
+pushes are still unacknowledged.  What keeps the communication cheap (see
+``benchmarks/bench_downpour.py``): a shard on the replica's own worker is called in-process,
+copying into a buffer reused for every pull; a shard on another worker is reached over a direct
+connection (:mod:`downpour_dask.wire`, whose threads send and receive), or as Dask actor calls
+where that is not available, whose finished results are read without a round trip through the
+event loop; and a push followed by a due fetch goes as one ``exchange`` per shard (and that is
+the step's fetch: none follows it).
 
 One refinement over the paper, so that an asynchronous fetch never *undoes* the replica's own
 work: a fetched slice is installed as ``fetched - alpha * (own updates it does not contain yet)``.
@@ -73,6 +75,7 @@ class ReplicaConfig:
     topic: str = ""  # a published run's event topic: the replica logs its metrics there
     partition: int = 0  # which partition of a model-parallel replica this loop runs
     transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
+    start_after_version: int = 0  # wait for replica 0's warmstart: its first shard's version
 
 
 #: Errors a call into a lost parameter-server shard raises (the worker died or did not answer;
@@ -230,6 +233,7 @@ class Replica:
         self.pulls: list = [None] * server.n_shards
         self.local = [local_shard(shard) for shard in server.shards]
         self.wires: list[WireClient | None] = [None] * server.n_shards  # see _open_wires
+        self.wire_bufs: list[list[np.ndarray]] = [[] for _ in range(server.n_shards)]
         self.fetch_bufs: list[np.ndarray | None] = [None] * server.n_shards  # for local shards
         self.pending: list[_Push] = []
         self.next_seq = 0
@@ -246,6 +250,7 @@ class Replica:
         """
         try:
             self._open_wires(range(self.server.n_shards))
+            self._await_warmstart()
             return self._train(source)
         finally:
             for wire in self.wires:
@@ -334,18 +339,61 @@ class Replica:
         does not answer at all is left to the first fetch, which handles lost shards."""
         if self.cfg.transport != "auto":
             return
+        sent = time.monotonic()
         asked = {s: self.server.shards[s].open_wire() for s in indices if self.local[s] is None}
         for s, call in asked.items():
             try:
-                endpoint = outcome(call, self.cfg.timeout)
+                endpoint = self._wait_call(call, s, self.server.shards[s].key, sent)
                 if endpoint is not None:
                     self.wires[s] = WireClient(endpoint, timeout=min(10.0, self.cfg.timeout))
             except (*SHARD_ERRORS, WireError):
                 self.wires[s] = None
 
+    #: Seconds between looks at the shard while waiting for the warmstart.
+    WARMSTART_POLL = 0.002
+
+    def _await_warmstart(self) -> None:
+        """Wait until replica 0 has pushed the warmstart (the first shard's version reaches
+        ``start_after_version``), the driver releases the wait or the run stops.
+
+        The driver starts every replica together, so the others' start-up (their data, their
+        connections) overlaps the warmstart, and they begin within a poll of its end instead of
+        after the driver noticed it and submitted them.
+        """
+        target = self.cfg.start_after_version
+        while target > 0:
+            key, sent = self.server.shards[0].key, time.monotonic()
+            try:
+                if self.local[0] is not None:
+                    version, stopped, released = self.local[0].warmstart_state()
+                else:
+                    call = self._remote(0).poll_warmstart()
+                    version, stopped, released = self._wait_call(call, 0, key, sent)
+            except SHARD_ERRORS as err:
+                self._switch(0, key, err)  # waits for the shard's replacement
+                continue
+            if version >= target or stopped or released:
+                return
+            time.sleep(self.WARMSTART_POLL)
+
     def _remote(self, s: int) -> Any:
         """What to call for shard ``s`` on another worker: its direct connection, else its actor."""
         return self.wires[s] or self.server.shards[s]
+
+    def _pull_into(self, s: int) -> dict[str, np.ndarray]:
+        """For a pull over shard ``s``'s direct connection: ``out=`` a buffer reused from pull to
+        pull, as for local shards (a fresh array above glibc's 32 MiB mmap limit is page-faulted
+        afresh every time).  Two per shard: only one pull of a shard is in flight, and the values
+        installed last may still be this process's remembered copy (``_FETCHED``), which a
+        pull must not overwrite.  Actor calls take no ``out``."""
+        if self.wires[s] is None:
+            return {}
+        bufs = self.wire_bufs[s]
+        if not bufs:
+            lo, hi = self.server.ranges[s]
+            bufs.extend(np.empty(hi - lo, dtype=DTYPE) for _ in range(2))
+        kept = fetched_copy(self.cfg.run, self.server.ids[s], self.server.shards[s].key)
+        return {"out": bufs[1] if kept is not None and kept[1] is bufs[0] else bufs[0]}
 
     # -- fetching --------------------------------------------------------------------------------
     def _start_fetches(self) -> None:
@@ -356,7 +404,9 @@ class Replica:
         if self.local[s] is not None:
             self.pulls[s] = self._local_pull(s)
         elif self.pulls[s] is None:  # one pull per shard in flight; it will be fresh enough
-            self.pulls[s] = self._remote(s).pull(self.cfg.replica, self.sessions[s])
+            self.pulls[s] = self._remote(s).pull(
+                self.cfg.replica, self.sessions[s], **self._pull_into(s)
+            )
             self.pull_sent[s] = time.monotonic()
 
     def _local_pull(self, s: int) -> _Done:
@@ -446,8 +496,8 @@ class Replica:
         self.server.shards[s] = actor
         self.local[s] = local_shard(actor)
         if self.wires[s] is not None:
-            self.wires[s].close()
-            self.wires[s] = None
+            self.wires[s].close()  # its receiver may still be writing into a buffer: new ones
+            self.wires[s], self.wire_bufs[s] = None, []
         self._open_wires([s])
         self.pulls[s] = None  # a fetch from the lost actor may never complete: ask the new one
         self.sessions[s] = uuid.uuid4().hex
@@ -513,7 +563,7 @@ class Replica:
                 if fetch:
                     self.pulls[s] = self._local_pull(s)
             elif fetch and self.pulls[s] is None:
-                call = self._remote(s).exchange(*args, **kw)
+                call = self._remote(s).exchange(*args, **kw, **self._pull_into(s))
                 calls.append(_Half(call, 0))
                 self.pulls[s] = _Half(call, 1)
                 self.pull_sent[s] = time.monotonic()

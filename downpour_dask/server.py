@@ -13,7 +13,9 @@ on one worker would otherwise wait for each other).  They never await, so each r
 finish without interleaving: a pull always sees a consistent slice.  ``exchange`` is a push and
 a pull in one message, so a replica that pushes and fetches on the same step pays one round trip.
 A replica running on the shard's own worker skips the messages altogether and calls
-:meth:`snapshot` and :meth:`apply_push` directly; a lock keeps those calls atomic.
+:meth:`snapshot` and :meth:`apply_push` directly; replicas on other workers reach the same two
+methods over a direct connection (:meth:`open_wire`, :mod:`downpour_dask.wire`) where the
+cluster's comm is plain TCP.  A lock keeps those calls atomic.
 
 :class:`ParameterServer` is the view the driver and the replicas hold: it places the shards on
 distinct workers, cuts pushes and assembles pulls by range, and reports per-shard statistics.
@@ -126,6 +128,7 @@ class ParameterServerShard:
         self.state = rule.init(stop - start)
         self.version = 0
         self.stopped = False
+        self.released = False  # the driver let replicas waiting for the warmstart go
         self.accepted_by_replica: Counter[int] = Counter()
         self.refused = 0
         self.duplicates = 0
@@ -333,6 +336,19 @@ class ParameterServerShard:
     async def current_version(self) -> int:
         """Updates applied so far."""
         return self.version
+
+    def warmstart_state(self) -> tuple[int, bool, bool]:
+        """What a replica waiting for the warmstart looks at: ``(version, stopped, released)``."""
+        return self.version, self.stopped, self.released
+
+    async def poll_warmstart(self) -> tuple[int, bool, bool]:
+        """:meth:`warmstart_state` as an actor call."""
+        return self.warmstart_state()
+
+    async def release_warmstart(self) -> None:
+        """Let replicas waiting for the warmstart start (the driver's call when it ends, also
+        when replica 0 finished before reaching it)."""
+        self.released = True
 
     async def request_stop(self) -> None:
         """Raise the stop flag that pulls and pushes report to replicas."""

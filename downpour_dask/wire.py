@@ -12,8 +12,9 @@ On two cores that CPU is taken from the gradients, so the difference is throughp
 latency.  Dask still does everything else: it places the shards, starts, supervises and replaces
 them, and the driver's own calls (status, evaluation pulls, checkpoints) stay actor calls.
 
-The protocol carries exactly the three calls a replica makes (``pull``, ``push``, ``exchange``)
-with their arguments as fixed-size fields and the arrays as raw float32 bytes:
+The protocol carries exactly the calls a replica makes (``pull``, ``push``, ``exchange``, and
+``poll_warmstart`` while it waits for replica 0's warmstart) with their arguments as fixed-size
+fields and the arrays as raw float32 bytes:
 
 - Each worker process holding shards runs one :class:`ShardService`: a listening TCP socket on
   the worker's own host and one thread per connection.  A shard registers with it and gets a
@@ -76,7 +77,7 @@ class WireError(RuntimeError):
     """The shard's side of a direct connection reported an error (or refused the shard id)."""
 
 
-PULL, PUSH, EXCHANGE = 1, 2, 3
+PULL, PUSH, EXCHANGE, POLL_WARMSTART = 1, 2, 3, 4
 #: op, replica, seq (-1: none), fetched_version, examples, loss, values that follow, session bytes
 _REQUEST = struct.Struct("<BiqqqdqH")
 _HELLO = struct.Struct("<H")  # length of the shard id that follows
@@ -84,6 +85,7 @@ _STATUS = struct.Struct("<BI")  # 0 = ok, else error; length of the error text t
 _SIZE = struct.Struct("<q")  # the shard's parameter count, after a successful hello
 _PUSHED = struct.Struct("<qq??")  # version, staleness, accepted, stop
 _PULLED = struct.Struct("<q?qI")  # version, stop, applied_through, len(applied_ahead)
+_POLLED = struct.Struct("<q??")  # version, stopped, released (see poll_warmstart)
 
 
 #: Ask the kernel for the whole buffer in one call where it can: a 1 MB array then costs one
@@ -182,6 +184,8 @@ class ShardService:
                             grad, fetched, replica, examples=examples, loss=loss, **kw
                         )
                         parts.append(_PUSHED.pack(*pushed))
+                    if op == POLL_WARMSTART:
+                        parts.append(_POLLED.pack(*shard.warmstart_state()))
                     if op in (PULL, EXCHANGE):
                         pulled = shard.snapshot_into(out, replica, session)
                         ahead = pulled.applied_ahead
@@ -217,10 +221,10 @@ def serve(shard: Any, host: str) -> tuple[str, int, str]:
 class WireCall:
     """One request's reply to come, used like Dask's ``ActorFuture``: ``done()``, ``result()``."""
 
-    __slots__ = ("_event", "_value", "_error", "op")
+    __slots__ = ("_event", "_value", "_error", "op", "out")
 
-    def __init__(self, op: int):
-        self.op = op
+    def __init__(self, op: int, out: np.ndarray | None = None):
+        self.op, self.out = op, out  # out: where pulled values go (default: a new array)
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -279,14 +283,21 @@ class WireClient:
             threading.Thread(target=target, name="downpour-wire-replica", daemon=True).start()
 
     # -- the calls, with the actor methods' signatures --------------------------------------------
-    def pull(self, replica: int = -1, session: str = "") -> WireCall:
-        return self._request(PULL, None, 0, replica, session=session)
+    def pull(
+        self, replica: int = -1, session: str = "", *, out: np.ndarray | None = None
+    ) -> WireCall:
+        """Pull the shard's values: into ``out`` if given (a buffer the caller does not touch
+        until the reply is in), else into a new array."""
+        return self._request(PULL, None, 0, replica, session=session, out=out)
 
     def push(self, grad: np.ndarray, fetched_version: int, replica: int, **kw: Any) -> WireCall:
         return self._request(PUSH, grad, fetched_version, replica, **kw)
 
     def exchange(self, grad: np.ndarray, fetched_version: int, replica: int, **kw: Any) -> WireCall:
         return self._request(EXCHANGE, grad, fetched_version, replica, **kw)
+
+    def poll_warmstart(self) -> WireCall:
+        return self._request(POLL_WARMSTART, None, 0, -1)
 
     def close(self) -> None:
         """Close the connection; calls still waiting fail with ``ConnectionError``."""
@@ -309,8 +320,11 @@ class WireClient:
         session: str = "",
         examples: int = 0,
         loss: float = math.nan,
+        out: np.ndarray | None = None,
     ) -> WireCall:
-        call = WireCall(op)
+        if out is not None and (out.dtype != DTYPE or out.shape != (self.size,)):
+            raise ValueError(f"out must be a float32 array of shape ({self.size},)")
+        call = WireCall(op, out)
         if grad is not None and (
             grad.dtype != DTYPE or grad.shape != (self.size,) or not grad.flags.c_contiguous
         ):
@@ -370,7 +384,7 @@ class WireClient:
             if call is None:
                 return
             try:
-                call._finish(self._read_reply(call.op))
+                call._finish(self._read_reply(call.op, call.out))
             except WireError as err:
                 call._finish(error=err)
             except (OSError, ValueError, struct.error) as err:
@@ -379,7 +393,7 @@ class WireClient:
                 self._fail(error)
                 return
 
-    def _read_reply(self, op: int) -> Any:
+    def _read_reply(self, op: int, out: np.ndarray | None) -> Any:
         sock = self._sock
         self._check_status(sock)
         pushed = pulled = None
@@ -388,9 +402,11 @@ class WireClient:
         if op in (PULL, EXCHANGE):
             version, stop, through, n_ahead = _PULLED.unpack(_recv(sock, _PULLED.size))
             ahead = struct.unpack(f"<{n_ahead}q", _recv(sock, 8 * n_ahead)) if n_ahead else ()
-            values = np.empty(self.size, dtype=DTYPE)  # fresh: the replica may keep it
+            values = np.empty(self.size, dtype=DTYPE) if out is None else out
             _recv_into(sock, values)
             pulled = PullReply(values, version, stop, through, tuple(ahead))
+        if op == POLL_WARMSTART:
+            return _POLLED.unpack(_recv(sock, _POLLED.size))
         if op == EXCHANGE:
             return pushed, pulled
         return pushed if op == PUSH else pulled

@@ -98,6 +98,43 @@ def test_four_replicas_adagrad_mlp_reaches_90_percent_on_mnist5k(client, mnist):
     assert est.predict(test.X[:5]).shape == (5,)
 
 
+def test_the_other_replicas_start_when_replica_0s_warmstart_is_on_the_shards(client, digits):
+    """All replicas are started together; the others wait on the shards until replica 0 has
+    pushed ``warmstart_steps`` steps, so none of their pushes comes before that."""
+    train, _ = digits
+    est = DownpourSGD(
+        models.SoftmaxRegression(64, 10),
+        n_replicas=3,
+        n_shards=2,
+        batch_size=16,
+        n_push=2,
+        warmstart_steps=40,  # 20 pushes of replica 0
+        max_epochs=2,
+        random_state=0,
+    ).fit(train, client=client)
+    pushes = est.experiment_.pushes
+    others = pushes[pushes["replica"] > 0]
+    assert len(others) > 0 and others["version"].min() > 20
+    first_other = others["time"].min()
+    assert (pushes[pushes["replica"] == 0]["time"] < first_other).sum() >= 20
+    kinds = list(est.experiment_.events["kind"])
+    assert kinds[:2] == ["start", "warmstart_done"]
+
+
+def test_a_warmstart_longer_than_replica_0s_run_releases_the_others(client, digits):
+    train, _ = digits
+    est = DownpourSGD(
+        models.SoftmaxRegression(64, 10),
+        n_replicas=2,
+        n_shards=2,
+        warmstart_steps=10_000,
+        max_steps=15,
+        random_state=0,
+        timeout=30,
+    ).fit(train, client=client)
+    assert est.experiment_.pushes.groupby("replica").size().tolist() == [15, 15]
+
+
 def test_asynchrony_is_real_and_no_update_is_lost_or_doubled(client, digits):
     train, test = digits
     est = DownpourSGD(

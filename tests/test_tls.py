@@ -56,6 +56,9 @@ def test_training_on_a_tls_only_cluster(tls_cluster, digits):
         assert workers and all(w.startswith("tls://") for w in workers)
         est = softmax_estimator(train).fit(train, eval_data=test, client=client)
     assert est.score(test) > 0.8
+    # no plain-TCP side channel next to TLS: remote shards were reached as actor messages
+    routes = [t for ts in est.experiment_.config["replica_transports"].values() for t in ts]
+    assert "wire" not in routes and "actor" in routes
     assert est.experiment_.config["tls"] is False  # the estimator did not start the cluster
 
 

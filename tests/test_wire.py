@@ -53,6 +53,21 @@ def test_pull_push_and_exchange_match_the_shards_own_methods(shard_and_client):
     assert shard.examples == 64 and shard.recent_loss == twin.recent_loss
 
 
+def test_a_pull_can_land_in_the_callers_buffer(shard_and_client):
+    """Replicas pull big shards into buffers they reuse (a fresh array of tens of MB is
+    page-faulted afresh on every pull)."""
+    shard, client = shard_and_client
+    buffer = np.zeros(1000, dtype=np.float32)
+    reply = client.pull(0, "s", out=buffer).result(TIMEOUT)
+    assert reply.values is buffer
+    np.testing.assert_array_equal(buffer, shard.values)
+    grad = np.ones(1000, dtype=np.float32)
+    _, pulled = client.exchange(grad, 0, 0, seq=0, session="s", out=buffer).result(TIMEOUT)
+    assert pulled.values is buffer and pulled.version == 1
+    with pytest.raises(ValueError, match=r"out must be a float32 array of shape \(1000,\)"):
+        client.pull(out=np.zeros(10, dtype=np.float32))
+
+
 def test_pushes_are_applied_in_the_order_sent_and_a_repeat_is_refused(shard_and_client):
     shard, client = shard_and_client
     grads = [np.full(1000, i, dtype=np.float32) for i in range(1, 41)]
