@@ -3,7 +3,8 @@
 Model: MLP 784-256-10 (relu, softmax), batch 128, plain SGD, on the shipped mnist5k training set
 (4,000 rows, cycled).  Downpour runs on a local cluster of 2 single-threaded worker processes with
 2 shards, for 1, 2 and 4 replicas and n_fetch = n_push in {1, 4}, and with 1 shard for 2 replicas
-(on 2 workers one shard halves the messages: one replica calls it in-process).  Each
+(on 2 workers one shard halves the messages: one replica calls it in-process), the last over
+Dask actor messages too (``transport="dask"``) to show what the direct connections are worth.  Each
 configuration is repeated and the median reported; ratios are against the serial loop measured
 in this same run.
 
@@ -95,19 +96,29 @@ def main() -> None:
         Client(cluster) as client,
     ):
         for every in (1, 4):
-            for replicas, shards in ((1, 2), (2, 2), (4, 2), (2, 1)):
+            for replicas, shards, transport in (
+                (1, 2, "auto"), (2, 2, "auto"), (4, 2, "auto"), (2, 1, "auto"), (2, 1, "dask")
+            ):  # fmt: skip
                 rate = statistics.median(
                     downpour_examples_per_s(
-                        client, model, train, replicas, every, args.seconds, shards
-                    )
+                        client,
+                        model,
+                        train,
+                        replicas,
+                        every,
+                        args.seconds,
+                        shards,
+                        transport=transport,
+                    )  # fmt: skip
                     for _ in range(args.repeats)
                 )
                 name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
+                name += ", actor messages" if transport == "dask" else ""
                 rows.append((name, str(every), rate))
     print(f"\nMLP 784-256-10, batch {BATCH}, median of {args.repeats} runs of {args.seconds:.0f} s")
-    print(f"{'configuration':44} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs serial':>10}")
+    print(f"{'configuration':52} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs serial':>10}")
     for name, every, rate in rows:
-        print(f"{name:44} {every:>14} {rate:>11,.0f} {rate / serial:>9.2f}x")
+        print(f"{name:52} {every:>14} {rate:>11,.0f} {rate / serial:>9.2f}x")
 
 
 if __name__ == "__main__":

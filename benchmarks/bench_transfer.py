@@ -5,8 +5,9 @@ whose ``push`` applies a gradient in place, both awaited one after the other, fr
 other worker of a default 2-worker local cluster.  Then downpour-dask's path: its parameter-server
 shards (2 shards on the other worker, async methods), each sent one ``exchange`` (the push and
 the pull of its result in one message) concurrently, from a task that starts the way a replica
-starts.  Finally the naive actor again in those same, now tuned, processes, to
-show what part of the gain is the allocator (see downpour_dask/_malloc.py).
+starts: once over the direct connections replicas use by default (downpour_dask/wire.py), once
+as Dask actor messages (``transport="dask"``).  Finally the naive actor again in those same,
+now tuned, processes, to show what part of the gain is the allocator (downpour_dask/_malloc.py).
 
     python benchmarks/bench_transfer.py [--repeats 5] [--calls 30]
 """
@@ -29,6 +30,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 from downpour_dask import ParameterServer, optim  # noqa: E402
 from downpour_dask._malloc import tune_malloc  # noqa: E402
 from downpour_dask.server import cluster_workers  # noqa: E402
+from downpour_dask.wire import WireClient  # noqa: E402
 
 SIZE = 1_000_000
 
@@ -60,22 +62,28 @@ def time_naive(actor, calls: int) -> float:
     return statistics.median(times)
 
 
-def time_downpour(server: ParameterServer, calls: int) -> float:
+def time_downpour(server: ParameterServer, wired: bool, calls: int) -> float:
     """Median seconds of a push and a pull of every shard, as a replica issues them when a fetch
-    is due on the step it pushes (``exchange``: both in one message per shard)."""
+    is due on the step it pushes (``exchange``: both in one message per shard), over direct
+    connections (``wired``) or as actor messages."""
     tune_malloc()  # what a replica does when it starts
+    targets = list(server.opened().shards)
+    if wired:
+        targets = [WireClient(shard.open_wire().result(timeout=60)) for shard in targets]
     grad = np.random.default_rng(1).standard_normal(SIZE).astype(np.float32)
     times = []
     for i in range(calls + 3):
         start = time.perf_counter()
         calls = [  # a push and the pull of its result in one message per shard
             shard.exchange(grad[lo:hi], 0, 0, session="bench")
-            for shard, (lo, hi) in zip(server.shards, server.ranges)
+            for shard, (lo, hi) in zip(targets, server.ranges)
         ]
         for call in calls:
             call.result(timeout=60)
         if i >= 3:
             times.append(time.perf_counter() - start)
+    for target in targets if wired else ():
+        target.close()
     return statistics.median(times)
 
 
@@ -107,12 +115,15 @@ def main() -> None:
 
         baseline = median_of(time_naive, naive)
         server = ParameterServer.create(client, initial, 2, optim.sgd(0.01), [far, far])
-        ours = median_of(time_downpour, server)
+        portable = server.portable()
+        wired = median_of(time_downpour, portable, True)
+        messages = median_of(time_downpour, portable, False)
         naive_tuned = median_of(time_naive, naive)
         server.close()
     rows = [
         ("naive sync actor, default worker processes", baseline),
-        ("downpour-dask shards (2 on the far worker)", ours),
+        ("downpour-dask shards (2, far), direct connections", wired),
+        ("downpour-dask shards (2, far), actor messages", messages),
         ("naive sync actor, after downpour-dask tuned them", naive_tuned),
     ]
     print(
