@@ -485,14 +485,14 @@ class _Run(Recovery):
             if warm:
                 self._warmstart(futures[0], gate)
             self._supervise(futures)
-            self.params, versions = self._pull()
+            self.params, versions = self._recovering(self._pull)
             self._evaluate(self.params, versions)
             if self.callback is not None or self.publish is not None:
                 self.phase = "done"
-                self._report(self._progress())
+                self._report(self._recovering(self._progress))
             self._event("stop", f"versions {versions}")
-            self.status = self.server.status(est.timeout)
-            shard_events = self.server.events(est.timeout)
+            self.status = self._recovering(self.server.status, est.timeout)
+            shard_events = self._recovering(self.server.events, est.timeout)
             results = [self.results[i] for i in range(len(futures))]
             self._collect_rows(force=True)  # the replicas' last rows, before they are forgotten
         finally:
@@ -544,6 +544,18 @@ class _Run(Recovery):
             for j in range(count):
                 placed.append(workers[(start + p + j * self.plan.partitions) % len(workers)])
         return placed
+
+    def _recovering(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` after the replicas finished: a shard whose worker dies now (the run's
+        result is still on the shards) is restored like one lost mid-run, and the call made
+        again."""
+        for attempt in range(3):
+            try:
+                return call(*args)
+            except SHARD_ERRORS as err:
+                if attempt == 2:
+                    raise
+                self._recover_lost_shards(err)
 
     def _pull(self) -> tuple[np.ndarray, list[int]]:
         """The model's flat parameters assembled from every shard, and each shard's version."""
