@@ -9,7 +9,7 @@ minus the version it was restored at, plus pushes replicas never saw answered), 
 recover (from the kill until the ``shard_restored`` / ``replica_restarted`` event) and the final
 test accuracy against a clean run of the same settings.
 
-    python benchmarks/bench_faults.py [--epochs 6] [--repeats 3]
+    python benchmarks/bench_faults.py [--epochs 20] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def run(schedule: list[tuple[int, int]], epochs: int, seed: int) -> dict[str, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(

@@ -196,7 +196,13 @@ class Recovery:
     def _check_failures(self) -> None:
         """Restore shards and restart replicas whose workers died; re-raise a replica's own
         error (a data error, a bug) as the run's failure."""
-        alive = self._alive(fresh=False)  # refreshed below before anything is placed on it
+        # A cached worker list is enough to notice a dead shard within ALIVE_EVERY, but when a
+        # replica needs attention the list must be fresh: lost shards are restored *before* a
+        # replica is restarted, or the restart would get the dead shard's actor.
+        troubled = any(
+            i not in self.results and f.status != "pending" for i, f in enumerate(self.futures)
+        )
+        alive = self._alive(fresh=troubled)
         gone = [i for i, w in enumerate(self.server.workers) if w not in alive]
         for i in gone:
             why = f"worker {self.server.workers[i]} left the cluster"

@@ -339,8 +339,11 @@ class Replica:
         does not answer at all is left to the first fetch, which handles lost shards."""
         if self.cfg.transport != "auto":
             return
-        sent = time.monotonic()
-        asked = {s: self.server.shards[s].open_wire() for s in indices if self.local[s] is None}
+        sent, asked = time.monotonic(), {}
+        for s in indices:
+            if self.local[s] is None:
+                with contextlib.suppress(*SHARD_ERRORS):  # a lost actor's handle raises at once
+                    asked[s] = self.server.shards[s].open_wire()
         for s, call in asked.items():
             try:
                 endpoint = self._wait_call(call, s, self.server.shards[s].key, sent)
@@ -404,9 +407,14 @@ class Replica:
         if self.local[s] is not None:
             self.pulls[s] = self._local_pull(s)
         elif self.pulls[s] is None:  # one pull per shard in flight; it will be fresh enough
-            self.pulls[s] = self._remote(s).pull(
-                self.cfg.replica, self.sessions[s], **self._pull_into(s)
-            )
+            try:
+                self.pulls[s] = self._remote(s).pull(
+                    self.cfg.replica, self.sessions[s], **self._pull_into(s)
+                )
+            except SHARD_ERRORS as err:  # a lost actor's handle raises at once
+                self._switch(s, self.server.shards[s].key, err)  # waits for the replacement
+                self._start_fetch(s)
+                return
             self.pull_sent[s] = time.monotonic()
 
     def _local_pull(self, s: int) -> _Done:
