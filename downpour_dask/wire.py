@@ -260,7 +260,6 @@ class WireClient:
 
     def __init__(self, endpoint: tuple[str, int, str], timeout: float = 10.0):
         host, port, shard_id = endpoint
-        self.endpoint = (host, int(port), shard_id)
         sock = socket.create_connection((host, int(port)), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -413,9 +412,8 @@ class WireClient:
 
     def _fail(self, error: BaseException) -> None:
         """Mark the connection broken and fail every call still waiting for its reply."""
-        with contextlib.suppress(Exception):
-            if self._broken is None:
-                self._broken = error
+        if self._broken is None:
+            self._broken = error
         while True:
             try:
                 call = self._waiting.get_nowait()
