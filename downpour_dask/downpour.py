@@ -99,8 +99,9 @@ class DownpourSGD(ParamServerEstimator):
         an existing cluster its own ``security`` instead.
     checkpoint_dir : str or path, optional
         Directory for periodic checkpoints of every shard (values, update-rule state, version)
-        and of the experiment log so far; ``fit(..., resume_from=checkpoint_dir)`` continues
-        from the latest one.  See :mod:`downpour_dask.checkpoint` for the layout.
+        and of the experiment log so far, and for one when the fit ends;
+        ``fit(..., resume_from=checkpoint_dir)`` continues from the latest one.  See
+        :mod:`downpour_dask.checkpoint` for the layout.
     checkpoint_every : float, default 30
         Seconds between checkpoints.  The driver also keeps the latest one in memory (even
         without ``checkpoint_dir``) to restore a shard whose worker dies.
@@ -490,6 +491,8 @@ class _Run(Recovery):
             if self.callback is not None or self.publish is not None:
                 self.phase = "done"
                 self._report(self._recovering(self._progress))
+            if self.checkpoint_dir is not None:  # the end is a checkpoint too: resume from it
+                self._recovering(self._maybe_checkpoint, True)
             self._event("stop", f"versions {versions}")
             self.status = self._recovering(self.server.status, est.timeout)
             shard_events = self._recovering(self.server.events, est.timeout)

@@ -196,6 +196,17 @@ def test_fit_resumes_from_a_checkpoint_and_continues_the_log(tmp_path, three_wor
     assert run.pushes["time"].min() < saved.elapsed < run.pushes["time"].max()
 
 
+@pytest.mark.timeout(120)
+def test_a_fit_shorter_than_checkpoint_every_still_leaves_its_final_checkpoint(
+    tmp_path, three_workers, mnist
+):
+    train, _ = mnist
+    est = _estimator(max_epochs=1, checkpoint_dir=str(tmp_path), checkpoint_every=3600)
+    est.fit(train, client=three_workers)
+    saved = read_checkpoint(tmp_path)
+    assert saved.versions == est.server_status_["version"].tolist()
+
+
 def test_a_corrupt_checkpoint_fails_resume_before_any_cluster_work(tmp_path, mnist):
     est = _estimator()
     size = est.model.layout.size
