@@ -75,7 +75,7 @@ class ReplicaConfig:
     topic: str = ""  # a published run's event topic: the replica logs its metrics there
     partition: int = 0  # which partition of a model-parallel replica this loop runs
     transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
-    start_after_version: int = 0  # wait for replica 0's warmstart: its first shard's version
+    start_after_version: int = 0  # wait for replica 0's warmstart: every shard's version
 
 
 #: Errors a call into a lost parameter-server shard raises (the worker died or did not answer;
@@ -356,28 +356,33 @@ class Replica:
     WARMSTART_POLL = 0.002
 
     def _await_warmstart(self) -> None:
-        """Wait until replica 0 has pushed the warmstart (the first shard's version reaches
-        ``start_after_version``), the driver releases the wait or the run stops.
+        """Wait until replica 0 has pushed the warmstart (every shard's version reaches
+        ``start_after_version``: its pushes reach the shards at different moments), the driver
+        releases the wait or the run stops.
 
         The driver starts every replica together, so the others' start-up (their data, their
         connections) overlaps the warmstart, and they begin within a poll of its end instead of
         after the driver noticed it and submitted them.
         """
         target = self.cfg.start_after_version
-        while target > 0:
-            key, sent = self.server.shards[0].key, time.monotonic()
+        s = 0
+        while target > 0 and s < self.server.n_shards:  # versions only grow: one shard at a time
+            key, sent = self.server.shards[s].key, time.monotonic()
             try:
-                if self.local[0] is not None:
-                    version, stopped, released = self.local[0].warmstart_state()
+                if self.local[s] is not None:
+                    version, stopped, released = self.local[s].warmstart_state()
                 else:
-                    call = self._remote(0).poll_warmstart()
-                    version, stopped, released = self._wait_call(call, 0, key, sent)
+                    call = self._remote(s).poll_warmstart()
+                    version, stopped, released = self._wait_call(call, s, key, sent)
             except SHARD_ERRORS as err:
-                self._switch(0, key, err)  # waits for the shard's replacement
+                self._switch(s, key, err)  # waits for the shard's replacement
                 continue
-            if version >= target or stopped or released:
+            if stopped or released:
                 return
-            time.sleep(self.WARMSTART_POLL)
+            if version >= target:
+                s += 1
+            else:
+                time.sleep(self.WARMSTART_POLL)
 
     def _remote(self, s: int) -> Any:
         """What to call for shard ``s`` on another worker: its direct connection, else its actor."""
