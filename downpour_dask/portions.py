@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -266,7 +267,11 @@ class Portions:
                 self._refresh()
                 last_progress = time.time()
             if time.time() - t_start > self.est.timeout:
-                raise RuntimeError(f"batch {batch} did not finish within {self.est.timeout} s")
+                raise RuntimeError(
+                    f"batch {batch} did not finish within timeout={self.est.timeout} s: "
+                    f"{len(done)} of {len(self.batches[batch])} portions done; "
+                    f"{self._outstanding(version)}"
+                )
         self.examples_seen += sum(r.examples for r in done.values())
         self.run_.event("batch_done", f"batch {batch}, version {version}, {len(done)} portions")
         return sum(r.loss_sum for r in done.values()), sum(r.examples for r in done.values())
@@ -279,13 +284,20 @@ class Portions:
         self.load[copy.worker] -= 1
         if future.status == "error":
             raise RuntimeError(f"portion {copy.portion} failed: {future.exception(timeout=5)!r}")
-        if future.status != "finished":  # cancelled with its lost data block: run it again
+        result: PortionResult | None = None
+        if future.status == "finished":
+            try:
+                result = future.result(timeout=self.est.timeout)
+            except CancelledError:  # finished, but its worker died before we got the result
+                result = None
+        if result is None:  # cancelled or lost with its data block: run it again
             self._restore_blocks()
-            running = any(c.portion == copy.portion for c in self.inflight.values())
+            running = any(
+                c.portion == copy.portion and c.version == version for c in self.inflight.values()
+            )  # a straggling copy of an earlier batch does not count
             if copy.version == version and copy.portion not in done and not running:
                 todo.append(copy.portion)
             return False
-        result: PortionResult = future.result(timeout=self.est.timeout)
         if result.version != version or result.status != "done" or copy.portion in done:
             self.run_.event(
                 "duplicate_discarded",
@@ -298,6 +310,17 @@ class Portions:
         self.where.setdefault(copy.portion, set()).add(result.worker)
         self.run_.push(result, time.time())
         return True
+
+    def _outstanding(self, version: int) -> str:
+        """The copies of batch ``version`` still running, for an error message: which portion,
+        on which worker, for how long, and in which state Dask has the task."""
+        now = time.time()
+        running = [
+            f"portion {c.portion} on {c.worker} for {now - c.submitted:.1f} s ({f.status})"
+            for f, c in self.inflight.items()
+            if c.version == version
+        ]
+        return "still running: " + ("; ".join(running) if running else "nothing")
 
     # -- scheduling ---------------------------------------------------------------------------
     def _refresh(self, first: bool = False) -> None:

@@ -5,6 +5,8 @@ Tests that kill workers or need a different topology start their own cluster.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from distributed import Client, LocalCluster
 
@@ -36,3 +38,30 @@ def three_workers():
     ):
         client.wait_for_workers(3, timeout=60)
         yield client
+
+
+def _running_on_workers(dask_worker) -> list[str]:
+    """Tasks (and actor calls) running in a worker's threads right now."""
+    return [str(key) for key in dask_worker.active_threads.values()]
+
+
+@pytest.fixture(autouse=True)
+def _shared_cluster_left_idle(request):
+    """A test on the shared cluster must leave no work running in its workers' threads.
+
+    Dask cannot interrupt a running task, so a replica or portion a test leaves behind would
+    occupy a worker thread of every later test and show up there as a mysterious slowdown or
+    stall.  Catch it at the test that caused it instead.
+    """
+    yield
+    if "client" not in request.fixturenames:
+        return
+    client = request.getfixturevalue("client")
+    deadline = time.monotonic() + 30
+    while True:
+        running = {w: keys for w, keys in client.run(_running_on_workers).items() if keys}
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"work still running on the shared cluster 30 s after the test: {running}")
+        time.sleep(0.05)

@@ -267,15 +267,20 @@ def test_a_worker_killed_mid_batch_loses_nothing(digits_binary):
         est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)
         delay = {w: 0.25 for w in workers}  # a batch takes ~2 s: the kill lands inside it
         done = {}
-        fit = threading.Thread(
-            target=lambda: done.setdefault("est", est.fit(X, y, client=client, portion_delay=delay))
-        )
+
+        def run_fit() -> None:
+            try:
+                done["est"] = est.fit(X, y, client=client, portion_delay=delay)
+            except Exception as err:  # shown by the assertion below, not lost in a thread
+                done["error"] = err
+
+        fit = threading.Thread(target=run_fit)
         fit.start()
         time.sleep(1.5)
         assert fit.is_alive()
         os.kill(pid, signal.SIGKILL)
         fit.join(timeout=120)
-        assert not fit.is_alive() and "est" in done
+        assert not fit.is_alive() and "est" in done, done.get("error")
     params = model.init(np.random.default_rng(0))
     np.testing.assert_array_equal(est.params_, params)
     loss, grad = serial_objective(model, params, X, y)
@@ -292,7 +297,7 @@ def test_mlp_reaches_useful_accuracy_on_mnist5k(client, tmp_path):
     train, test = datasets.load("mnist5k")
     est = SandblasterLBFGS(
         models.MLP(784, (64,), 10, l2=1e-4), portions_per_batch=4, max_iter=60, eval_every=10,
-        random_state=0,
+        random_state=0, timeout=45,  # a stalled batch fails with its details before the test
     ).fit(train, eval_data=test, client=client)  # fmt: skip
     accuracy = est.score(test)
     print(f"mnist5k test accuracy after {est.n_iter_} L-BFGS iterations: {accuracy:.3f}")

@@ -1,0 +1,87 @@
+"""The coordinator's bookkeeping of portion copies (``Portions._collect``), driven directly.
+
+The cluster tests in ``test_sandblaster.py`` show the whole path works; these pin the races a
+killed worker produces, which a cluster run hits only now and then: a copy that finished but whose
+result died with its worker, and a lost copy while an older batch's copy of the same portion is
+still running.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from distributed.client import FutureCancelledError
+
+from downpour_dask.portions import PortionResult, Portions, _Copy
+
+
+class _FakeFuture:
+    """What ``_collect`` reads of a Dask future: ``status`` and ``result``."""
+
+    def __init__(self, status: str, result: PortionResult | None = None):
+        self.status, self._result = status, result
+
+    def result(self, timeout: float | None = None) -> PortionResult:
+        if self._result is None:  # the result lived on the worker that died
+            raise FutureCancelledError("portion-0", "lost with its worker")
+        return self._result
+
+
+def _portions(restored: list[int]) -> Portions:
+    portions = Portions.__new__(Portions)  # no cluster: only the bookkeeping is exercised
+    portions.est = SimpleNamespace(timeout=5.0)
+    portions.run_ = SimpleNamespace(event=lambda kind, detail="": None, push=lambda r, now: None)
+    portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
+    portions._restore_blocks = lambda: restored.append(1)
+    return portions
+
+
+def _add(portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str):
+    portions.inflight[future] = _Copy(version, portion, worker, time.time())
+    portions.load[worker] += 1
+
+
+def test_a_finished_copy_whose_result_died_with_its_worker_is_run_again():
+    restored: list[int] = []
+    portions = _portions(restored)
+    lost = _FakeFuture("finished")  # finished, then its worker died before the gather
+    _add(portions, lost, version=3, portion=7, worker="w1")
+    todo, done, durations = [], {}, []
+    assert portions._collect(lost, 3, todo, done, durations) is False
+    assert todo == [7] and not done and restored  # its data block is re-sent, the portion re-run
+    assert portions.load["w1"] == 0 and not portions.inflight
+
+
+def test_a_lost_copy_is_run_again_even_while_an_older_batch_copy_still_runs():
+    portions = _portions([])
+    straggler = _FakeFuture("pending")  # portion 7 of the previous batch, still running
+    lost = _FakeFuture("cancelled")
+    _add(portions, straggler, version=2, portion=7, worker="w2")
+    _add(portions, lost, version=3, portion=7, worker="w1")
+    todo: list[int] = []
+    portions._collect(lost, 3, todo, {}, [])
+    assert todo == [7]  # the old copy's gradient would be discarded: it cannot stand in
+
+
+def test_a_lost_copy_is_not_run_again_while_a_copy_of_the_same_batch_runs():
+    portions = _portions([])
+    backup = _FakeFuture("pending")
+    lost = _FakeFuture("cancelled")
+    _add(portions, backup, version=3, portion=7, worker="w2")
+    _add(portions, lost, version=3, portion=7, worker="w1")
+    todo: list[int] = []
+    portions._collect(lost, 3, todo, {}, [])
+    assert todo == []  # the backup will count; a third copy would only duplicate work
+
+
+def test_a_finished_copy_counts_once():
+    portions = _portions([])
+    result = PortionResult(7, 3, "done", 2.5, 10, "w1")
+    first, second = _FakeFuture("finished", result), _FakeFuture("finished", result)
+    _add(portions, first, version=3, portion=7, worker="w1")
+    _add(portions, second, version=3, portion=7, worker="w2")
+    done: dict = {}
+    assert portions._collect(first, 3, [], done, []) is True
+    assert portions._collect(second, 3, [], done, []) is False
+    assert done == {7: result}
