@@ -191,6 +191,7 @@ def run_portion(
 def evaluate_task(server: ParameterServer, model: Model, data: tuple, timeout: float) -> tuple:
     """Dask task: loss and score of the snapshot ``xe`` of an iterate on ``data`` (vectors stay
     off the driver: the worker pulls ``xe`` from the shards)."""
+    server = server.opened()  # actor handles from the references the task was given
     calls = [shard.vector("xe") for shard in server.shards]
     params = np.concatenate([c.result(timeout=timeout) for c in calls]).astype(DTYPE)
     X, y = data
@@ -289,7 +290,7 @@ class Portions:
             try:
                 result = future.result(timeout=self.est.timeout)
             except CancelledError:  # finished, but its worker died before we got the result
-                result = None
+                pass
         if result is None:  # cancelled or lost with its data block: run it again
             self._restore_blocks()
             running = any(

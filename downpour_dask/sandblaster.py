@@ -374,8 +374,8 @@ class _Run:
         """Score a snapshot of ``x`` on a worker while the coordinator goes on iterating."""
         self.portions.run([("copy", "x", "xe")])  # the next iterations may move x
         future = self.client.submit(
-            evaluate_task, self.server, self.est.model, self._eval_future, self.est.timeout,
-            pure=False,
+            evaluate_task, self.server.portable(), self.est.model, self._eval_future,
+            self.est.timeout, pure=False,
         )  # fmt: skip
         self._pending_eval = (row, future)
 
