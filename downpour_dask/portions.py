@@ -113,6 +113,25 @@ class SandblasterShard(ParameterServerShard):
 
 _CACHE: dict[str, tuple[int, np.ndarray]] = {}  # run token -> (version, parameters)
 _CACHE_LOCK = threading.Lock()
+_ENDED: set[str] = set()  # runs whose fit ended: their straggling portions stop waiting
+
+
+class _RunEnded(Exception):
+    """The fit of this portion ended; its shards are gone."""
+
+
+def _reply(call, token: str, timeout: float):
+    """The result of an actor call, waited for in short slices so that a straggler of a fit
+    that ended stops at once: a call into a released actor may never be answered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if token in _ENDED:
+            raise _RunEnded(token)
+        try:
+            return call.result(timeout=max(0.01, min(0.1, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
 
 
 class PortionResult(NamedTuple):
@@ -135,7 +154,7 @@ def _params_for(server: ParameterServer, token: str, version: int, timeout: floa
         if hit is not None and hit[0] > version:
             return None
         calls = [shard.fetch(version) for shard in server.shards]
-        pieces = [call.result(timeout=timeout) for call in calls]
+        pieces = [_reply(call, token, timeout) for call in calls]
         if any(p is None for p in pieces):
             return None
         params = np.concatenate(pieces).astype(DTYPE, copy=False)
@@ -144,7 +163,9 @@ def _params_for(server: ParameterServer, token: str, version: int, timeout: floa
 
 
 def forget_run(token: str) -> None:
-    """Drop a finished run's cached parameters from this worker."""
+    """Drop a finished run's cached parameters from this worker; its portions still running
+    stop waiting for its shards."""
+    _ENDED.add(token)
     with _CACHE_LOCK:
         _CACHE.pop(token, None)
 
@@ -170,9 +191,12 @@ def run_portion(
     address = get_worker().address
     if delay and delay.get(address):
         time.sleep(delay[address])
-    if backup and not server.shards[0].wanted(version, portion).result(timeout=timeout):
-        return PortionResult(portion, version, "skipped", 0.0, 0, address)
-    params = _params_for(server, token, version, timeout)
+    try:
+        if backup and not _reply(server.shards[0].wanted(version, portion), token, timeout):
+            return PortionResult(portion, version, "skipped", 0.0, 0, address)
+        params = _params_for(server, token, version, timeout)
+    except _RunEnded:
+        params = None
     if params is None:
         return PortionResult(portion, version, "stale", 0.0, 0, address)
     # Received blocks are often unaligned, which halves matmul speed: align (one copy) first.
@@ -183,8 +207,11 @@ def run_portion(
         shard.accumulate(version, portion, grad[lo:hi], n)
         for shard, (lo, hi) in zip(server.shards, server.ranges)
     ]
-    for call in calls:  # the driver may count this portion only once every shard has it
-        call.result(timeout=timeout)
+    try:
+        for call in calls:  # the driver may count this portion only once every shard has it
+            _reply(call, token, timeout)
+    except _RunEnded:
+        return PortionResult(portion, version, "stale", 0.0, 0, address)
     return PortionResult(portion, version, "done", float(loss) * n, n, address)
 
 

@@ -286,11 +286,11 @@ class _Run:
         try:
             self._optimise(rows, workers)
         finally:
-            self.server.close()
-            try:
+            try:  # first: straggling portions stop before their shards go away
                 client.run(forget_run, self.token)
             except Exception:  # a worker that died with the run has nothing to forget
                 pass
+            self.server.close()
         self.experiment = self._experiment(sorted(workers))
 
     def _optimise(self, rows: list[list], workers: dict) -> None:
