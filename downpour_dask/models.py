@@ -281,15 +281,18 @@ class Model:
             times_derivative(d_prev, a_prev, self._act)  # a_prev is not needed any more
             delta = d_prev
 
-    def _penalty(self, layers: list, grads: list | None, ws: _Workspace | None) -> float:
-        """``0.5 * l2 * sum(W**2)``; with ``grads``, also add ``l2 * W`` to weight gradients."""
+    def _penalty(
+        self, layers: list, grads: list | None, ws: _Workspace | None, scale: float = 1.0
+    ) -> float:
+        """``0.5 * l2 * sum(W**2)``; with ``grads``, also add ``scale * l2 * W`` to the weight
+        gradients."""
         if self.l2 == 0:
             return 0.0
         total = 0.0
         for (W, _), (gW, _) in zip(layers, grads or layers, strict=True):
             total += float(np.vdot(W, W))
             if grads is not None:
-                tmp = np.multiply(W, self.l2, out=ws.scratch[: W.size].reshape(W.shape))
+                tmp = np.multiply(W, self.l2 * scale, out=ws.scratch[: W.size].reshape(W.shape))
                 np.add(gW, tmp, out=gW)
         return 0.5 * self.l2 * total
 
@@ -305,9 +308,15 @@ class Model:
     # -- public API -------------------------------------------------------------------
 
     def loss_and_grad(
-        self, params: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray | None = None
+        self,
+        params: np.ndarray,
+        X: np.ndarray,
+        y: np.ndarray,
+        out: np.ndarray | None = None,
+        scale: float = 1.0,
     ) -> tuple[float, np.ndarray]:
-        """Objective on one batch and its gradient, a flat vector of ``layout.size``.
+        """Objective on one batch and its gradient (times ``scale``), a flat vector of
+        ``layout.size``.
 
         Parameters
         ----------
@@ -318,6 +327,10 @@ class Model:
         out : ndarray, optional
             Contiguous flat vector of ``params``' dtype that receives the gradient, so the
             call allocates nothing once its workspace exists.
+        scale : float, default 1
+            Multiplies the gradient, not the loss.  The scaling is folded into the backward
+            pass at no cost, so a caller that wants ``lr * grad`` (an SGD step) saves a pass
+            over the parameter vector.
 
         Returns
         -------
@@ -345,9 +358,9 @@ class Model:
         ws = self._workspace(n, dtype)
         z = self._forward(layers, X, ws)
         data_loss = self._output_loss(z, y, ws, delta=True) / n
-        z *= 1.0 / n
+        z *= scale / n
         self._backward(layers, grads, X, ws, z)
-        return data_loss + self._penalty(layers, grads, ws), out
+        return data_loss + self._penalty(layers, grads, ws, scale), out
 
     def loss(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
         """The objective of :meth:`loss_and_grad`, without the gradient, in row blocks."""

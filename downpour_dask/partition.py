@@ -307,7 +307,12 @@ class MLPPart:
         else:
             np.tanh(z, out=z)
 
-    def _penalty(self, layers: dict[str, np.ndarray], grads: dict[str, np.ndarray] | None) -> float:
+    def _penalty(
+        self,
+        layers: dict[str, np.ndarray],
+        grads: dict[str, np.ndarray] | None,
+        scale: float = 1.0,
+    ) -> float:
         l2 = self.plan.model.l2
         if l2 == 0:
             return 0.0
@@ -316,14 +321,20 @@ class MLPPart:
             if name.startswith("W"):
                 total += float(np.vdot(W, W))
                 if grads is not None:
-                    grads[name] += l2 * W
+                    grads[name] += (l2 * scale) * W
         return 0.5 * l2 * total
 
     def loss_and_grad(
-        self, params: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray | None = None
+        self,
+        params: np.ndarray,
+        X: np.ndarray,
+        y: np.ndarray,
+        out: np.ndarray | None = None,
+        scale: float = 1.0,
     ) -> tuple[float, np.ndarray]:
-        """The whole model's objective on one batch and the gradient of this partition's own
-        parameters (``out``, a flat vector of ``layout.size``).
+        """The whole model's objective on one batch and the gradient (times ``scale``, as in
+        :meth:`Model.loss_and_grad`) of this partition's own parameters (``out``, a flat vector
+        of ``layout.size``).
 
         Every partition must call it with the same batch; it returns once the partitions have
         exchanged what crosses their boundaries.
@@ -355,7 +366,7 @@ class MLPPart:
         penalty, self.agreed_stop = self._all_reduce_output(logits, penalty, vote)
         data_loss = model._output_loss(logits, y, ws["out"], delta=True) / n
         delta = logits
-        delta *= 1.0 / n
+        delta *= scale / n
         # backward: the output layer's rows, then down through the hidden layers
         h_last = ws["h"][L - 1]
         np.dot(h_last.T, delta, out=grads[f"W{L}"])
@@ -375,5 +386,5 @@ class MLPPart:
             d = ws["d"][layer - 1]
             self._reduce_scatter(partial, d, plan.blocks[layer - 1])
             times_derivative(d, ws["h"][layer - 1], self._act)
-        self._penalty(layers, grads)
+        self._penalty(layers, grads, scale)
         return data_loss + penalty, out

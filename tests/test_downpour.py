@@ -45,10 +45,20 @@ def test_one_replica_one_shard_equals_serial_sgd(client, digits):
     np.testing.assert_allclose(est.params_, params, rtol=0, atol=2e-5)
 
 
-def test_the_same_holds_with_two_shards_and_pushes_every_third_step(client, digits):
-    """With n_push > 1 the accrued gradient reaches the server late; local alpha keeps it exact."""
+class GradientOnlySoftmax(models.SoftmaxRegression):
+    """A user's model whose ``loss_and_grad`` has no ``scale=``: replicas then scale the
+    gradient themselves."""
+
+    def loss_and_grad(self, params, X, y, out=None):
+        return super().loss_and_grad(params, X, y, out)
+
+
+@pytest.mark.parametrize("model_class", [models.SoftmaxRegression, GradientOnlySoftmax])
+def test_the_same_holds_with_two_shards_and_pushes_every_third_step(client, digits, model_class):
+    """With n_push > 1 the accrued gradient reaches the server late; local alpha keeps it exact
+    (whether or not the model computes the gradient already times alpha)."""
     train, _ = digits
-    model = models.SoftmaxRegression(64, 10)
+    model = model_class(64, 10)
     est = DownpourSGD(
         model,
         n_replicas=1,

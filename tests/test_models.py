@@ -139,6 +139,19 @@ def test_out_is_filled_and_returned_and_params_untouched(case):
     np.testing.assert_array_equal(params, before)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_scale_multiplies_the_gradient_and_leaves_the_loss(case):
+    """A replica asks for ``alpha * grad`` so that its local step is one pass; the penalty's
+    gradient is scaled too, the reported loss is not."""
+    model = CASES[case]()
+    X, y = make_data(model)
+    params = make_params(model)
+    loss, grad = model.loss_and_grad(params, X, y)
+    scaled_loss, scaled = model.loss_and_grad(params, X, y, scale=0.05)
+    assert scaled_loss == loss
+    np.testing.assert_allclose(scaled, 0.05 * grad, rtol=1e-5, atol=1e-8)
+
+
 def test_out_must_fit():
     model = MLP(4, (5,), 3)
     X, y = make_data(model)

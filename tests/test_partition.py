@@ -30,7 +30,7 @@ class _Boxes(dict):
         return self.setdefault(key, queue.Queue())
 
 
-def partitioned_loss_and_grad(plan, params, X, y, votes=None):
+def partitioned_loss_and_grad(plan, params, X, y, votes=None, scale=1.0):
     """Run every partition's loss_and_grad in its own thread; return losses, joined gradient,
     agreed stop flags and values sent."""
     packed = plan.pack(params)
@@ -43,7 +43,7 @@ def partitioned_loss_and_grad(plan, params, X, y, votes=None):
 
     def work(p):
         lo, hi = plan.offsets[p]
-        results[p] = parts[p].loss_and_grad(packed[lo:hi].copy(), X, y)
+        results[p] = parts[p].loss_and_grad(packed[lo:hi].copy(), X, y, scale=scale)
 
     threads = [threading.Thread(target=work, args=(p,)) for p in range(plan.partitions)]
     for t in threads:
@@ -85,6 +85,10 @@ def test_partitions_compute_the_whole_models_loss_and_gradient(case):
     for part_loss in losses:  # every partition reports the whole objective
         assert part_loss == pytest.approx(loss, rel=1e-5)
     np.testing.assert_allclose(joined, grad, rtol=1e-4, atol=1e-6)
+    # scaled (as a replica asks for alpha * grad): every partition scales its part alike
+    scaled_losses, scaled, _, _ = partitioned_loss_and_grad(plan, params, X, y, scale=0.05)
+    assert scaled_losses == losses
+    np.testing.assert_allclose(scaled, 0.05 * joined, rtol=1e-5, atol=1e-8)
 
 
 def test_pack_and_unpack_are_inverse_and_partitions_tile_the_vector():
