@@ -181,13 +181,22 @@ class _Done:
         return self.value
 
 
-def _takes_scale(model: Model) -> bool:
-    """Whether ``model.loss_and_grad`` accepts ``scale=`` (the built-in models do; a user's
-    subclass that overrides it may not)."""
+def gradient_scale(model: Model, alpha: float) -> float:
+    """What a replica asks ``model.loss_and_grad`` to multiply its gradient by: ``alpha``, so
+    that the local step ``params -= alpha * g`` is one pass with no scratch pass, or 1.
+
+    1 when ``alpha`` is 0 (no local step), when the model's ``loss_and_grad`` takes no
+    ``scale=`` (a user's subclass may override it without), and when ``alpha`` is so far outside
+    any learning rate's range that the scaled float32 gradient could under- or overflow before
+    the push divides it back out.
+    """
+    if not 1e-10 <= alpha <= 1e10:
+        return 1.0
     try:
-        return "scale" in inspect.signature(model.loss_and_grad).parameters
+        takes_scale = "scale" in inspect.signature(model.loss_and_grad).parameters
     except (TypeError, ValueError):
-        return False
+        takes_scale = False
+    return float(alpha) if takes_scale else 1.0
 
 
 def local_shard(shard: Any) -> ParameterServerShard | None:
@@ -236,11 +245,10 @@ class Replica:
         self.grad = np.empty(server.size, dtype=DTYPE)
         self.scratch = np.empty(server.size, dtype=DTYPE)
         self._free: list[np.ndarray] = []
-        # Gradients are computed times ``scale`` (alpha, if the model offers ``scale=``: one pass
-        # less per step) and accrued so until pushed; ``rate`` turns them into a local step.
-        alpha = config.local_learning_rate
-        self.scale = alpha if alpha and _takes_scale(model) else 1.0
-        self.rate = alpha / self.scale
+        # Gradients are computed times ``scale`` and accrued so until pushed; ``rate`` turns them
+        # into a local step.
+        self.scale = gradient_scale(model, config.local_learning_rate)
+        self.rate = config.local_learning_rate / self.scale
         self.accrued = self._buffer()
         self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
         self.base_versions = [0] * server.n_shards  # versions the accrued gradient started from
