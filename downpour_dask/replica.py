@@ -249,6 +249,7 @@ class Replica:
         # into a local step.
         self.scale = gradient_scale(model, config.local_learning_rate)
         self.rate = config.local_learning_rate / self.scale
+        self.grad_kw = {"scale": self.scale} if self.scale != 1.0 else {}  # none: any model
         self.accrued = self._buffer()
         self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
         self.base_versions = [0] * server.n_shards  # versions the accrued gradient started from
@@ -307,12 +308,7 @@ class Replica:
                     if first:
                         self.base_versions = list(self.versions)
                     out = self.accrued if first else self.grad
-                    if self.scale == 1.0:
-                        loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=out)
-                    else:
-                        loss, g = self.model.loss_and_grad(
-                            self.params, Xb, yb, out=out, scale=self.scale
-                        )
+                    loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=out, **self.grad_kw)
                     if not first:
                         self.accrued += g
                     if np.isfinite(loss):  # a diverged step is not applied locally; the shard
