@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
-from downpour_dask.data import minibatches  # noqa: E402
+from downpour_dask.data.datasets import minibatches  # noqa: E402
 
 BATCH = 128
 
@@ -58,7 +58,7 @@ def serial_examples_per_s(model, X, y, seconds: float, learning_rate: float = 0.
 def _serial_on_worker(model, X, y, seconds: float) -> float:
     """The serial loop as a Dask task, set up as a replica sets itself up: the worker's allocator
     tuned, and the received arrays copied into aligned memory (see ``stream.ArraySource``)."""
-    from downpour_dask._malloc import tune_malloc
+    from downpour_dask.runtime.malloc import tune_malloc
 
     tune_malloc()
     X, y = (np.require(a, requirements=["C", "A"]) for a in (X, y))

@@ -23,7 +23,7 @@ import time
 from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, datasets, models
-from downpour_dask.server import cluster_workers
+from downpour_dask.runtime.cluster import cluster_workers
 
 #: scenario name -> list of (pushes applied when to kill, worker index to kill)
 SCENARIOS: dict[str, list[tuple[int, int]]] = {

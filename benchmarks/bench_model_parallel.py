@@ -32,7 +32,7 @@ from bench_downpour import BATCH, serial_examples_per_s  # noqa: E402  (the same
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import DownpourSGD, models  # noqa: E402
-from downpour_dask.partition import PartitionPlan  # noqa: E402
+from downpour_dask.core.partition import PartitionPlan  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
 

@@ -41,7 +41,7 @@ from dask_ml.linear_model import LogisticRegression as DaskLogisticRegression  #
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import models  # noqa: E402
-from downpour_dask import sandblaster as sb  # noqa: E402
+from downpour_dask.sandblaster import estimator as sb  # noqa: E402
 
 L2_WEIGHT = 1e-4
 

@@ -31,9 +31,9 @@ import numpy as np
 from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, datasets, models
-from downpour_dask.server import cluster_workers
-from downpour_dask.shards import assign
-from downpour_dask.stream import ShardStream, StreamSpec, default_buffer
+from downpour_dask.data.shards import assign
+from downpour_dask.data.stream import ShardStream, StreamSpec, default_buffer
+from downpour_dask.runtime.cluster import cluster_workers
 
 FEATURES, CLASSES, HIDDEN, BATCH = 256, 10, 64, 512
 

@@ -50,7 +50,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 from sklearn.neural_network import MLPClassifier  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models, optim  # noqa: E402
-from downpour_dask.data import minibatches  # noqa: E402
+from downpour_dask.data.datasets import minibatches  # noqa: E402
 
 TARGET = 0.92
 HIDDEN = 128

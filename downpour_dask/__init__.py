@@ -4,18 +4,34 @@ Model replicas stream their own data subsets on Dask workers and train asynchron
 sharded parameter server made of Dask actors (:class:`DownpourSGD`); a coordinator drives batch
 L-BFGS whose vectors stay on those shards, with load-balanced portions and backup tasks
 (:class:`SandblasterLBFGS`).  Every run yields a pandas experiment log (:class:`Experiment`).
+
+The package is layered; imports only point down:
+
+* ``core``: numpy only -- parameter layout, models, update rules, L-BFGS, model partitions;
+* ``data``: no Dask -- datasets, shard schema and assignment, streaming, synthetic data;
+* ``ps``: the parameter server -- shard actor, client view, direct wire, shard channel;
+* ``runtime``: the Dask cluster -- client helpers and every use of Dask's private API;
+* ``downpour`` and ``sandblaster``: the two algorithms' estimators and drivers;
+* ``base``, ``log``, ``checkpoint``, ``live``, ``report``, ``progress``, ``runs``, ``cli``.
 """
 
-from . import data as datasets
-from . import models, optim
+import sys
+
 from ._version import __version__
-from .data import ShardedDataset
-from .downpour import DownpourSGD
+from .core import models, optim
+from .core.params import ParamLayout
+from .data import datasets
+from .data.shards import ShardedDataset
+from .downpour.estimator import DownpourSGD
 from .live import LiveRun, attach
 from .log import Experiment, Progress
-from .params import ParamLayout
-from .sandblaster import SandblasterLBFGS
-from .server import ParameterServer, ParameterServerShard
+from .ps.server import ParameterServer, ParameterServerShard
+from .sandblaster.estimator import SandblasterLBFGS
+
+# The public modules keep their short names: ``import downpour_dask.models`` (or ``.datasets``,
+# ``.optim``) is the very module that lives in its layer, not a copy of its names.
+for _module in (datasets, models, optim):
+    sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[1]}"] = _module
 
 __all__ = [
     "__version__",

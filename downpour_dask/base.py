@@ -1,23 +1,23 @@
 """What every downpour-dask estimator shares: scikit-learn's parameter contract, predict/score on
-the learned parameter vector, argument checks, and the embedded local cluster used when no Dask
-client is given.
+the learned parameter vector, argument checks, and the :class:`RunRecorder` that turns a run's
+events, evaluations and push rows into its :class:`~downpour_dask.log.Experiment` and
+:class:`~downpour_dask.log.Progress` snapshots.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import inspect
 import math
-import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from distributed import Client, LocalCluster, Security
+import pandas as pd
 
-from .data import Dataset, as_dataset
-from .models import Model
+from .core.models import Model
+from .data.datasets import Dataset, as_dataset
+from .log import EVAL_COLUMNS, PUSH_COLUMNS, Event, Experiment, Progress, PushRow, events_frame
 
 
 class ParamServerEstimator:
@@ -107,65 +107,98 @@ def check_positive(
         raise ValueError(f"{name} must be a finite number {bound}, got {value}")
 
 
-# -- the cluster ---------------------------------------------------------------------------------
+# -- the record of a run -------------------------------------------------------------------------
 
 
-def check_security(value: Any) -> None:
-    """Raise TypeError unless ``value`` is None, True or a ``distributed.Security``, and a clear
-    error if ``True`` cannot work because ``cryptography`` (the ``tls`` extra) is missing."""
-    if value is True and importlib.util.find_spec("cryptography") is None:
-        raise ValueError(
-            "security=True makes temporary TLS certificates, which needs the cryptography "
-            "package: pip install 'downpour-dask[tls]'"
-        )
-    if value is None or value is True or isinstance(value, Security):
-        return
-    raise TypeError(
-        f"security must be None, True (a TLS-only embedded cluster with temporary certificates) "
-        f"or a distributed.Security, got {value!r} ({type(value).__name__})"
-    )
+class RunRecorder:
+    """Collects what one fit records -- events, evaluations, push rows -- on the driver.
 
+    Times are seconds since :attr:`t0`, the wall-clock start of training.  Both estimators keep
+    their log here, so the tables they produce have the same columns and the same meaning.
 
-@contextlib.contextmanager
-def cluster_client(
-    client: Client | None, security: Security | bool | None = None
-) -> Iterator[Client]:
-    """Yield ``client``, or start an embedded local cluster (worker processes) and close it after.
-
-    The embedded cluster has one single-threaded worker process per core (at least two), so
-    parameter-server shards and replicas run in separate processes as they would on a real cluster.
-    With ``security`` (``True`` for ``Security.temporary()``, or a ``distributed.Security`` with
-    certificates for every role) it listens on TLS only and refuses clients without credentials.
-
-    Raises
-    ------
-    ValueError
-        If both ``client`` and ``security`` are given: a client brings its own security.
+    Parameters
+    ----------
+    metric : {"accuracy", "r2"}
+        Name of the evaluation score column.
+    extra_eval_columns : dict, optional
+        Further evaluation columns and their dtypes (Sandblaster's ``objective`` ...).
     """
-    check_security(security)
-    if client is not None:
-        if security is not None:
-            raise ValueError(
-                "security= configures the embedded cluster, started only when client is None; "
-                "the client given already has its own security (Client(..., security=...))"
-            )
-        yield client
-        return
-    n_workers = max(2, min(os.cpu_count() or 2, 8))
-    tls: dict[str, Any] = {}
-    if security is not None:
-        tls = {
-            "security": Security.temporary() if security is True else security,
-            "protocol": "tls://",
+
+    def __init__(self, metric: str, extra_eval_columns: dict[str, str] | None = None):
+        self.metric = metric
+        self.eval_columns = {**EVAL_COLUMNS, metric: "float64", **(extra_eval_columns or {})}
+        self.t0 = time.time()
+        self.events: list[Event] = []
+        self.evals: list[dict[str, Any]] = []
+        self.pushes: list[PushRow] = []
+
+    def elapsed(self) -> float:
+        """Seconds since training started."""
+        return time.time() - self.t0
+
+    def event(self, kind: str, detail: str = "", **data: Any) -> Event:
+        """Record an event now: ``detail`` for people, ``data`` (plain values) for code."""
+        event = Event(self.elapsed(), kind, detail, data)
+        self.events.append(event)
+        return event
+
+    def add_events(self, events: Iterable[tuple]) -> None:
+        """Add events recorded elsewhere, already timed relative to :attr:`t0`
+        (``(time, kind, detail)`` or ``(time, kind, detail, data)``)."""
+        for e in events:
+            self.events.append(Event(*e) if len(e) == 4 else Event(*e, {}))
+
+    def push(self, row: PushRow | tuple) -> None:
+        """Record one acknowledged push."""
+        self.pushes.append(PushRow(*row))
+
+    def evaluation(self, **row: Any) -> dict[str, Any]:
+        """Record one evaluation (``time`` defaults to now); returns the row, which the caller
+        may still fill in (an evaluation scored later)."""
+        row.setdefault("time", self.elapsed())
+        self.evals.append(row)
+        return row
+
+    def last_score(self) -> float:
+        """The newest evaluation score that is known (nan before the first)."""
+        for row in reversed(self.evals):
+            score = row.get(self.metric, math.nan)
+            if not math.isnan(score):
+                return float(score)
+        return math.nan
+
+    def progress(self, **fields: Any) -> Progress:
+        """A :class:`Progress` snapshot with the newest score and this run's metric."""
+        fields.setdefault("score", self.last_score())
+        return Progress(metric=self.metric, **fields)
+
+    def experiment(self, config: dict[str, Any]) -> Experiment:
+        """The run's :class:`Experiment`: push rows in time order, evaluations, events."""
+        pushes = pd.DataFrame(self.pushes, columns=list(PUSH_COLUMNS)).astype(PUSH_COLUMNS)
+        pushes = pushes.sort_values("time", kind="stable").reset_index(drop=True)
+        columns = self.eval_columns
+        evals = pd.DataFrame(self.evals, columns=list(columns)).astype(columns)
+        return Experiment(config, pushes, evals, events_frame(self.events))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def to_json(self) -> dict[str, list]:
+        """The log so far as JSON-able lists (what a checkpoint keeps to resume from)."""
+        return {
+            "pushes": [[_plain(v) for v in row] for row in self.pushes],
+            "evals": [{k: _plain(v) for k, v in e.items()} for e in self.evals],
+            "events": [[e.time, e.kind, e.detail, dict(e.data or {})] for e in self.events],
         }
-    with (
-        LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            **tls,
-        ) as cluster,
-        Client(cluster, security=cluster.security) as embedded,
-    ):
-        yield embedded
+
+    def restore(self, meta: dict[str, Any], elapsed: float) -> None:
+        """Continue the log of a checkpoint taken ``elapsed`` seconds into its run: the time axis
+        goes on from there.  Rows written by older releases (8-field pushes, 3-field events)
+        load too."""
+        self.t0 = time.time() - elapsed
+        self.evals = [dict(e) for e in meta.get("evals", [])]
+        self.add_events(meta.get("events", []))
+        self.pushes = [PushRow(*row) for row in meta.get("pushes", [])]
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly scalar (numpy scalars become Python numbers)."""
+    return value.item() if isinstance(value, np.generic) else value

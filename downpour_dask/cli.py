@@ -445,7 +445,7 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _synthetic(args: argparse.Namespace) -> int:
-    from . import data
+    from .data import datasets as data
 
     dataset = data.synthetic(
         args.path, args.rows, args.features, args.classes, seed=args.seed, n_files=args.files

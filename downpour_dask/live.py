@@ -25,11 +25,11 @@ import numpy as np
 import pandas as pd
 from distributed import Client
 
-from . import models
-from .data import Dataset, as_dataset
+from .core import models
+from .core.partition import PartitionPlan
+from .data.datasets import Dataset, as_dataset
 from .log import Progress
-from .partition import PartitionPlan
-from .server import ParameterServer
+from .ps.server import ParameterServer
 
 #: Prefix of the scheduler event topic a published run logs its progress under.
 TOPIC_PREFIX = "downpour-dask/"

@@ -15,25 +15,35 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 
-#: Columns of :attr:`Experiment.pushes`, one row per replica push.
-PUSH_COLUMNS = {
-    "time": "float64",  # seconds since fit started, when the push was acknowledged
-    "replica": "int64",
-    "step": "int64",  # the replica's step count when it pushed
-    "loss": "float64",  # mean training loss over the minibatches accrued in this push
-    "examples": "int64",  # examples accrued in this push
-    "staleness": "int64",  # max over shards of updates applied between fetch and push
-    "version": "int64",  # min over shards of the version after applying this push
-    "accepted": "bool",  # False when a shard refused the push (non-finite gradient)
+
+class PushRow(NamedTuple):
+    """One acknowledged push: a row of :attr:`Experiment.pushes`.
+
+    Replicas build these on their workers and the driver collects them; the field order is the
+    column order of the table (:data:`PUSH_COLUMNS`).
+    """
+
+    time: float  # seconds since fit started, when the push was acknowledged
+    replica: int
+    step: int  # the replica's step count when it pushed
+    loss: float  # mean training loss over the minibatches accrued in this push
+    examples: int  # examples accrued in this push
+    staleness: int  # max over shards of updates applied between fetch and push
+    version: int  # min over shards of the version after applying this push
+    accepted: bool  # False when a shard refused the push (non-finite gradient)
     # Which partition of a model-parallel replica pushed (its own parameter range); 0 without
     # model parallelism.  A replica split in P partitions makes P rows per push, one each.
-    "partition": "int64",
-}
+    partition: int = 0
+
+
+_PUSH_DTYPES = ("float64", "int64", "int64", "float64", "int64", "int64", "int64", "bool", "int64")
+#: Columns of :attr:`Experiment.pushes` and their dtypes, one row per replica push.
+PUSH_COLUMNS = dict(zip(PushRow._fields, _PUSH_DTYPES))
 #: Columns of :attr:`Experiment.evals`; ``accuracy`` for classifiers, ``r2`` for regression.
 EVAL_COLUMNS = {
     "time": "float64",
@@ -41,8 +51,32 @@ EVAL_COLUMNS = {
     "examples_seen": "int64",
     "loss": "float64",
 }
-#: Columns of :attr:`Experiment.events`.
-EVENT_COLUMNS = {"time": "float64", "kind": "object", "detail": "object"}
+
+
+class Event(NamedTuple):
+    """One row of :attr:`Experiment.events`.
+
+    ``detail`` is the sentence a person reads; ``data`` holds the same facts as plain values
+    (e.g. ``{"shard": 0, "version": 812, "lost_updates": 3}``) for code to read, so wording can
+    change without breaking anyone.  Each event kind documents its keys where it is recorded.
+    """
+
+    time: float
+    kind: str
+    detail: str = ""
+    data: dict[str, Any] | None = None
+
+
+#: Columns of :attr:`Experiment.events`.  ``data`` holds a dict per row (stored as JSON).
+EVENT_COLUMNS = {"time": "float64", "kind": "object", "detail": "object", "data": "object"}
+
+
+def events_frame(events: list[Event] | list[tuple]) -> pd.DataFrame:
+    """The events table, in time order, from :class:`Event` tuples (or older 3-tuples)."""
+    rows = [Event(*e)._replace(data=dict((e[3] if len(e) > 3 else None) or {})) for e in events]
+    frame = pd.DataFrame(sorted(rows, key=lambda e: e.time), columns=list(EVENT_COLUMNS))
+    return frame.astype(EVENT_COLUMNS)
+
 
 _FILES = ("config.json", "pushes.parquet", "evals.parquet", "events.parquet")
 
@@ -118,6 +152,8 @@ class Experiment:
         self.pushes = pushes if pushes is not None else empty_frame(PUSH_COLUMNS)
         self.evals = evals if evals is not None else empty_frame(EVAL_COLUMNS)
         self.events = events if events is not None else empty_frame(EVENT_COLUMNS)
+        if "data" not in self.events:  # a log written before events carried data
+            self.events = self.events.assign(data=[{} for _ in range(len(self.events))])
 
     def __repr__(self) -> str:
         return (
@@ -200,6 +236,7 @@ class Experiment:
             self.pushes.to_parquet(tmp / "pushes.parquet", index=False)
             self.evals.to_parquet(tmp / "evals.parquet", index=False)
             events = self.events.astype({"kind": str, "detail": str})
+            events["data"] = [_dump_data(d) for d in events["data"]]
             events.to_parquet(tmp / "events.parquet", index=False)
             if target.exists():
                 shutil.rmtree(target)
@@ -229,12 +266,10 @@ class Experiment:
         pushes = pd.read_parquet(src / "pushes.parquet")
         if "partition" not in pushes:  # written before model parallelism existed
             pushes["partition"] = np.zeros(len(pushes), dtype="int64")
-        return cls(
-            config,
-            pushes,
-            pd.read_parquet(src / "evals.parquet"),
-            pd.read_parquet(src / "events.parquet"),
-        )
+        events = pd.read_parquet(src / "events.parquet")
+        if "data" in events:
+            events["data"] = [json.loads(d) if d else {} for d in events["data"]]
+        return cls(config, pushes, pd.read_parquet(src / "evals.parquet"), events)
 
     # -- plots -----------------------------------------------------------------------------------
     def plot(self, ax: Any = None) -> Any:
@@ -255,6 +290,11 @@ def directory_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o777 & ~umask
+
+
+def _dump_data(data: Any) -> str:
+    """An event's data dict as JSON text (parquet holds no free-form dicts)."""
+    return json.dumps(data or {}, sort_keys=True, default=_json_default)
 
 
 def _json_default(obj: Any) -> Any:

@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from . import data as datasets
-from . import models
-from .downpour import DownpourSGD
+from .core import models
+from .data import datasets
+from .downpour.estimator import DownpourSGD
 from .log import Experiment, Progress
-from .sandblaster import SandblasterLBFGS
+from .sandblaster.estimator import SandblasterLBFGS
 
 #: Estimators a job can use, by the name given as ``algorithm``.
 ALGORITHMS: dict[str, type] = {"downpour": DownpourSGD, "sandblaster": SandblasterLBFGS}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from downpour_dask import cli, runs
-from downpour_dask.server import cluster_workers
+from downpour_dask.runtime.cluster import cluster_workers
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
 SMALL = ["--dataset", "digits", "--model", "mlp:32", "--max-epochs", "1", "--n-replicas", "2"]

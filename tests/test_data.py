@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import datasets
-from downpour_dask.data import Dataset, as_dataset, minibatches
+from downpour_dask.data.datasets import Dataset, as_dataset, minibatches
 
 
 def test_shipped_datasets_load_with_fixed_splits_scaled_to_unit_range():

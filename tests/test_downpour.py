@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import DownpourSGD, Experiment, datasets, models, optim
-from downpour_dask.data import minibatches
+from downpour_dask.data.datasets import minibatches
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from distributed import Client
 
 from downpour_dask import DownpourSGD, datasets, models
 from downpour_dask.checkpoint import CheckpointError, ShardState, read_checkpoint, write_checkpoint
-from downpour_dask.server import cluster_workers
+from downpour_dask.runtime.cluster import cluster_workers
 
 TIMEOUT = 60
 #: Epochs of the runs a worker is killed in: long enough that every replica is still training

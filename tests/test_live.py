@@ -232,7 +232,7 @@ def test_a_view_follows_a_shard_recreated_after_its_worker_died(own_cluster):
     import os
 
     from downpour_dask import optim
-    from downpour_dask.server import ParameterServer
+    from downpour_dask.ps.server import ParameterServer
 
     model = models.SoftmaxRegression(64, 10)
     initial = model.init(np.random.default_rng(0))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from downpour_dask._malloc import tune_malloc
+from downpour_dask.runtime.malloc import tune_malloc
 
 #: mallopt exists on glibc only; elsewhere tuning must report False, not fail.
 GLIBC = platform.libc_ver()[0] == "glibc"
@@ -24,7 +24,7 @@ def test_the_environment_variable_turns_it_off(setting, expected):
         [
             sys.executable,
             "-c",
-            "from downpour_dask._malloc import tune_malloc; print(tune_malloc())",
+            "from downpour_dask.runtime.malloc import tune_malloc; print(tune_malloc())",
         ],
         env={"DOWNPOUR_DASK_TUNE_MALLOC": setting, "PATH": ""},
         capture_output=True,

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from downpour_dask import DownpourSGD, attach, datasets, models
-from downpour_dask.partition import PartitionPlan
-from downpour_dask.server import cluster_workers
+from downpour_dask.core.partition import PartitionPlan
+from downpour_dask.runtime.cluster import cluster_workers
 
 TIMEOUT = 60
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import models
-from downpour_dask.models import (
+from downpour_dask.core.models import (
     MLP,
     LinearRegression,
     LogisticRegression,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import optim
-from downpour_dask.optim import OPTIMIZERS, from_config, make
+from downpour_dask.core.optim import OPTIMIZERS, from_config, make
 
 
 def run(rule, p0, grads, **kwargs):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from downpour_dask.params import ParamLayout, split_range
+from downpour_dask.core.params import ParamLayout, split_range
 
 
 def test_views_are_zero_copy_and_named_in_order():

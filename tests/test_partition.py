@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import models
-from downpour_dask.partition import MLPPart, PartitionPlan
+from downpour_dask.core.partition import MLPPart, PartitionPlan
 
 
 class ThreadLink:

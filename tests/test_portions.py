@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from distributed.client import FutureCancelledError
 
-from downpour_dask.portions import PortionResult, Portions, _Copy
+from downpour_dask.sandblaster.portions import PortionResult, Portions, _Copy
 
 
 class _FakeFuture:

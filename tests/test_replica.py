@@ -3,7 +3,7 @@
 import pytest
 
 from downpour_dask import models
-from downpour_dask.replica import gradient_scale
+from downpour_dask.downpour.replica import gradient_scale
 
 
 class NoScaleMLP(models.MLP):

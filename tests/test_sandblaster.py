@@ -11,11 +11,11 @@ import scipy.optimize
 from distributed import Client, LocalCluster
 
 from downpour_dask import Experiment, datasets, models, optim
-from downpour_dask.lbfgs import LBFGS, VectorStore, sum_replies
-from downpour_dask.params import split_range
-from downpour_dask.portions import SandblasterShard
-from downpour_dask.sandblaster import SandblasterLBFGS
-from downpour_dask.server import cluster_workers
+from downpour_dask.core.lbfgs import LBFGS, VectorStore, sum_replies
+from downpour_dask.core.params import split_range
+from downpour_dask.runtime.cluster import cluster_workers
+from downpour_dask.sandblaster.estimator import SandblasterLBFGS
+from downpour_dask.sandblaster.portions import SandblasterShard
 
 
 @pytest.fixture(scope="module")

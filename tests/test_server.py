@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from downpour_dask import optim
-from downpour_dask.server import ParameterServer, ParameterServerShard, cluster_workers
+from downpour_dask.ps.server import ParameterServer, ParameterServerShard
+from downpour_dask.runtime.cluster import cluster_workers
 
 TIMEOUT = 30
 

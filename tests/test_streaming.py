@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from downpour_dask import DownpourSGD, datasets, models
-from downpour_dask.server import cluster_workers
-from downpour_dask.shards import ShardDataError, ShardReadError, assign
-from downpour_dask.stream import ShardStream, StreamSpec, prefetched
+from downpour_dask.data.shards import ShardDataError, ShardReadError, assign
+from downpour_dask.data.stream import ShardStream, StreamSpec, prefetched
+from downpour_dask.runtime.cluster import cluster_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -366,7 +366,7 @@ def test_every_row_is_trained_on_exactly_once_per_epoch(client, tmp_path, sizes,
 def test_dask_partitions_are_read_on_the_worker_that_holds_them(client, tmp_path):
     import dask.dataframe as dd
 
-    from downpour_dask.dask_data import place_replicas
+    from downpour_dask.data.dask_data import place_replicas
 
     frame = _frame(1200)
     ddf = dd.from_pandas(frame, npartitions=6)

@@ -11,7 +11,7 @@ import pytest
 from distributed import Client, LocalCluster, Security
 
 from downpour_dask import DownpourSGD, SandblasterLBFGS, datasets, models
-from downpour_dask.server import cluster_workers
+from downpour_dask.runtime.cluster import cluster_workers
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
 SMALL = ["--dataset", "digits", "--model", "softmax", "--max-epochs", "1", "--n-replicas", "2"]

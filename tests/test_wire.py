@@ -10,9 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from downpour_dask import DownpourSGD, datasets, models, optim, wire
-from downpour_dask.server import ParameterServerShard
-from downpour_dask.wire import PullReply, PushReply, WireClient, WireError
+from downpour_dask import DownpourSGD, datasets, models, optim
+from downpour_dask.ps import wire
+from downpour_dask.ps.server import ParameterServerShard
+from downpour_dask.ps.wire import PullReply, PushReply, WireClient, WireError
 
 TIMEOUT = 10.0
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .params import split_range
+from ..core.params import split_range
 
 KINDS = ("parquet", "npy", "csv", "frame", "array")
 
@@ -175,7 +175,7 @@ class ShardedDataset:
 
         This gathers the data where it is called: meant for data that fits in memory.
         """
-        from .data import Dataset
+        from .datasets import Dataset
         from .stream import read_chunks
 
         xbuf = np.empty((65536, self.n_features), np.float32)

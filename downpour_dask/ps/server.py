@@ -37,9 +37,10 @@ import numpy as np
 import pandas as pd
 from distributed import Actor, Client, Future, get_worker
 
-from ._malloc import tune_malloc
-from .optim import UpdateRule
-from .params import DTYPE, split_range
+from ..core.optim import UpdateRule
+from ..core.params import DTYPE, split_range
+from ..runtime.cluster import cluster_workers
+from ..runtime.malloc import tune_malloc
 from .wire import PullReply, PushReply, serve
 
 
@@ -65,16 +66,6 @@ class _SeqTracker:
             self.through += 1
             self.ahead.discard(self.through)
 
-
-def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
-    """The cluster's current workers (address -> info such as ``nthreads``), asked afresh.
-
-    ``Client.scheduler_info(n_workers=-1)`` returns the client's cached identity, which the
-    client's own periodic refresh may replace at any moment with a summary *without* per-worker
-    entries (distributed 2026.8).  Under load it sometimes reported no workers at all, and a
-    healthy run then looked as if every worker had left.  So ask the scheduler directly.
-    """
-    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
 def _tcp_host() -> str | None:

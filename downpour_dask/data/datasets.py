@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .params import split_range
+from ..core.params import split_range
 from .shards import (
     Shard,
     ShardDataError,
@@ -294,8 +294,8 @@ def minibatches(
 
 def _data_dir() -> Path:
     """Where the shipped datasets are: inside an installed wheel, or the source tree's data/."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_data", here.parent / "data"):
+    package = Path(__file__).resolve().parents[1]  # downpour_dask/
+    for candidate in (package / "_data", package.parent / "data"):
         if (candidate / "manifest.json").is_file():
             return candidate
     raise FileNotFoundError(

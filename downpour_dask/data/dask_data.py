@@ -53,7 +53,7 @@ class DaskDataset(ShardedDataset):
         """Compute the collection into an in-memory Dataset on the client (evaluation data)."""
         import dask
 
-        from .data import Dataset
+        from .datasets import Dataset
 
         if self.kind == "frame":
             frame = self.collection.compute()

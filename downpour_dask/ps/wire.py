@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .params import DTYPE
+from ..core.params import DTYPE
 
 
 class PullReply(NamedTuple):

@@ -19,22 +19,17 @@ import numpy as np
 import pandas as pd
 from distributed import Client, Security
 
-from . import optim
-from ._version import __version__
-from .base import (
-    ParamServerEstimator,
-    check_int,
-    check_positive,
-    check_security,
-    cluster_client,
-)
-from .data import Dataset, as_dataset
-from .lbfgs import LBFGS
-from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment, Progress
-from .models import Model, from_config
-from .params import DTYPE, split_range
+from .._version import __version__
+from ..base import ParamServerEstimator, check_int, check_positive
+from ..core import optim
+from ..core.lbfgs import LBFGS
+from ..core.models import Model, from_config
+from ..core.params import DTYPE, split_range
+from ..data.datasets import Dataset, as_dataset
+from ..log import EVAL_COLUMNS, PUSH_COLUMNS, Experiment, Progress, events_frame
+from ..ps.server import ParameterServer
+from ..runtime.cluster import check_security, cluster_client, cluster_workers
 from .portions import PortionResult, Portions, SandblasterShard, evaluate_task, forget_run
-from .server import ParameterServer, cluster_workers
 
 # -- the estimator --------------------------------------------------------------------------------
 
@@ -396,7 +391,6 @@ class _Run:
             "step": "float64",
         }
         evals = pd.DataFrame(self.evals, columns=list(columns)).astype(columns)
-        events = pd.DataFrame(sorted(self.events, key=lambda e: e[0]), columns=list(EVENT_COLUMNS))
         est = self.est
         config = {k: v for k, v in est.get_params().items() if k not in ("model", "security")}
         config.update(
@@ -408,4 +402,4 @@ class _Run:
             workers=workers,
             reason=self.result.reason,
         )
-        return Experiment(config, pushes, evals, events.astype(EVENT_COLUMNS))
+        return Experiment(config, pushes, evals, events_frame(self.events))

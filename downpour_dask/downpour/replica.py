@@ -48,12 +48,12 @@ from typing import Any
 import numpy as np
 from distributed import Variable, get_worker, secede
 
-from ._malloc import tune_malloc
-from .models import Model
-from .params import DTYPE
-from .server import ParameterServer, ParameterServerShard, PullReply, PushReply
-from .stream import ArraySource, ShardStream, StreamSpec, make_source
-from .wire import WireClient, WireError
+from ..core.models import Model
+from ..core.params import DTYPE
+from ..data.stream import ArraySource, ShardStream, StreamSpec, make_source
+from ..ps.server import ParameterServer, ParameterServerShard, PullReply, PushReply
+from ..ps.wire import WireClient, WireError
+from ..runtime.malloc import tune_malloc
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 from distributed import get_worker, secede
 
-from ._malloc import tune_malloc
-from .models import Model
-from .partition import MLPPart, PartitionPlan
+from ..core.models import Model
+from ..core.partition import MLPPart, PartitionPlan
+from ..data.stream import StreamSpec, make_source
+from ..ps.server import ActorRef, ParameterServer
+from ..runtime.malloc import tune_malloc
 from .replica import Replica, ReplicaConfig, outcome
-from .server import ActorRef, ParameterServer
-from .stream import StreamSpec, make_source
 
 
 class PartitionLost(RuntimeError):

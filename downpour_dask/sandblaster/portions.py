@@ -30,15 +30,16 @@ import numpy as np
 from distributed import Future, get_worker, wait
 from distributed.client import FuturesCancelledError
 
-from . import optim
-from ._malloc import tune_malloc
-from .lbfgs import Program, VectorStore, sum_replies
-from .models import Model
-from .params import DTYPE
-from .server import ParameterServer, ParameterServerShard, cluster_workers
+from ..core import optim
+from ..core.lbfgs import Program, VectorStore, sum_replies
+from ..core.models import Model
+from ..core.params import DTYPE
+from ..ps.server import ParameterServer, ParameterServerShard
+from ..runtime.cluster import cluster_workers
+from ..runtime.malloc import tune_malloc
 
 if TYPE_CHECKING:
-    from .sandblaster import _Run
+    from .estimator import _Run
 
 
 class SandblasterShard(ParameterServerShard):

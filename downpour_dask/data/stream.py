@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import minibatches
+from .datasets import minibatches
 from .shards import Schema, Shard, ShardDataError, ShardReadError, _open_npy, _wrap_read
 
 CHUNK_BYTES = 4 << 20  # rows read at a time: ~4 MiB of float32 features

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from downpour_dask.params import DTYPE, ParamLayout
+from downpour_dask.core.params import DTYPE, ParamLayout
 
 ACTIVATIONS = ("relu", "tanh")
 OUTPUTS = ("softmax", "linear")

@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 from distributed import Future, KilledWorker, Variable
 
-from . import live
-from .checkpoint import ShardState, write_checkpoint
-from .data import ShardedDataset
+from .. import live
+from ..checkpoint import ShardState, write_checkpoint
+from ..data.datasets import ShardedDataset
+from ..ps.server import ShardLostError
+from ..runtime.cluster import cluster_workers
 from .model_parallel import Mailbox, PartitionLost, Peers, run_partition
 from .replica import (
     SHARD_ERRORS,
@@ -41,7 +43,6 @@ from .replica import (
     run_replica,
     shard_variable,
 )
-from .server import ShardLostError, cluster_workers
 
 #: How often the driver restarts replicas whose worker died before it gives up on the run.
 MAX_REPLICA_RESTARTS = 10

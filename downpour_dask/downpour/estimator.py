@@ -22,29 +22,25 @@ import numpy as np
 import pandas as pd
 from distributed import Client, Future, Security, wait
 
-from . import live, optim
-from ._version import __version__
-from .base import (
-    ParamServerEstimator,
-    check_int,
-    check_positive,
-    check_security,
-    cluster_client,
-)
-from .checkpoint import Checkpoint, ShardState, read_checkpoint
-from .dask_data import place_replicas
-from .data import Dataset, ShardedDataset, as_dataset
-from .log import EVAL_COLUMNS, EVENT_COLUMNS, PUSH_COLUMNS, Experiment, Progress
+from .. import live
+from .._version import __version__
+from ..base import ParamServerEstimator, check_int, check_positive
+from ..checkpoint import Checkpoint, ShardState, read_checkpoint
+from ..core import optim
+from ..core.models import Model
+from ..core.params import split_range
+from ..core.partition import PartitionPlan
+from ..data.dask_data import place_replicas
+from ..data.datasets import Dataset, ShardedDataset, as_dataset
+from ..log import EVAL_COLUMNS, PUSH_COLUMNS, Experiment, Progress, events_frame
+from ..ps.server import ParameterServer
+from ..runtime.cluster import check_security, cluster_client, cluster_workers
 from .model_parallel import partition_workers
-from .models import Model
-from .params import split_range
-from .partition import PartitionPlan
 from .recovery import Recovery
 from .replica import (
     SHARD_ERRORS,
     ReplicaConfig,
 )
-from .server import ParameterServer, cluster_workers
 
 #: Values of ``DownpourSGD(transport=...)``.
 TRANSPORTS = ("auto", "dask")
@@ -727,7 +723,6 @@ class _Run(Recovery):
         eval_columns = {**EVAL_COLUMNS, self.metric: "float64"}
         evals = pd.DataFrame(self.evals, columns=list(eval_columns)).astype(eval_columns)
         events = [(t - self.t0, kind, detail) for t, kind, detail in shard_events] + self.events
-        events_frame = pd.DataFrame(sorted(events, key=lambda e: e[0]), columns=list(EVENT_COLUMNS))
         config = self.est._config(self.n_rows, workers)
         config["data"] = self.data_info
         config["replica_steps"] = [r["steps"] for r in results if r.get("partition", 0) == 0]
@@ -753,7 +748,7 @@ class _Run(Recovery):
                 for (r, p), worker, result in zip(self.slots, self.slot_workers, results)
             ]
         config["replica_restarts"] = self.restarts
-        return Experiment(config, pushes, evals, events_frame.astype(EVENT_COLUMNS))
+        return Experiment(config, pushes, evals, events_frame(events))
 
 
 def _restore_args(state: ShardState) -> dict[str, Any]:
