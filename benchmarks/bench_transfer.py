@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import ParameterServer, optim  # noqa: E402
-from downpour_dask.ps.server import cluster_workers  # noqa: E402
 from downpour_dask.ps.wire import WireClient  # noqa: E402
+from downpour_dask.runtime.cluster import cluster_workers  # noqa: E402
 from downpour_dask.runtime.malloc import tune_malloc  # noqa: E402
 
 SIZE = 1_000_000

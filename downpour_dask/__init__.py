@@ -25,7 +25,8 @@ from .data.shards import ShardedDataset
 from .downpour.estimator import DownpourSGD
 from .live import LiveRun, attach
 from .log import Experiment, Progress
-from .ps.server import ParameterServer, ParameterServerShard
+from .ps.server import ParameterServer
+from .ps.shard import ParameterServerShard
 from .sandblaster.estimator import SandblasterLBFGS
 
 # The public modules keep their short names: ``import downpour_dask.models`` (or ``.datasets``,

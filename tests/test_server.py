@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from downpour_dask import optim
-from downpour_dask.ps.server import ParameterServer, ParameterServerShard
+from downpour_dask.ps.server import ParameterServer
+from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.runtime.cluster import cluster_workers
 
 TIMEOUT = 30

@@ -12,8 +12,9 @@ import pytest
 
 from downpour_dask import DownpourSGD, datasets, models, optim
 from downpour_dask.ps import wire
-from downpour_dask.ps.server import ParameterServerShard
-from downpour_dask.ps.wire import PullReply, PushReply, WireClient, WireError
+from downpour_dask.ps.protocol import PullReply, PushReply
+from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.ps.wire import WireClient, WireError
 
 TIMEOUT = 10.0
 

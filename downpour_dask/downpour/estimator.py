@@ -33,14 +33,12 @@ from ..core.partition import PartitionPlan
 from ..data.dask_data import place_replicas
 from ..data.datasets import Dataset, ShardedDataset, as_dataset
 from ..log import EVAL_COLUMNS, PUSH_COLUMNS, Experiment, Progress, events_frame
+from ..ps.protocol import SHARD_ERRORS
 from ..ps.server import ParameterServer
 from ..runtime.cluster import check_security, cluster_client, cluster_workers
 from .model_parallel import partition_workers
 from .recovery import Recovery
-from .replica import (
-    SHARD_ERRORS,
-    ReplicaConfig,
-)
+from .replica import ReplicaConfig
 
 #: Values of ``DownpourSGD(transport=...)``.
 TRANSPORTS = ("auto", "dask")

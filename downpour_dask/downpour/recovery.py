@@ -31,18 +31,11 @@ from distributed import Future, KilledWorker, Variable
 from .. import live
 from ..checkpoint import ShardState, write_checkpoint
 from ..data.datasets import ShardedDataset
-from ..ps.server import ShardLostError
+from ..ps.protocol import SHARD_ERRORS, ShardLostError
 from ..runtime.cluster import cluster_workers
 from .model_parallel import Mailbox, PartitionLost, Peers, run_partition
-from .replica import (
-    SHARD_ERRORS,
-    ReplicaConfig,
-    drain_rows,
-    fetched_copy,
-    forget_run,
-    run_replica,
-    shard_variable,
-)
+from .registry import drain_rows, fetched_copy, forget_run, shard_variable
+from .replica import ReplicaConfig, run_replica
 
 #: How often the driver restarts replicas whose worker died before it gives up on the run.
 MAX_REPLICA_RESTARTS = 10

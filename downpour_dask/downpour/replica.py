@@ -38,10 +38,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import threading
 import time
 import uuid
-from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +49,12 @@ from distributed import Variable, get_worker, secede
 from ..core.models import Model
 from ..core.params import DTYPE
 from ..data.stream import ArraySource, ShardStream, StreamSpec, make_source
-from ..ps.server import ParameterServer, ParameterServerShard, PullReply, PushReply
+from ..ps.protocol import SHARD_ERRORS, PullReply, PushReply
+from ..ps.server import ParameterServer
+from ..ps.shard import ParameterServerShard
 from ..ps.wire import WireClient, WireError
 from ..runtime.malloc import tune_malloc
+from .registry import fetched_copy, keep_row, remember_fetched, shard_variable
 
 
 @dataclass(frozen=True)
@@ -79,63 +80,9 @@ class ReplicaConfig:
     start_after_version: int = 0  # wait for replica 0's warmstart: every shard's version
 
 
-#: Errors a call into a lost parameter-server shard raises (the worker died or did not answer;
-#: the actor's task may also be cancelled as its worker is removed).
-SHARD_ERRORS = (RuntimeError, OSError, TimeoutError, CancelledError)
-
-#: The freshest shard values any replica of this worker process fetched, per (run, shard, actor
-#: key): (version, values).  The driver reads it (``fetched_copy``) to restore a lost shard.
-_FETCHED: dict[tuple[str, int, str], tuple[int, np.ndarray]] = {}
-_FETCHED_LOCK = threading.Lock()
-
-
-def shard_variable(run: str, shard: int) -> str:
-    """Name of the ``distributed.Variable`` holding the current actor future of ``shard``."""
-    return f"downpour-{run}-shard-{shard}"
-
-
-def _remember(run: str, shard: int, key: str, version: int, values: np.ndarray) -> None:
-    with _FETCHED_LOCK:
-        known = _FETCHED.get((run, shard, key))
-        if known is None or known[0] < version:
-            _FETCHED[(run, shard, key)] = (version, values)
-
-
-#: Push-log rows of this process's replicas not yet collected by the driver, per run: the driver
-#: drains them every few seconds (``drain_rows``), so the log keeps the pushes of a replica
-#: whose worker later dies and, through checkpoints, those made before a driver was killed.
-_ROWS: dict[str, list[tuple]] = {}
-
-
 def _plain(value: Any) -> Any:
     """A msgpack-friendly scalar (numpy scalars become Python numbers)."""
     return value.item() if isinstance(value, np.generic) else value
-
-
-def _log_row(run: str, row: tuple) -> None:
-    with _FETCHED_LOCK:
-        _ROWS.setdefault(run, []).append(row)
-
-
-def drain_rows(run: str) -> list[tuple]:
-    """Hand over (and forget) this process's push-log rows of ``run`` not yet collected."""
-    with _FETCHED_LOCK:
-        return _ROWS.pop(run, [])
-
-
-def fetched_copy(run: str, shard: int, key: str) -> tuple[int, np.ndarray] | None:
-    """The freshest (version, values) of shard actor ``key`` fetched in this process, if any
-    (run on workers with ``client.run`` by the driver)."""
-    with _FETCHED_LOCK:
-        return _FETCHED.get((run, shard, key))
-
-
-def forget_run(run: str) -> None:
-    """Drop this process's fetched copies of ``run`` (at the end of a fit)."""
-    with _FETCHED_LOCK:
-        for k in [k for k in _FETCHED if k[0] == run]:
-            del _FETCHED[k]
-        _ROWS.pop(run, None)
 
 
 @dataclass
@@ -551,7 +498,7 @@ class Replica:
         self.pulls[s] = None
         if self.cfg.run and self.local[s] is None:  # a local shard's copy would die with it
             key = self.server.shards[s].key
-            _remember(self.cfg.run, self.server.ids[s], key, reply.version, reply.values)
+            remember_fetched(self.cfg.run, self.server.ids[s], key, reply.version, reply.values)
         lo, hi = self.server.ranges[s]
         base = self.seq_base[s]
         local, scratch, alpha = (
@@ -662,7 +609,7 @@ class Replica:
         )
         self.rows.append(row)
         if self.cfg.run:
-            _log_row(self.cfg.run, row)
+            keep_row(self.cfg.run, row)
         if self.cfg.topic and row[0] - self.last_metrics >= 1.0:
             self._log_metrics(row)
         self.stop = self.stop or any(r.stop for r in replies)

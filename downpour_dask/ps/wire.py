@@ -42,35 +42,12 @@ import struct
 import threading
 import uuid
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from ..core.params import DTYPE
-
-
-class PullReply(NamedTuple):
-    """What a shard returns to a pull.
-
-    ``applied_through`` / ``applied_ahead`` tell the calling replica which of its own pushes these
-    values already contain: every push numbered ``<= applied_through`` and those in
-    ``applied_ahead`` (pushes that overtook an earlier one on the network).
-    """
-
-    values: np.ndarray
-    version: int
-    stop: bool
-    applied_through: int
-    applied_ahead: tuple[int, ...]
-
-
-class PushReply(NamedTuple):
-    """What a shard returns to a push."""
-
-    version: int  # the shard's version after this push
-    staleness: int  # updates the shard applied between the pusher's fetch and this push
-    accepted: bool  # False: refused (non-finite gradient, or a duplicate)
-    stop: bool  # the run is over: the replica should finish
+from .protocol import PullReply, PushReply
 
 
 class WireError(RuntimeError):

@@ -34,7 +34,8 @@ from ..core import optim
 from ..core.lbfgs import Program, VectorStore, sum_replies
 from ..core.models import Model
 from ..core.params import DTYPE
-from ..ps.server import ParameterServer, ParameterServerShard
+from ..ps.server import ParameterServer
+from ..ps.shard import ParameterServerShard
 from ..runtime.cluster import cluster_workers
 from ..runtime.malloc import tune_malloc
 

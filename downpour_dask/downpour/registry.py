@@ -1,0 +1,63 @@
+"""What this worker process keeps for the driver, per run, outside any task.
+
+Replicas leave two things here that must outlive them: the freshest shard values they fetched
+(the driver restores a lost shard from the newest copy, :func:`fetched_copy`) and their push-log
+rows not yet collected (:func:`drain_rows`), so a worker that dies loses only its newest rows.
+The driver reads both with ``client.run`` and clears them with :func:`forget_run`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+#: The freshest shard values any replica of this worker process fetched, per (run, shard, actor
+#: key): (version, values).  The driver reads it (``fetched_copy``) to restore a lost shard.
+_FETCHED: dict[tuple[str, int, str], tuple[int, np.ndarray]] = {}
+_FETCHED_LOCK = threading.Lock()
+
+
+def shard_variable(run: str, shard: int) -> str:
+    """Name of the ``distributed.Variable`` holding the current actor future of ``shard``."""
+    return f"downpour-{run}-shard-{shard}"
+
+
+def remember_fetched(run: str, shard: int, key: str, version: int, values: np.ndarray) -> None:
+    with _FETCHED_LOCK:
+        known = _FETCHED.get((run, shard, key))
+        if known is None or known[0] < version:
+            _FETCHED[(run, shard, key)] = (version, values)
+
+
+#: Push-log rows of this process's replicas not yet collected by the driver, per run: the driver
+#: drains them every few seconds (``drain_rows``), so the log keeps the pushes of a replica
+#: whose worker later dies and, through checkpoints, those made before a driver was killed.
+_ROWS: dict[str, list[tuple]] = {}
+
+
+
+def keep_row(run: str, row: tuple) -> None:
+    with _FETCHED_LOCK:
+        _ROWS.setdefault(run, []).append(row)
+
+
+def drain_rows(run: str) -> list[tuple]:
+    """Hand over (and forget) this process's push-log rows of ``run`` not yet collected."""
+    with _FETCHED_LOCK:
+        return _ROWS.pop(run, [])
+
+
+def fetched_copy(run: str, shard: int, key: str) -> tuple[int, np.ndarray] | None:
+    """The freshest (version, values) of shard actor ``key`` fetched in this process, if any
+    (run on workers with ``client.run`` by the driver)."""
+    with _FETCHED_LOCK:
+        return _FETCHED.get((run, shard, key))
+
+
+def forget_run(run: str) -> None:
+    """Drop this process's fetched copies of ``run`` (at the end of a fit)."""
+    with _FETCHED_LOCK:
+        for k in [k for k in _FETCHED if k[0] == run]:
+            del _FETCHED[k]
+        _ROWS.pop(run, None)

@@ -1,0 +1,365 @@
+"""One parameter-server shard: a Dask actor owning a range of the flat parameter vector.
+
+:class:`ParameterServerShard` owns one contiguous range of the flat parameter vector, the update
+rule's per-coordinate state for that range (e.g. Adagrad's sums of squared gradients, which is
+where the paper keeps them) and a *version*: the number of updates it has applied.  Shards know
+nothing of each other, so different shards may have applied different numbers of updates at any
+moment -- the second level of asynchrony in Downpour SGD.
+
+The methods replicas call (``pull``, ``push``, ``exchange``) and the driver's (``status`` ...) are
+``async``: Dask runs them on the worker's event loop as soon as a message arrives, instead of
+queueing them for the single thread that *all* sync actor methods on a worker share (two shards
+on one worker would otherwise wait for each other).  They never await, so each runs start to
+finish without interleaving: a pull always sees a consistent slice.  ``exchange`` is a push and
+a pull in one message, so a replica that pushes and fetches on the same step pays one round trip.
+A replica running on the shard's own worker skips the messages altogether and calls
+:meth:`~ParameterServerShard.snapshot_into` and :meth:`~ParameterServerShard.apply_push`
+directly; replicas on other workers reach the same two methods over a direct connection
+(:meth:`~ParameterServerShard.open_wire`, :mod:`downpour_dask.ps.wire`) where the cluster's comm
+is plain TCP.  A lock keeps those calls atomic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+from distributed import get_worker
+
+from ..core.optim import UpdateRule
+from ..core.params import DTYPE
+from ..runtime.malloc import tune_malloc
+from .wire import PullReply, PushReply, serve
+
+
+class _SeqTracker:
+    """Which push numbers of one replica session a shard has processed.
+
+    ``through`` is the largest n such that pushes 0..n were all processed; ``ahead`` holds the few
+    processed pushes above it (pushes may overtake each other on the network).
+    """
+
+    __slots__ = ("through", "ahead")
+
+    def __init__(self) -> None:
+        self.through = -1
+        self.ahead: set[int] = set()
+
+    def seen(self, seq: int) -> bool:
+        return seq <= self.through or seq in self.ahead
+
+    def add(self, seq: int) -> None:
+        self.ahead.add(seq)
+        while self.through + 1 in self.ahead:
+            self.through += 1
+            self.ahead.discard(self.through)
+
+
+
+def _tcp_host() -> str | None:
+    """This worker's host if its comm is plain TCP (where wire.py may listen too), else None
+    (TLS or another protocol, or not running on a worker)."""
+    try:
+        address = get_worker().address
+    except ValueError:
+        return None
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://") :].rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+class ParameterServerShard:
+    """A Dask actor owning parameters ``[start, stop)``, their update-rule state and a version.
+
+    Parameters
+    ----------
+    shard_id : int
+    start, stop : int
+        The element range of the flat parameter vector this shard owns.
+    values : ndarray
+        Initial values of that range (copied, stored as float32).
+    rule : UpdateRule
+        How pushed gradients are applied (see :mod:`downpour_dask.optim`).
+    """
+
+    #: Seconds a push waits for an earlier push of its replica session before it is applied.
+    ORDER_WAIT = 5.0
+
+    def __init__(
+        self,
+        shard_id: int,
+        start: int,
+        stop: int,
+        values: np.ndarray,
+        rule: UpdateRule,
+        *,
+        restore: dict[str, Any] | None = None,
+    ):
+        if values.shape != (stop - start,):
+            raise ValueError(
+                f"shard {shard_id}: values has shape {values.shape}, expected {(stop - start,)}"
+            )
+        tune_malloc()  # this runs on the shard's worker: see _malloc.py for why
+        self.shard_id, self.start, self.stop = shard_id, start, stop
+        self.values = np.array(values, dtype=DTYPE, copy=True)
+        self.rule = rule
+        self.state = rule.init(stop - start)
+        self.version = 0
+        self.stopped = False
+        self.released = False  # the driver let replicas waiting for the warmstart go
+        self.accepted_by_replica: Counter[int] = Counter()
+        self.refused = 0
+        self.duplicates = 0
+        self.examples = 0
+        self.recent_loss = math.nan
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        if restore is not None:
+            self._restore(restore)
+        self._seqs: dict[tuple[int, str], _SeqTracker] = {}
+        self._sessions: set[str] = set()  # replica sessions that pulled or pushed here
+        self._events: list[tuple[float, str, str]] = []
+        self._arrived: asyncio.Condition | None = None
+        # Replicas on this worker call snapshot/apply_push directly from their own threads
+        # (see replica.py), and replicas on other workers through wire.py's threads, concurrently
+        # with the event loop serving actor calls.
+        self._lock = threading.Lock()
+        self._host = _tcp_host()
+        self._endpoint: tuple[str, int, str] | None = None
+
+    # -- what replicas call (async: served on the event loop, see the module docstring) ----------
+    async def pull(self, replica: int = -1, session: str = "") -> PullReply:
+        """A consistent copy of this shard's values, its version and the stop flag."""
+        return self.snapshot(replica, session)
+
+    async def push(self, grad: np.ndarray, fetched_version: int, replica: int, **kw) -> PushReply:
+        """Apply one accumulated gradient (see :meth:`apply_push` for the arguments)."""
+        await self._in_order(replica, kw.get("session", ""), kw.get("seq"))
+        reply = self.apply_push(grad, fetched_version, replica, **kw)
+        await self._notify()
+        return reply
+
+    async def exchange(
+        self, grad: np.ndarray, fetched_version: int, replica: int, **kw
+    ) -> tuple[PushReply, PullReply]:
+        """A push followed by a pull of the result, in one message and one round trip."""
+        await self._in_order(replica, kw.get("session", ""), kw.get("seq"))
+        reply = self.apply_push(grad, fetched_version, replica, **kw)
+        await self._notify()
+        return reply, self.snapshot(replica, kw.get("session", ""))
+
+    async def open_wire(self) -> tuple[str, int, str] | None:
+        """Where a replica on another worker can reach this shard without actor messages:
+        ``(host, port, shard id)`` of this process's :class:`~downpour_dask.wire.ShardService`,
+        or None when the worker's comm is not plain TCP (e.g. TLS), so the replica keeps using
+        actor calls."""
+        if self._endpoint is None and self._host is not None:
+            self._endpoint = serve(self, self._host)
+        return self._endpoint
+
+    async def _notify(self) -> None:
+        """Wake pushes waiting in :meth:`_in_order` for the one just applied."""
+        if self._arrived is not None:
+            async with self._arrived:
+                self._arrived.notify_all()
+
+    async def _in_order(self, replica: int, session: str, seq: int | None) -> None:
+        """Wait (briefly) until this session's earlier pushes are in, so a replica's pushes are
+        applied in the order it made them even when messages overtake each other.
+
+        A push whose predecessor does not arrive within :attr:`ORDER_WAIT` seconds (its sender
+        died mid-send) is applied anyway; retried and duplicate pushes pass straight through.
+        """
+        if seq is None:
+            return
+        tracker = self._seqs.get((replica, session))
+        through = -1 if tracker is None else tracker.through
+        if seq <= through + 1 or (tracker is not None and tracker.seen(seq)):
+            return
+        if self._arrived is None:  # created here: it must belong to the worker's event loop
+            self._arrived = asyncio.Condition()
+        deadline = time.monotonic() + self.ORDER_WAIT
+        async with self._arrived:
+            while True:
+                tracker = self._seqs.get((replica, session))
+                if tracker is not None and (tracker.through >= seq - 1 or tracker.seen(seq)):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+
+    # -- the shard's state -----------------------------------------------------------------------
+    def snapshot(self, replica: int = -1, session: str = "") -> PullReply:
+        """A copy of the values with the version, the stop flag and which of this replica
+        session's pushes they contain."""
+        return self.snapshot_into(np.empty_like(self.values), replica, session)
+
+    def snapshot_into(self, out: np.ndarray, replica: int = -1, session: str = "") -> PullReply:
+        """:meth:`snapshot` for a replica on this worker, copying the values into its buffer
+        ``out`` instead of a new array: a fresh array of tens of MB is page-faulted afresh on
+        every pull (allocations above glibc's 32 MiB limit are always new mappings)."""
+        with self._lock:
+            if session:
+                self._sessions.add(session)
+            np.copyto(out, self.values)
+            tracker = self._seqs.get((replica, session)) or _SeqTracker()
+            return PullReply(out, self.version, self.stopped, tracker.through, tuple(tracker.ahead))
+
+    def apply_push(
+        self,
+        grad: np.ndarray,
+        fetched_version: int,
+        replica: int,
+        *,
+        seq: int | None = None,
+        session: str = "",
+        examples: int = 0,
+        loss: float = math.nan,
+    ) -> PushReply:
+        """Apply one accumulated gradient with the update rule; return the new version.
+
+        A gradient containing NaN or inf is refused: the parameters are left untouched, the
+        refusal is counted and recorded as a ``gradient_refused`` event.  A push whose ``seq``
+        this replica session already delivered is ignored, so a retried push is applied once.
+        ``loss`` (the replica's mean training loss over the pushed steps) only feeds the shard's
+        ``recent_loss`` for live progress displays.
+        """
+        with self._lock:
+            return self._apply_push(grad, fetched_version, replica, seq, session, examples, loss)
+
+    def _apply_push(self, grad, fetched_version, replica, seq, session, examples, loss):
+        if grad.shape != self.values.shape:
+            raise ValueError(
+                f"shard {self.shard_id} owns {self.values.shape[0]} parameters, got a gradient of "
+                f"shape {grad.shape}"
+            )
+        staleness = max(0, self.version - int(fetched_version))
+        if session:
+            self._sessions.add(session)
+        tracker = None
+        if seq is not None:
+            tracker = self._seqs.setdefault((replica, session), _SeqTracker())
+            if tracker.seen(seq):
+                self.duplicates += 1
+                return PushReply(self.version, staleness, False, self.stopped)
+            tracker.add(seq)
+        # One fast float32 sum: it is NaN or inf if any element is.  Huge finite values can make
+        # it overflow too; only then is every element checked (a temporary the grad's size).
+        if not math.isfinite(float(np.add.reduce(grad))) and not np.isfinite(grad).all():
+            self.refused += 1
+            bad = int(np.count_nonzero(~np.isfinite(grad)))
+            self._events.append(
+                (
+                    time.time(),
+                    "gradient_refused",
+                    f"shard {self.shard_id}: replica {replica} pushed {bad} non-finite values; "
+                    f"parameters left unchanged",
+                )
+            )
+            return PushReply(self.version, staleness, False, self.stopped)
+        self.rule.update(self.values, grad, self.state, staleness=staleness)
+        self.version += 1
+        self.accepted_by_replica[replica] += 1
+        self.examples += int(examples)
+        if math.isfinite(loss):  # exponential moving average over recent pushes, for progress
+            self.recent_loss = (
+                loss if math.isnan(self.recent_loss) else (0.9 * self.recent_loss + 0.1 * loss)
+            )
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        return PushReply(self.version, staleness, True, self.stopped)
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """Continue from a state exported by :meth:`export_state` (or read from a checkpoint):
+        ``version``, ``rule_state`` (arrays matching ``rule.init``), ``counters``, ``stopped``."""
+        for key, array in (saved.get("rule_state") or {}).items():
+            if key not in self.state or np.shape(array) != self.state[key].shape:
+                raise ValueError(
+                    f"shard {self.shard_id}: saved update-rule state {key!r} does not match the "
+                    f"rule {type(self.rule).__name__} (state keys {sorted(self.state)})"
+                )
+            self.state[key] = np.array(array, dtype=self.state[key].dtype, copy=True)
+        self.version = int(saved.get("version", 0))
+        self.stopped = bool(saved.get("stopped", False))
+        counters = saved.get("counters") or {}
+        self.accepted_by_replica.update(
+            {int(r): int(n) for r, n in (counters.get("accepted_by_replica") or {}).items()}
+        )
+        self.refused = int(counters.get("refused", 0))
+        self.duplicates = int(counters.get("duplicates", 0))
+        self.examples = int(counters.get("examples", 0))
+        self.staleness_sum = int(counters.get("staleness_sum", 0))
+        self.staleness_max = int(counters.get("staleness_max", 0))
+
+    async def export_state(self) -> dict[str, Any]:
+        """A consistent copy of everything a replacement shard needs: ``values``, ``rule_state``,
+        ``version`` and ``counters`` (taken under the lock local replicas use)."""
+        with self._lock:
+            return {
+                "values": self.values.copy(),
+                "rule_state": {k: np.array(v, copy=True) for k, v in self.state.items()},
+                "version": self.version,
+                "counters": {
+                    "accepted_by_replica": {str(r): n for r, n in self.accepted_by_replica.items()},
+                    "refused": self.refused,
+                    "duplicates": self.duplicates,
+                    "examples": self.examples,
+                    "staleness_sum": self.staleness_sum,
+                    "staleness_max": self.staleness_max,
+                },
+            }
+
+    async def current_version(self) -> int:
+        """Updates applied so far."""
+        return self.version
+
+    def warmstart_state(self) -> tuple[int, bool, bool]:
+        """What a replica waiting for the warmstart looks at: ``(version, stopped, released)``."""
+        return self.version, self.stopped, self.released
+
+    async def poll_warmstart(self) -> tuple[int, bool, bool]:
+        """:meth:`warmstart_state` as an actor call."""
+        return self.warmstart_state()
+
+    async def release_warmstart(self) -> None:
+        """Let replicas waiting for the warmstart start (the driver's call when it ends, also
+        when replica 0 finished before reaching it)."""
+        self.released = True
+
+    async def request_stop(self) -> None:
+        """Raise the stop flag that pulls and pushes report to replicas."""
+        self.stopped = True
+
+    async def status(self) -> dict[str, Any]:
+        """Counters of this shard: version, accepted/refused/duplicate pushes, examples, recent
+        training loss, staleness."""
+        accepted = sum(self.accepted_by_replica.values())
+        return {
+            "shard": self.shard_id,
+            "start": self.start,
+            "stop": self.stop,
+            "version": self.version,
+            "accepted": accepted,
+            "refused": self.refused,
+            "duplicates": self.duplicates,
+            "examples": self.examples,
+            "recent_loss": self.recent_loss,
+            "staleness_mean": self.staleness_sum / accepted if accepted else 0.0,
+            "staleness_max": self.staleness_max,
+            "accepted_by_replica": dict(self.accepted_by_replica),
+            "stopped": self.stopped,
+            "sessions": sorted(self._sessions),
+        }
+
+    async def events(self, since: int = 0) -> list[tuple[float, str, str]]:
+        """Events recorded by this shard (``time``, ``kind``, ``detail``), from index ``since``."""
+        return self._events[since:]
