@@ -303,6 +303,14 @@ class ParameterServer:
         """Each shard's version (updates applied), without transferring any parameters."""
         return self.call_all("current_version", timeout=timeout)
 
+    def release_warmstart(self, timeout: float = 60.0) -> None:
+        """Let replicas waiting for replica 0's warmstart start, on every shard."""
+        self.call_all("release_warmstart", timeout=timeout)
+
+    def export_state(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Each shard's consistent state (see :meth:`ParameterServerShard.export_state`)."""
+        return self.call_all("export_state", timeout=timeout)
+
     def request_stop(self, timeout: float = 60.0) -> None:
         """Tell every shard to report the stop flag to replicas."""
         self.call_all("request_stop", timeout=timeout)
