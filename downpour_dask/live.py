@@ -29,6 +29,7 @@ from .core import models
 from .core.partition import PartitionPlan
 from .data.datasets import Dataset, as_dataset
 from .log import Progress
+from .progress import ProgressBar
 from .ps.server import ParameterServer
 
 #: Prefix of the scheduler event topic a published run logs its progress under.
@@ -83,11 +84,12 @@ def publish(
     ValueError
         If a dataset or run is already published under ``name``.
     """
-    if not server._futures:
+    futures = server.futures
+    if not futures:
         raise RuntimeError("cannot publish a ParameterServer that does not hold its futures")
     record = {
         "kind": "downpour-dask run",
-        "futures": list(server._futures),  # futures, not actors: they keep the actors alive
+        "futures": futures,  # futures, not actors: they keep the actors alive
         "ranges": [list(r) for r in server.ranges],
         "workers": list(server.workers),
         "info": dict(info),
@@ -325,8 +327,6 @@ def follow(client: Client, name: str, stream: TextIO, interval: float = 2.0) -> 
         True if the run finished (its last snapshot arrived), False if it ended otherwise
         (failed, interrupted, or unpublished without an ``end`` record).
     """
-    from .progress import ProgressBar
-
     bar = ProgressBar(stream, log_every=interval)
     name_topic = topic(name)
     events = client.get_events(name_topic)
