@@ -4,13 +4,15 @@ configs, pickling and initialisation."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import pickle
 
 import numpy as np
 import pytest
 
-from downpour_dask import models
+from downpour_dask.core import model as model_module
+from downpour_dask.core import models as core_models
 from downpour_dask.core.models import (
     MLP,
     LinearRegression,
@@ -198,7 +200,7 @@ def test_evaluation_in_row_blocks_matches_one_block(case, monkeypatch):
     params = make_params(model)
     loss, _ = model.loss_and_grad(params, X, y)
     pred = model.predict(params, X)
-    monkeypatch.setattr(models, "_CHUNK", 3)
+    monkeypatch.setattr(model_module, "_CHUNK", 3)
     assert model.loss(params, X, y) == pytest.approx(loss, rel=1e-6)
     np.testing.assert_allclose(model.predict(params, X), pred, rtol=1e-6)
 
@@ -450,3 +452,12 @@ def test_init_is_deterministic_and_scaled():
     assert np.abs(views["W1"]).max() <= limit and np.abs(views["W1"]).max() > 0.9 * limit
     tanh = MLP(20, (30,), 5, activation="tanh").init(np.random.default_rng(0))
     assert np.abs(tanh[: 20 * 30]).max() <= np.sqrt(6 / 50)
+
+
+def test_downpour_dask_models_is_the_core_module_with_every_public_name():
+    public = importlib.import_module("downpour_dask.models")
+    assert public is core_models
+    for name in ("Model", "MLP", "SoftmaxRegression", "LogisticRegression", "LinearRegression"):
+        assert issubclass(getattr(public, name), model_module.Model)
+    assert public.from_config is from_config
+    assert public.ACTIVATIONS == ("relu", "tanh") and public.OUTPUTS == ("softmax", "linear")

@@ -1,0 +1,9 @@
+"""The numpy core: everything the algorithms compute, with no Dask and no I/O.
+
+It owns the flat parameter vector and its named views (:mod:`.params`), the models and their
+gradients (:mod:`.models` on :mod:`.model`, the dense passes in :mod:`.dense`, input checks in
+:mod:`.validation`), the update rules a parameter-server shard applies (:mod:`.optim`), L-BFGS over
+sharded vectors (:mod:`.lbfgs`, behind its ``Space`` protocol) and the maths of a model-parallel
+MLP (:mod:`.partition`, behind its ``Link`` protocol).  Every layer above builds on these; they
+are tested in one process, without a cluster.
+"""

@@ -158,7 +158,7 @@ class LBFGS:
         Relative precision of one objective evaluation.  A step whose predicted decrease
         ``-t g'd`` is below ``precision * max(|f|, 1)`` cannot be told from rounding noise by the
         Armijo test, so L-BFGS stops there as converged instead of backtracking in vain
-        (:class:`~downpour_dask.sandblaster.SandblasterLBFGS` uses float32's epsilon).
+        (:class:`~downpour_dask.sandblaster.estimator.SandblasterLBFGS` uses float32's epsilon).
     max_seconds : float, optional
         Wall-clock budget.
     log : callable, optional

@@ -1,6 +1,6 @@
 """A model's parameters as one flat float32 vector with named, zero-copy views.
 
-Every model in :mod:`downpour_dask.models` stores all of its weights in a single
+Every model in :mod:`downpour_dask.core.models` stores all of its weights in a single
 contiguous ``float32`` vector.  The parameter server shards that vector by
 *element* ranges (one large matrix may span several shards), replicas push and
 pull slices of it, and the model reads its weight matrices as reshaped views of

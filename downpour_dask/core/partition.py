@@ -28,11 +28,12 @@ One step on a minibatch ``X`` (every partition reads the same batches) then move
 
 The last hidden layer's activations and gradients never travel: the row split of the output
 layer keeps them local.  Sums are taken in partition order, so every partition gets bitwise the
-same logits.  The mathematics is the unpartitioned model's: only the order of floating-point
-additions inside matrix products differs (tested against :class:`~downpour_dask.models.MLP`).
+same logits.  The mathematics is the unpartitioned model's (the passes of
+:mod:`downpour_dask.core.dense`): only the order of floating-point additions inside matrix
+products differs (tested against :class:`~downpour_dask.core.models.MLP`).
 
-How messages travel is a :class:`Link`'s business: :mod:`downpour_dask.model_parallel` sends
-them through Dask actors, the tests through threads.
+How messages travel is a :class:`Link`'s business: :mod:`downpour_dask.downpour.model_parallel`
+sends them through Dask actors, the tests through threads.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .models import MLP, Model, _Workspace, times_derivative
+from .dense import Workspace, activate, output_loss, times_derivative
+from .models import MLP, Model
 from .params import ParamLayout, split_range
 
 
@@ -199,7 +201,7 @@ class PartitionPlan:
 class MLPPart:
     """Partition ``p`` of an MLP replica: computes the gradient of its own parameters.
 
-    It is used by the replica loop exactly like a :class:`~downpour_dask.models.Model` (only
+    It is used by the replica loop exactly like a :class:`~downpour_dask.core.model.Model` (only
     :meth:`loss_and_grad` and ``layout``), but each call runs in lockstep with the other
     partitions' calls, exchanging activations and their gradients through ``link``.
 
@@ -222,7 +224,7 @@ class MLPPart:
         self.values_sent = 0
         self._tag = 0
         self._ws: dict[tuple[int, str], dict[str, Any]] = {}
-        self._act = plan.model._act
+        self._act = plan.model.activation
 
     # -- collectives -----------------------------------------------------------------------------
     def _next_tag(self) -> int:
@@ -296,16 +298,10 @@ class MLPPart:
                 "full": [np.empty((n, w), dtype) for w in plan.model.hidden[:-1]],  # gathered
                 "d": [np.empty((n, w), dtype) for w in own],  # own deltas
                 "partial": [np.empty((n, w), dtype) for w in plan.model.hidden[:-1]],
-                "out": _Workspace([plan.model.n_outputs], n, dtype, 1),
+                "out": Workspace([plan.model.n_outputs], n, dtype, 1),
             }
             self._ws = {key: ws}  # one batch size at a time (the last batch may be smaller)
         return ws
-
-    def _activate(self, z: np.ndarray) -> None:
-        if self._act == "relu":
-            np.maximum(z, 0, out=z)
-        else:
-            np.tanh(z, out=z)
 
     def _penalty(
         self,
@@ -353,7 +349,7 @@ class MLPPart:
             h = ws["h"][layer]
             np.dot(a, layers[f"W{layer}"], out=h)
             h += layers[f"b{layer}"]
-            self._activate(h)
+            activate(h, self._act)
             if layer < L - 1:
                 a = ws["full"][layer]
                 self._all_gather(h, a, plan.blocks[layer])
@@ -364,7 +360,7 @@ class MLPPart:
         penalty = self._penalty(layers, None)
         vote = bool(self.vote()) if self.vote is not None else False
         penalty, self.agreed_stop = self._all_reduce_output(logits, penalty, vote)
-        data_loss = model._output_loss(logits, y, ws["out"], delta=True) / n
+        data_loss = output_loss(model.output, logits, y, ws["out"], delta=True) / n
         delta = logits
         delta *= scale / n
         # backward: the output layer's rows, then down through the hidden layers

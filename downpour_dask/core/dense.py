@@ -1,0 +1,161 @@
+"""The passes of a stack of dense layers, computed in place in preallocated buffers.
+
+These are the numerics under every model of :mod:`downpour_dask.core.models` (through
+:class:`~downpour_dask.core.model.Model`) and under each partition of a model-parallel MLP
+(:mod:`downpour_dask.core.partition`): the forward pass, the output loss with its gradient, back
+propagation and the L2 penalty.  ``layers`` and ``grads`` are lists of ``(W, b)`` views into a
+flat parameter (or gradient) vector.
+
+Nothing here allocates an array the size of a batch: every intermediate lives in a
+:class:`Workspace`, because Dask workers set ``MALLOC_TRIM_THRESHOLD_``, which makes every large
+numpy temporary an ``mmap`` plus page faults.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Hidden-layer activations the passes know.
+ACTIVATIONS = ("relu", "tanh")
+#: Output kinds: cross-entropy of a softmax, binary cross-entropy of a sigmoid, squared error.
+OUTPUT_KINDS = ("softmax", "sigmoid", "linear")
+
+Layers = list[tuple[np.ndarray, np.ndarray]]
+
+
+class Workspace:
+    """Buffers for a forward and backward pass of up to ``capacity`` rows.
+
+    A batch of ``n <= capacity`` rows uses ``buf[:n]`` of each: ``acts`` (every layer's output,
+    the last one the logits), ``deltas`` (the back-propagated gradients of the hidden layers),
+    two columns for the output loss and ``scratch`` for the L2 term.
+
+    Parameters
+    ----------
+    widths : list of int
+        Output width of every layer, the last one the model's output.
+    capacity : int
+        Most rows a batch may have.
+    dtype : numpy dtype
+        The compute dtype (that of the parameters).
+    scratch : int
+        Elements of the largest weight matrix.
+    """
+
+    def __init__(self, widths: list[int], capacity: int, dtype: np.dtype, scratch: int):
+        self.capacity = capacity
+        self.acts = [np.empty((capacity, w), dtype) for w in widths]  # last one: logits
+        self.deltas = [np.empty((capacity, w), dtype) for w in widths[:-1]]
+        self.col_a = np.empty((capacity, 1), dtype)
+        self.col_b = np.empty((capacity, 1), dtype)
+        self.rows = np.arange(capacity)
+        self.scratch = np.empty(scratch, dtype)  # l2 * W, at most the largest weight matrix
+
+
+def activate(z: np.ndarray, activation: str) -> None:
+    """Apply the hidden activation to ``z`` in place."""
+    if activation == "relu":
+        np.maximum(z, 0, out=z)
+    else:
+        np.tanh(z, out=z)
+
+
+def times_derivative(delta: np.ndarray, a: np.ndarray, activation: str) -> None:
+    """``delta *= act'(z)`` from the activation ``a = act(z)``, in place and without
+    temporaries: ``a`` is overwritten with the derivative, so it must not be needed again."""
+    if activation == "relu":
+        np.sign(a, out=a)
+    else:  # tanh' = 1 - tanh**2
+        np.multiply(a, a, out=a)
+        np.subtract(1, a, out=a)
+    delta *= a
+
+
+def forward(layers: Layers, X: np.ndarray, ws: Workspace, activation: str) -> np.ndarray:
+    """Fill ``ws.acts[i][:n]`` with each layer's output; return the logits view."""
+    a, n, last = X, X.shape[0], len(layers) - 1
+    for i, (W, b) in enumerate(layers):
+        z = ws.acts[i][:n]
+        np.dot(a, W, out=z)
+        z += b
+        if i < last:
+            activate(z, activation)
+        a = z
+    return a
+
+
+def output_loss(kind: str, z: np.ndarray, y: np.ndarray, ws: Workspace, delta: bool) -> float:
+    """Summed loss over the rows of logits ``z``; with ``delta``, z becomes d(sum)/dz.
+
+    ``kind`` is one of :data:`OUTPUT_KINDS`; ``y`` holds int64 labels (softmax, sigmoid) or
+    targets of ``z``'s size (linear: ``0.5 * sum((z - y)**2)``).
+    """
+    n = z.shape[0]
+    if kind == "softmax":
+        m, s = ws.col_a[:n], ws.col_b[:n]
+        np.max(z, axis=1, keepdims=True, out=m)
+        z -= m
+        picked = float(z[ws.rows[:n], y].sum(dtype=np.float64))
+        np.exp(z, out=z)
+        np.sum(z, axis=1, keepdims=True, out=s)
+        if delta:  # softmax - onehot
+            z /= s
+            z[ws.rows[:n], y] -= 1
+        return float(np.log(s, out=s).sum(dtype=np.float64)) - picked
+    if kind == "sigmoid":
+        sp, yf = ws.col_a[:n], ws.col_b[:n]
+        np.logaddexp(0, z, out=sp)  # softplus(z); loss per row = softplus(z) - y * z
+        yf[:, 0] = y
+        total = float(sp.sum(dtype=np.float64)) - float(np.vdot(yf, z))
+        if delta:  # sigmoid(z) - y, with sigmoid(z) = exp(z - softplus(z)) (no overflow)
+            np.subtract(z, sp, out=z)
+            np.exp(z, out=z)
+            z -= yf
+        return total
+    np.subtract(z, y.reshape(z.shape), out=z)  # residuals = d(sum)/dz
+    return 0.5 * float(np.vdot(z, z))
+
+
+def backward(
+    layers: Layers,
+    grads: Layers,
+    X: np.ndarray,
+    ws: Workspace,
+    delta: np.ndarray,
+    activation: str,
+) -> None:
+    """Back-propagate ``delta`` (dLoss/dlogits) into the gradient views ``grads``.
+
+    Overwrites the hidden activations in ``ws`` (they become derivatives).
+    """
+    n = X.shape[0]
+    for i in range(len(layers) - 1, -1, -1):
+        a_prev = X if i == 0 else ws.acts[i - 1][:n]
+        np.dot(a_prev.T, delta, out=grads[i][0])
+        np.sum(delta, axis=0, out=grads[i][1])
+        if i == 0:
+            return
+        d_prev = ws.deltas[i - 1][:n]
+        np.dot(delta, layers[i][0].T, out=d_prev)
+        times_derivative(d_prev, a_prev, activation)  # a_prev is not needed any more
+        delta = d_prev
+
+
+def penalty(
+    layers: Layers,
+    l2: float,
+    grads: Layers | None = None,
+    ws: Workspace | None = None,
+    scale: float = 1.0,
+) -> float:
+    """``0.5 * l2 * sum(W**2)`` over the weight matrices (not biases); with ``grads`` (and the
+    ``ws`` whose scratch it uses), also add ``scale * l2 * W`` to the weight gradients."""
+    if l2 == 0:
+        return 0.0
+    total = 0.0
+    for (W, _), (gW, _) in zip(layers, grads or layers, strict=True):
+        total += float(np.vdot(W, W))
+        if grads is not None:
+            tmp = np.multiply(W, l2 * scale, out=ws.scratch[: W.size].reshape(W.shape))
+            np.add(gW, tmp, out=gW)
+    return 0.5 * l2 * total

@@ -1,0 +1,138 @@
+"""Checks of user input for the models: constructor arguments, features, labels and targets.
+
+Every model validates user data once, through :meth:`~downpour_dask.core.model.Model.check_data`,
+and its hot path (``loss_and_grad``) then trusts it.  The checks here turn bad input into a
+``TypeError`` or ``ValueError`` that names the argument, what is allowed and what was given, and
+convert good input to what the hot path expects: C-contiguous float32 features, int64 class
+labels, float32 regression targets.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .params import DTYPE
+
+_FINITE_BLOCK = 8192  # rows checked for NaN/inf at a time: no bool temporary the size of X
+
+
+def require_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int, or a TypeError/ValueError unless it is an int ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def require_l2(l2: Any) -> float:
+    """The L2 penalty strength as a float, or a TypeError/ValueError unless finite and >= 0."""
+    if isinstance(l2, bool) or not isinstance(l2, (int, float, np.integer, np.floating)):
+        raise TypeError(f"l2 must be a real number, got {type(l2).__name__} {l2!r}")
+    if not (math.isfinite(l2) and l2 >= 0):
+        raise ValueError(f"l2 must be a finite number >= 0, got {l2}")
+    return float(l2)
+
+
+def as_numeric(name: str, value: Any) -> np.ndarray:
+    """``value`` as an array of real numbers, or a TypeError/ValueError naming ``name``."""
+    try:
+        arr = np.asarray(value)
+    except ValueError as exc:  # ragged nested lists
+        raise ValueError(f"{name} must be a rectangular array of numbers; {exc}") from None
+    if arr.dtype.kind == "O":
+        try:
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{name} must contain real numbers, got Python objects that are not numbers"
+            ) from None
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} must contain real numbers (bool, int or float), got dtype {arr.dtype}"
+        )
+    return arr
+
+
+def as_float32(name: str, arr: np.ndarray) -> np.ndarray:
+    """C-contiguous float32 version of ``arr``; NaN/inf (also from overflow) rejected."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.ascontiguousarray(arr, dtype=DTYPE)
+    rows = out.reshape(out.shape[0], -1)
+    for lo in range(0, rows.shape[0], _FINITE_BLOCK):
+        if not np.isfinite(rows[lo : lo + _FINITE_BLOCK]).all():
+            bad = ~np.isfinite(rows)
+            raise ValueError(
+                f"{name} contains {int(bad.sum())} NaN or infinite value(s), first in row "
+                f"{int(np.argmax(bad.any(axis=1)))} (values beyond float32's ~3.4e38 count "
+                "too); remove or impute them"
+            )
+    return out
+
+
+def check_features(X: Any, n_inputs: int, model: str) -> np.ndarray:
+    """Features as C-contiguous float32 of shape (n_samples >= 1, n_inputs).
+
+    ``model`` names the model in the message when the width is wrong.
+    """
+    X = as_numeric("X", X)
+    if X.ndim != 2:
+        raise ValueError(
+            f"X must be a 2-D array of shape (n_samples, n_features), got a "
+            f"{X.ndim}-D array of shape {X.shape}; use X.reshape(1, -1) for "
+            "a single sample"
+        )
+    if X.shape[0] == 0:
+        raise ValueError(f"X is empty: got 0 samples (shape {X.shape}); at least 1 is needed")
+    if X.shape[1] != n_inputs:
+        raise ValueError(
+            f"X has {X.shape[1]} features, but {model} expects {n_inputs} features (n_inputs)"
+        )
+    return as_float32("X", X)
+
+
+def check_same_rows(X: np.ndarray, y: np.ndarray) -> None:
+    """Raise a ValueError unless ``y`` has one row per row of ``X``."""
+    if y.ndim == 0 or y.shape[0] != X.shape[0]:
+        got = "a scalar" if y.ndim == 0 else f"{y.shape[0]} rows"
+        raise ValueError(
+            f"X and y must have the same number of samples: X has {X.shape[0]} rows, y has {got}"
+        )
+
+
+def check_class_labels(y: np.ndarray, n_classes: int) -> np.ndarray:
+    """1-D integer labels in ``0..n_classes-1`` as int64 (integral floats are accepted)."""
+    k = n_classes
+    if y.ndim != 1:
+        raise ValueError(
+            f"y must be a 1-D array of class labels of shape (n_samples,), "
+            f"got shape {y.shape} (one-hot labels? pass y.argmax(axis=1))"
+        )
+    if y.dtype.kind == "f":
+        odd = ~np.isfinite(y) | (y != np.round(y))
+        if odd.any():
+            raise ValueError(
+                f"y must contain integer class labels 0..{k - 1}, got "
+                f"non-integer values {np.unique(y[odd])[:10].tolist()}"
+            )
+    bad = (y < 0) | (y >= k)
+    if bad.any():
+        vals = [int(v) for v in np.unique(y[bad])[:10]]
+        raise ValueError(
+            f"y contains labels {vals} outside the model's classes 0..{k - 1} (n_classes={k})"
+        )
+    return y.astype(np.int64)
+
+
+def check_regression_targets(y: np.ndarray, n_outputs: int, model: str) -> np.ndarray:
+    """Targets as float32 of shape (n,) for one output, else (n, n_outputs)."""
+    if y.shape[1:] != ((n_outputs,) if n_outputs > 1 else ()):
+        want = "(n_samples,)" if n_outputs == 1 else f"(n_samples, {n_outputs})"
+        raise ValueError(
+            f"y has shape {y.shape}, but {model} expects {n_outputs} "
+            f"target column(s) (n_outputs): shape {want}"
+        )
+    return as_float32("y", y)
