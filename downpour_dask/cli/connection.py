@@ -1,0 +1,81 @@
+"""How a command reaches an existing cluster: ``--scheduler``, ``--connect-timeout`` and the
+``--tls-*`` credentials, turned into a :class:`distributed.Client`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from distributed import Client, Security
+
+from .errors import UsageError, one_line
+
+#: The --tls-* flags, by the :class:`distributed.Security` argument each one gives.
+TLS_FLAGS = {
+    "tls_ca_file": "--tls-ca-file",
+    "tls_client_cert": "--tls-cert",
+    "tls_client_key": "--tls-key",
+}
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--connect-timeout`` and the TLS credentials to a command that takes --scheduler."""
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to try reaching --scheduler (default 30)",
+    )
+    group = parser.add_argument_group(
+        "TLS credentials for --scheduler (default: Dask's distributed.comm.tls configuration)"
+    )
+    group.add_argument("--tls-ca-file", metavar="PEM", help="certificate authority to trust")
+    group.add_argument("--tls-cert", metavar="PEM", help="this client's certificate")
+    group.add_argument("--tls-key", metavar="PEM", help="this client's private key")
+
+
+def tls_credentials_given(args: argparse.Namespace) -> bool:
+    """Whether any of --tls-ca-file, --tls-cert, --tls-key was given."""
+    return any(f is not None for f in (args.tls_ca_file, args.tls_cert, args.tls_key))
+
+
+def client_security(args: argparse.Namespace) -> Security | None:
+    """A ``distributed.Security`` from the --tls-* flags (``None`` if none was given).
+
+    Raises
+    ------
+    UsageError
+        If a file given does not exist, or the CA file or the certificate is missing.
+    """
+    given = {
+        "tls_ca_file": args.tls_ca_file,
+        "tls_client_cert": args.tls_cert,
+        "tls_client_key": args.tls_key,
+    }
+    if all(v is None for v in given.values()):
+        return None
+    for key, path in given.items():
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{TLS_FLAGS[key]} {path!r} is not a file")
+    if args.tls_ca_file is None or args.tls_cert is None:
+        raise UsageError("give --tls-ca-file and --tls-cert (and --tls-key unless in the cert)")
+    return Security(require_encryption=True, **{k: v for k, v in given.items() if v is not None})
+
+
+def connect(scheduler: str, args: argparse.Namespace) -> Client:
+    """A client of the scheduler at ``scheduler``, with the --tls-* credentials if given.
+
+    Raises
+    ------
+    ConnectionError
+        If the scheduler cannot be reached within ``--connect-timeout`` seconds.
+    """
+    security = client_security(args)
+    try:
+        return Client(scheduler, timeout=args.connect_timeout, security=security)
+    except (OSError, TimeoutError, ValueError, TypeError) as err:  # TypeError: TLS, no creds
+        raise ConnectionError(
+            f"cannot reach the Dask scheduler at {scheduler!r} within "
+            f"{args.connect_timeout:g} s ({one_line(err)})"
+        ) from None

@@ -1,0 +1,74 @@
+"""Run directories: written atomically when a job has finished, read back by :func:`load_run`.
+
+A run directory holds what :meth:`Experiment.save` writes (``config.json`` and the pushes, evals
+and events tables) plus ``params.npz`` (the trained flat parameter vector) and, when matplotlib
+is installed, ``accuracy_vs_time.png`` and ``loss_vs_time.png``.  While a Downpour job runs, its
+settings and checkpoints live in a partial directory next to it (:func:`partial_directory`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core import models
+from ..log import Experiment
+from ..report import plot_runs
+
+
+def partial_directory(target: str | os.PathLike[str]) -> Path:
+    """Where a job writing run directory ``target`` keeps its settings and checkpoints."""
+    target = Path(target)
+    return target.parent / f".{target.name}.partial"
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def save_run(
+    path: str | os.PathLike[str],
+    experiment: Experiment,
+    params: np.ndarray,
+    overwrite: bool = False,
+) -> Path:
+    """Write a complete run directory atomically: the experiment, ``params.npz`` and plots."""
+    target = Path(path)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"run directory {str(target)!r} exists")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        inner = experiment.save(staging / "run")
+        np.savez(inner / "params.npz", params=np.asarray(params))
+        _plot_run(experiment, inner)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(inner, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _plot_run(experiment: Experiment, directory: Path) -> None:
+    try:
+        plot_runs({"run": experiment}, directory, which=("accuracy", "loss"))
+    except ImportError:  # matplotlib is optional (the "plot" extra)
+        pass
+
+
+def load_run(path: str | os.PathLike[str]) -> tuple[Experiment, models.Model, np.ndarray]:
+    """Read a run directory back: its experiment, its model and the trained parameters."""
+    experiment = Experiment.load(path)
+    with np.load(Path(path) / "params.npz", allow_pickle=False) as f:
+        params = f["params"]
+    return experiment, models.from_config(experiment.config["model"]), params

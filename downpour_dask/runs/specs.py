@@ -1,0 +1,94 @@
+"""Datasets and models from their names: ``--dataset mnist5k`` (or a path), ``--model mlp:128``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core import models
+from ..data import datasets
+
+
+def load_dataset(spec: str, eval_spec: str | None = None) -> tuple[Any, Any]:
+    """Resolve ``--dataset`` (and ``--eval-dataset``) to ``(train, test)``.
+
+    Parameters
+    ----------
+    spec : str
+        The name of a shipped dataset (see :func:`downpour_dask.datasets.available`; its test
+        split becomes the evaluation data) or a path: a parquet file, a directory or glob of
+        parquet files, or a ``.csv`` file, with the label in a column named ``label``.  Files
+        are streamed by the replicas, never loaded here.
+    eval_spec : str, optional
+        Evaluation data as a path of the same kinds (read into memory), or a shipped name (its
+        test split).  For a path ``spec`` without it, the run is not evaluated.
+    """
+    if spec in datasets.available():
+        train, test = datasets.load(spec)
+    else:
+        train, test = _from_path(spec, "dataset"), None
+    if eval_spec is not None:
+        if eval_spec in datasets.available():
+            test = datasets.load(eval_spec)[1]
+        else:
+            test = _from_path(eval_spec, "eval_dataset").to_dataset()
+    return train, test
+
+
+def _from_path(spec: str, what: str) -> Any:
+    looks_like_glob = any(c in spec for c in "*?[")
+    if not looks_like_glob and not Path(spec).exists():
+        raise ValueError(
+            f"{what} {spec!r} is neither a shipped dataset ({', '.join(datasets.available())}) "
+            f"nor an existing file or directory"
+        )
+    if spec.endswith(".csv"):
+        return datasets.from_csv(spec, label="label")
+    return datasets.from_parquet(spec, label="label")  # a file, a directory or a glob
+
+
+def make_model(spec: str, n_features: int, n_classes: int | None) -> models.Model:
+    """Build a model from ``mlp:128,64``, ``mlp``, ``softmax``, ``logistic`` or ``linear``.
+
+    ``n_classes`` is the number of class labels in the training data (``None`` for a regression
+    target); it sets the output width of ``mlp`` and ``softmax``.
+    """
+    kind, _, arg = spec.partition(":")
+    allowed = "mlp:H1,H2,... (hidden layer widths), mlp, softmax, logistic or linear"
+    if kind == "mlp":
+        try:
+            hidden = tuple(int(h) for h in arg.split(",")) if arg else (128,)
+        except ValueError:
+            raise ValueError(f"model {spec!r}: hidden widths must be integers; {allowed}") from None
+        if any(h < 1 for h in hidden):
+            raise ValueError(f"model {spec!r}: hidden widths must be >= 1")
+        return models.MLP(n_features, hidden, _classes(spec, n_classes))
+    if arg:
+        raise ValueError(f"model {spec!r}: only mlp takes arguments; {allowed}")
+    if kind == "softmax":
+        return models.SoftmaxRegression(n_features, _classes(spec, n_classes))
+    if kind == "logistic":
+        if n_classes != 2:
+            raise ValueError(f"model 'logistic' needs labels 0/1, the data has {n_classes} classes")
+        return models.LogisticRegression(n_features)
+    if kind == "linear":
+        return models.LinearRegression(n_features)
+    raise ValueError(f"unknown model {spec!r}; allowed: {allowed}")
+
+
+def _classes(spec: str, n_classes: int | None) -> int:
+    if n_classes is None or n_classes < 2:
+        raise ValueError(f"model {spec!r} is a classifier, but the labels are not classes 0..K-1")
+    return n_classes
+
+
+def describe_labels(train: Any) -> tuple[int, int | None]:
+    """Number of features and of classes (``None`` if the labels are not class indices)."""
+    n_classes = getattr(train, "n_classes", None)
+    if n_classes is None and hasattr(train, "y"):
+        y = np.asarray(train.y)
+        integral = y.ndim == 1 and len(y) and np.all(np.equal(np.mod(y, 1), 0)) and y.min() >= 0
+        n_classes = int(y.max()) + 1 if integral else None
+    return int(train.n_features), n_classes
