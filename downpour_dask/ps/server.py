@@ -19,9 +19,9 @@ from distributed import Actor, Client, Future
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE, split_range
 from ..runtime.cluster import cluster_workers
-from .protocol import ShardLostError
+from ..runtime.dask_internals import actor_handle
+from .protocol import PushReply, ShardLostError, is_shard_lost
 from .shard import ParameterServerShard
-from .wire import PushReply
 
 
 class ActorRef(NamedTuple):
@@ -40,7 +40,7 @@ class ActorRef(NamedTuple):
 
     def open(self) -> Actor:
         """An actor handle (call it from the task that uses it, on a worker)."""
-        return Actor(self.cls, self.address, self.key)
+        return actor_handle(self.cls, self.address, self.key)
 
 
 def refer(actor: Any, cls: type, address: str) -> ActorRef:
@@ -198,13 +198,19 @@ class ParameterServer:
     def call_all(
         self, method: str, *args: Any, timeout: float, per_shard: list[tuple] | None = None
     ) -> list:
-        """Call ``method`` on every shard at once (with ``per_shard[i]`` as shard i's arguments,
-        if given) and wait for all the replies.
+        """Call actor method ``method`` on every shard at once (with ``per_shard[i]`` as shard
+        i's arguments, if given) and wait for all the replies.
+
+        The estimators' own shard classes (e.g. Sandblaster's) call their methods through this;
+        the methods every shard has are typed methods of this view (:meth:`pull`,
+        :meth:`export_state`, :meth:`status`...).
 
         Raises
         ------
-        RuntimeError
-            Naming the shard and its worker, if a shard is lost or does not answer in time.
+        ShardLostError
+            Naming the shard and its worker, if a shard is lost or does not answer in time
+            (see :func:`~downpour_dask.ps.protocol.is_shard_lost`); any other error a shard
+            method raises (a bug, bad arguments) is raised as it is.
         """
         calls, replies = [], []
         try:
@@ -213,12 +219,41 @@ class ParameterServer:
             for i, call in enumerate(calls):  # noqa: B007 (``i`` names a shard that fails)
                 replies.append(self._reply(i, call, timeout))
             return replies
-        except (RuntimeError, OSError, TimeoutError) as err:
-            raise ShardLostError(
-                f"parameter-server shard {i} on worker {self.workers[i]} was lost or did not "
-                f"answer {method}() within {timeout} s: {err}",
-                i,
-            ) from err
+        except Exception as err:
+            if is_shard_lost(err):
+                raise self._lost(i, method, timeout, err) from err
+            raise
+
+    def _lost(self, i: int, method: str, timeout: float, error: Exception) -> ShardLostError:
+        """The error for shard ``i`` lost during ``method``: naming the shard and its worker."""
+        return ShardLostError(
+            f"parameter-server shard {i} on worker {self.workers[i]} was lost or did not "
+            f"answer {method}() within {timeout} s: {error}",
+            i,
+        )
+
+    def lost_shards(self, timeout: float = 10.0) -> list[int]:
+        """The shards that are lost: those whose version cannot be read within ``timeout``
+        seconds (all asked at once), in order."""
+        calls: list[Any] = []
+        for shard in self.shards:
+            try:
+                calls.append(shard.current_version())
+            except Exception as err:  # a lost actor's handle raises at once
+                if not is_shard_lost(err):
+                    raise
+                calls.append(None)
+        lost = []
+        for i, call in enumerate(calls):
+            try:
+                if call is not None:
+                    self._reply(i, call, timeout)
+                    continue
+            except Exception as err:
+                if not is_shard_lost(err):
+                    raise
+            lost.append(i)
+        return lost
 
     def replace_shard(
         self,
@@ -275,7 +310,7 @@ class ParameterServer:
                     raise
                 status = self._futures[i].status if i < len(self._futures) else "finished"
                 if status != "finished":
-                    raise RuntimeError(f"the actor's task is {status}") from None
+                    raise ShardLostError(f"the actor's task is {status}", i) from None
 
     def pull(self, timeout: float = 60.0) -> tuple[np.ndarray, list[int]]:
         """The full parameter vector assembled from every shard, and each shard's version."""
@@ -314,6 +349,15 @@ class ParameterServer:
     def request_stop(self, timeout: float = 60.0) -> None:
         """Tell every shard to report the stop flag to replicas."""
         self.call_all("request_stop", timeout=timeout)
+
+    def shard_status(self, i: int, timeout: float = 60.0) -> dict[str, Any]:
+        """Shard ``i``'s counters, as one row of :meth:`status` (without ``worker``)."""
+        try:
+            return self._reply(i, self.shards[i].status(), timeout)
+        except Exception as err:
+            if is_shard_lost(err):
+                raise self._lost(i, "status", timeout, err) from err
+            raise
 
     def status(self, timeout: float = 60.0) -> pd.DataFrame:
         """One row per shard: range, worker, version, accepted/refused pushes, staleness."""

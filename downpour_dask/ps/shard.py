@@ -35,7 +35,8 @@ from distributed import get_worker
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
 from ..runtime.malloc import tune_malloc
-from .wire import PullReply, PushReply, serve
+from .protocol import PullReply, PushReply
+from .wire import serve
 
 
 class _SeqTracker:
@@ -106,7 +107,7 @@ class ParameterServerShard:
             raise ValueError(
                 f"shard {shard_id}: values has shape {values.shape}, expected {(stop - start,)}"
             )
-        tune_malloc()  # this runs on the shard's worker: see _malloc.py for why
+        tune_malloc()  # this runs on the shard's worker: see runtime/malloc.py for why
         self.shard_id, self.start, self.stop = shard_id, start, stop
         self.values = np.array(values, dtype=DTYPE, copy=True)
         self.rule = rule

@@ -14,6 +14,8 @@ from typing import Any
 
 from distributed import Client, LocalCluster, Security
 
+from .dask_internals import scheduler_workers
+
 
 def check_security(value: Any) -> None:
     """Raise TypeError unless ``value`` is None, True or a ``distributed.Security``, and a clear
@@ -81,6 +83,7 @@ def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
     ``Client.scheduler_info(n_workers=-1)`` returns the client's cached identity, which the
     client's own periodic refresh may replace at any moment with a summary *without* per-worker
     entries (distributed 2026.8).  Under load it sometimes reported no workers at all, and a
-    healthy run then looked as if every worker had left.  So ask the scheduler directly.
+    healthy run then looked as if every worker had left.  So ask the scheduler directly
+    (:func:`~downpour_dask.runtime.dask_internals.scheduler_workers`).
     """
-    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    return scheduler_workers(client)

@@ -1,0 +1,86 @@
+"""Every use of Dask's private API in the package, in one place.
+
+Each function below relies on something ``distributed`` does not promise to keep: an attribute
+of an object, the signature of a constructor not meant to be called directly, a private
+method.  Each says what it relies on, the ``distributed`` versions it was checked against, and
+what it falls back to -- or that it fails loudly -- when Dask changes.  ``tests/
+test_dask_internals.py`` runs every one of them on the installed ``distributed``: when that test
+fails after an upgrade, this is the only module to fix.
+
+Outside this module the package also relies on the *wording* of one Dask error, "Worker holding
+Actor was lost" (see :data:`downpour_dask.ps.protocol.LOST_ACTOR`, which stays free of Dask
+imports); the same test pins it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import Actor, Client, get_worker
+
+
+def actor_result(call: Any, timeout: float | None) -> Any:
+    """The result of an actor call, read straight from the future once it has arrived.
+
+    ``ActorFuture.result()`` always hands a coroutine to the event loop of the worker (or
+    client) and blocks until the loop runs it, even for a finished call: inside a busy worker,
+    a few such hand-offs per step cost more than the gradient itself.
+
+    Relies on ``distributed.actor.ActorFuture`` keeping a finished call's outcome in ``_out``,
+    an object whose ``unwrap()`` returns the value or raises the call's exception (checked:
+    distributed 2024.x to 2026.8).  Falls back to the public ``call.result(timeout)`` for a call
+    not finished yet, and for any future without such an attribute (a changed Dask, or a call
+    that is not an ``ActorFuture``).
+    """
+    out = getattr(call, "_out", None) if call.done() else None
+    if out is not None and hasattr(out, "unwrap"):
+        return out.unwrap()  # raises the call's exception, as result() would
+    return call.result(timeout=timeout)
+
+
+def local_actor(key: str) -> Any | None:
+    """The object of actor ``key`` if it lives in this worker process, else None.
+
+    A task on the actor's own worker can then call it directly, without the serialisation and
+    the loopback round trip of an actor message.
+
+    Relies on ``Worker.state.actors``, a dict of actor key -> object (checked: distributed
+    2024.x to 2026.8).  Falls back to None -- the caller then uses ordinary actor calls -- when
+    not running on a worker or when the worker no longer exposes that dict.
+    """
+    try:
+        actors = get_worker().state.actors
+    except (ValueError, AttributeError):
+        return None
+    return actors.get(key) if isinstance(actors, dict) else None
+
+
+def actor_handle(cls: type, address: str, key: str) -> Actor:
+    """A handle to the actor ``key`` of class ``cls`` living on the worker at ``address``.
+
+    Lets a task reach an actor from a plain (class, address, key) triple instead of receiving
+    a handle in its arguments (see :class:`downpour_dask.ps.server.ActorRef` for why).
+
+    Relies on the constructor ``distributed.Actor(cls, address, key)``, which Dask itself uses
+    to unpickle handles (``Actor.__reduce__``) but does not document for users (checked:
+    distributed 2024.x to 2026.8).  No fallback: a changed signature fails here, loudly.
+    """
+    return Actor(cls, address, key)
+
+
+def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
+    """The cluster's current workers (address -> info such as ``nthreads``), asked afresh.
+
+    The public ``Client.scheduler_info(n_workers=-1)`` returns the client's cached identity,
+    which the client's own periodic refresh may replace at any moment with a summary *without*
+    per-worker entries (distributed 2026.8): under load it sometimes reported no workers at all.
+
+    Relies on ``client.scheduler`` (the client's rpc to the scheduler), its ``identity``
+    handler taking ``n_workers`` and ``Client.sync`` (checked: distributed 2024.x to 2026.8).
+    Falls back to the public ``scheduler_info(n_workers=-1)`` if that call's shape changed.
+    """
+    try:
+        identity = client.sync(client.scheduler.identity, n_workers=-1)
+        return dict(identity["workers"])
+    except (AttributeError, TypeError, KeyError):
+        return dict(client.scheduler_info(n_workers=-1).get("workers", {}))
