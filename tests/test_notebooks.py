@@ -13,6 +13,7 @@ def test_the_notebooks_are_there():
     assert [p.name for p in NOTEBOOKS] == ["01-quickstart.ipynb", "02-paper-comparison.ipynb"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
