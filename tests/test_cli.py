@@ -1,4 +1,5 @@
-"""The ``downpour-dask`` command end to end, run as a user runs it: a subprocess."""
+"""The ``downpour-dask`` command: end to end as a user runs it (a subprocess; slow), and its
+parser in-process."""
 
 import json
 import socket
@@ -26,6 +27,7 @@ def config_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "config.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_train_writes_a_complete_run_directory(tmp_path):
     done = run_cli("train", *SMALL, "--out", str(tmp_path), "--name", "small", "--seed", "3")
@@ -53,6 +55,7 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     assert len(experiment.pushes) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_config_file_sets_arguments_and_flags_override_it(tmp_path):
     config = tmp_path / "run.toml"
@@ -72,6 +75,7 @@ def test_config_file_sets_arguments_and_flags_override_it(tmp_path):
     assert settings["model"]["type"] == "SoftmaxRegression"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_scheduler_flag_trains_on_an_existing_cluster(tmp_path, cluster, client):
     done = run_cli(
@@ -89,6 +93,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "args, message",
@@ -118,6 +123,7 @@ def test_bad_input_is_one_line_a_nonzero_status_and_no_run_directory(tmp_path, a
     assert not out.exists() or not any(out.iterdir())  # no temporary leftovers either
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_partitions_flag_splits_every_replica_over_two_workers(tmp_path, cluster):
     done = run_cli(
@@ -133,6 +139,7 @@ def test_partitions_flag_splits_every_replica_over_two_workers(tmp_path, cluster
     assert model.score(params, test.X, test.y) > 0.6
 
 
+@pytest.mark.slow
 def test_an_existing_run_directory_is_not_overwritten(tmp_path):
     (tmp_path / "taken").mkdir()
     done = run_cli("train", *SMALL, "--out", str(tmp_path), "--name", "taken")
@@ -140,6 +147,7 @@ def test_an_existing_run_directory_is_not_overwritten(tmp_path):
     assert "run directory" in done.stderr and "exists" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_synthetic_writes_files_that_train_streams(tmp_path):
     data = tmp_path / "big"
@@ -160,10 +168,16 @@ def test_synthetic_writes_files_that_train_streams(tmp_path):
     assert data_info["kind"] == "parquet" and data_info["rows"] == 6000
 
 
+def train_parser():
+    return cli.build_parser()._subparsers._group_actions[0].choices["train"]
+
+
+def flag_help(dest: str) -> str:
+    return next(action.help for action in train_parser()._actions if action.dest == dest)
+
+
 def test_every_estimator_argument_has_a_flag():
-    parser = cli.build_parser()
-    train = parser._subparsers._group_actions[0].choices["train"]
-    dests = {action.dest for action in train._actions}
+    dests = {action.dest for action in train_parser()._actions}
     # Deliberately flag-less: ``security`` (a distributed.Security object, not a scalar) is set
     # by --tls (embedded TLS-only cluster) or given to the client by --tls-ca-file/-cert/-key.
     assert set(cli.FLAGLESS_ARGUMENTS) == {"security"}
@@ -173,6 +187,7 @@ def test_every_estimator_argument_has_a_flag():
         assert missing == set(cli.FLAGLESS_ARGUMENTS), f"{algorithm} arguments without a flag"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_report_on_two_runs_writes_the_table_and_plots(tmp_path, client):
     for name, replicas in (("one", 1), ("two", 2)):
@@ -197,17 +212,20 @@ def test_report_on_two_runs_writes_the_table_and_plots(tmp_path, client):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_report_names_a_directory_that_is_not_a_run(tmp_path):
     done = run_cli("report", str(tmp_path))
     assert done.returncode == 2
     assert "is not a run directory: missing config.json" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sandblaster_from_the_command_line(tmp_path):
     done = run_cli(
         "train", "--algorithm", "sandblaster", "--dataset", "digits", "--model", "softmax",
-        "--max-iter", "15", "--eval-every", "5", "--out", str(tmp_path), "--name", "sb", "--quiet",
+        "--max-iter", "15", "--eval-every-iter", "5", "--out", str(tmp_path), "--name", "sb",
+        "--quiet",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "L-BFGS iterations" in done.stdout
@@ -218,3 +236,53 @@ def test_sandblaster_from_the_command_line(tmp_path):
         "train", "--algorithm", "sandblaster", "--n-replicas", "4", "--out", str(tmp_path)
     )
     assert bad.returncode == 2 and "unknown setting(s) n_replicas" in bad.stderr
+
+
+def test_each_evaluation_interval_flag_states_its_own_algorithm_and_unit():
+    seconds, iterations = flag_help("eval_every"), flag_help("eval_every_iter")
+    assert seconds.startswith("[downpour] Seconds between evaluations")
+    assert "[sandblaster]" not in seconds and "iteration" not in seconds
+    assert iterations.startswith("[sandblaster]") and "iterations" in iterations
+    assert "[downpour]" not in iterations and "econds" not in iterations
+
+
+def test_an_argument_both_algorithms_describe_differently_shows_each_description():
+    text = flag_help("batch_size")
+    assert text.startswith("[downpour] Minibatch size of each replica step (default 32).")
+    assert "[sandblaster] Rows per batch" in text and text.endswith("(default None).")
+    assert flag_help("n_replicas") == (
+        "[downpour] Model replicas; each trains on its own 1/n_replicas of the data (default 4)"
+    )
+
+
+@pytest.mark.parametrize(
+    "algorithm, given, message",
+    [
+        ("sandblaster", "--eval-every",
+         "--eval-every is downpour's evaluation interval (seconds); "
+         "for algorithm sandblaster use --eval-every-iter (iterations)"),
+        ("downpour", "--eval-every-iter",
+         "--eval-every-iter is sandblaster's evaluation interval (iterations); "
+         "for algorithm downpour use --eval-every (seconds)"),
+    ],
+)  # fmt: skip
+def test_the_other_algorithms_evaluation_interval_is_one_line_naming_the_flag_to_use(
+    tmp_path, capsys, algorithm, given, message
+):
+    status = cli.main(
+        ["train", "--algorithm", algorithm, given, "5", *SMALL[:2], "--out", str(tmp_path)]
+    )
+    assert status == 2
+    assert capsys.readouterr().err == f"downpour-dask train: error: {message}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_file_with_the_other_algorithms_interval_names_the_setting_to_use(
+    tmp_path, capsys
+):
+    config = tmp_path / "sb.toml"
+    config.write_text('algorithm = "sandblaster"\ndataset = "digits"\neval_every = 2\n')
+    assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "runs")]) == 2
+    error = capsys.readouterr().err
+    assert error.endswith("for algorithm sandblaster use eval_every_iter (iterations)\n")
+    assert not (tmp_path / "runs").exists()

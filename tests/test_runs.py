@@ -43,6 +43,11 @@ def test_bad_model_specs_say_what_is_allowed(spec, n_classes, message):
         ({"batch_size": 0}, ValueError, "batch_size"),
         ({"name": "../escape"}, ValueError, "plain directory name"),
         ({"dataset": "nowhere/*.parquet"}, (ValueError, FileNotFoundError), "nowhere"),
+        (
+            {"algorithm": "sandblaster", "eval_every": 2},
+            ValueError,
+            "eval_every is downpour's evaluation interval.*use eval_every_iter",
+        ),
     ],
 )
 def test_prepare_rejects_bad_settings_before_writing_anything(tmp_path, settings, error, message):
