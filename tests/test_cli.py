@@ -241,9 +241,9 @@ def test_sandblaster_from_the_command_line(tmp_path):
 def test_each_evaluation_interval_flag_states_its_own_algorithm_and_unit():
     seconds, iterations = flag_help("eval_every"), flag_help("eval_every_iter")
     assert seconds.startswith("[downpour] Seconds between evaluations")
-    assert "[sandblaster]" not in seconds and "iteration" not in seconds
-    assert iterations.startswith("[sandblaster]") and "iterations" in iterations
-    assert "[downpour]" not in iterations and "econds" not in iterations
+    assert "[sandblaster]" not in seconds  # one algorithm's flag, one meaning
+    assert iterations.startswith("[sandblaster]")
+    assert "iterations" in iterations.split(";")[0] and "[downpour]" not in iterations
 
 
 def test_an_argument_both_algorithms_describe_differently_shows_each_description():
