@@ -1,0 +1,380 @@
+"""The Downpour replica loop -- the paper's ``DownpourSGDClient`` -- over one channel per shard.
+
+The loop follows the paper's pseudo-code::
+
+    step = 0; accrued = 0
+    loop:
+        if step % n_fetch == 0: start fetching parameters asynchronously
+        g = gradient(parameters, next minibatch)
+        accrued += g
+        parameters -= alpha * g                 # local update between fetches
+        if (step + 1) % n_push == 0: start pushing accrued asynchronously; accrued = 0
+        step += 1
+
+(The paper tests ``step % n_push``; pushing at the *end* of each n_push-step cycle instead makes
+every push carry exactly n_push steps of gradient and puts it right before the next fetch.)
+
+Fetches and pushes travel while this thread keeps computing -- the paper's three weakly
+synchronised activities.  Replies are checked without blocking at the top of every step; the
+only waits are the very first fetch, the warmstart gate and a back-pressure wait when
+``max_inflight`` pushes are still unacknowledged.  A push followed by a due fetch goes as one
+``exchange`` per shard (and that is the step's fetch: none follows it).  A fetched slice is
+installed with the replica's own pushes it lacks re-applied (:mod:`.pushes`), so with one
+replica, plain SGD and ``alpha`` equal to the server's rate Downpour equals serial SGD whatever
+the timing; with ``local_learning_rate=0`` it is the paper's plain overwrite.
+
+The loop knows shards only through :class:`~downpour_dask.ps.protocol.ShardChannel` and writes
+what must outlive it through a :class:`ReplicaSink`; it imports no Dask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..core.models import Model
+from ..core.params import DTYPE
+from ..log import PushRow
+from ..ps.protocol import PullReply, ShardChannel, ShardLostError
+from .pushes import Push, PushLedger
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Settings of one replica's loop (see :class:`~downpour_dask.DownpourSGD` for meanings)."""
+
+    replica: int
+    batch_size: int
+    n_fetch: int
+    n_push: int
+    local_learning_rate: float
+    seed: int
+    t0: float  # wall-clock time at which fit started; log times are relative to it
+    max_epochs: int | None = None
+    max_steps: int | None = None
+    max_inflight: int = 4
+    timeout: float = 120.0
+    run: str = ""  # the fit's token: names the shard variables (see shard_variable)
+    start_step: int = 0  # a restarted replica skips the batches it already trained on
+    topic: str = ""  # a published run's event topic: the replica logs its metrics there
+    partition: int = 0  # which partition of a model-parallel replica this loop runs
+    transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
+    start_after_version: int = 0  # wait for replica 0's warmstart: every shard's version
+
+
+def gradient_scale(model: Model, alpha: float) -> float:
+    """What a replica asks ``model.loss_and_grad`` to multiply its gradient by: ``alpha``, so
+    that the local step ``params -= alpha * g`` is one pass with no scratch pass, or 1.
+
+    1 when ``alpha`` is 0 (no local step), when the model's ``loss_and_grad`` takes no
+    ``scale=`` (a user's subclass may override it without), and when ``alpha`` is so far outside
+    any learning rate's range that the scaled float32 gradient could under- or overflow before
+    the push divides it back out.
+    """
+    if not 1e-10 <= alpha <= 1e10:
+        return 1.0
+    try:
+        takes_scale = "scale" in inspect.signature(model.loss_and_grad).parameters
+    except (TypeError, ValueError):
+        takes_scale = False
+    return float(alpha) if takes_scale else 1.0
+
+
+class ReplicaSink(Protocol):
+    """Where a replica leaves what must outlive it (the worker's registry, in a Dask task)."""
+
+    def keep_row(self, row: PushRow) -> None:
+        """Record one acknowledged push for the run's push log."""
+        ...
+
+    def keep_fetched(self, shard: int, key: str, version: int, values: np.ndarray) -> bool:
+        """Offer shard ``shard``'s fetched ``values`` (from actor ``key``) as a copy the driver
+        may restore it from; True if kept (the caller then leaves ``values`` untouched)."""
+        ...
+
+
+class ReplicaLoop:
+    """One replica: local parameters, gradient accrual, fetches and pushes over ``channels``.
+
+    Parameters
+    ----------
+    channels : list of ShardChannel
+        One per shard, in order.
+    ranges : list of (start, stop)
+        The part of the flat parameter vector each shard owns.
+    model : Model
+    config : ReplicaConfig
+    sink : ReplicaSink
+    """
+
+    #: Seconds between looks at the shard while waiting for the warmstart.
+    WARMSTART_POLL = 0.002
+
+    def __init__(
+        self,
+        channels: list[ShardChannel],
+        ranges: list[tuple[int, int]],
+        model: Model,
+        config: ReplicaConfig,
+        sink: ReplicaSink,
+    ):
+        self.channels, self.ranges, self.model = channels, ranges, model
+        self.cfg, self.sink = config, sink
+        n, size = len(channels), ranges[-1][1]
+        self.params = np.empty(size, dtype=DTYPE)
+        self.grad = np.empty(size, dtype=DTYPE)
+        self.scratch = np.empty(size, dtype=DTYPE)
+        self.ledger = PushLedger(size)
+        # Gradients are computed times ``scale`` and accrued so until pushed; ``rate`` turns them
+        # into a local step.
+        self.scale = gradient_scale(model, config.local_learning_rate)
+        self.rate = config.local_learning_rate / self.scale
+        self.grad_kw = {"scale": self.scale} if self.scale != 1.0 else {}  # none: any model
+        self.accrued = self.ledger.buffer()
+        self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
+        self.base_versions = [0] * n  # versions the accrued gradient started from
+        self.versions = [0] * n  # effective version of each local slice
+        self.pulls: list[Any] = [None] * n  # the fetch in flight from each shard
+        self.pull_sent = [0.0] * n
+        self.held: list[np.ndarray | None] = [None] * n  # fetched values the sink kept
+        self.stop = False
+        self.rows: list[PushRow] = []
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self, source: Any) -> dict[str, Any]:
+        """Train on ``source``'s epochs until the epochs/steps run out or a shard reports stop.
+
+        ``source.epoch(rng)`` yields one epoch of ``(X, y)`` minibatches (in-memory arrays or
+        shards streamed from files or Dask partitions, see :mod:`downpour_dask.data.stream`).
+        """
+        self._await_warmstart()
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.seed, cfg.replica])
+        self._start_fetches()
+        for s in range(len(self.channels)):  # the first fetch must arrive before step 0
+            while self.pulls[s] is not None:
+                self._take_pull(s, wait=True)
+        step, epochs = 0, 0
+        fetched = False  # whether the last push also fetched (an exchange): no fetch needed now
+        while not self._done(step, epochs):
+            with contextlib.closing(source.epoch(rng)) as batches:  # leaving early stops a reader
+                for Xb, yb in batches:
+                    if self._done(step, epochs):
+                        break
+                    if step < cfg.start_step:  # a restarted replica: these were trained on
+                        step += 1
+                        continue
+                    self._poll()
+                    if step % cfg.n_fetch == 0 and step > 0 and not fetched:
+                        self._start_fetches()
+                    fetched = False
+                    # The first step of an accrual writes straight into the accrual buffer: every
+                    # pass over the parameter vector costs about 1% here.
+                    first = self.accrual_steps == 0
+                    if first:
+                        self.base_versions = list(self.versions)
+                    out = self.accrued if first else self.grad
+                    loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=out, **self.grad_kw)
+                    if not first:
+                        self.accrued += g
+                    if np.isfinite(loss):  # a diverged step is not applied locally; the shard
+                        self._descend(self.params, g, self.scratch)  # refuses its push
+                    self.accrual_steps += 1
+                    self.accrual_loss += float(loss)
+                    self.accrual_examples += len(Xb)
+                    if (step + 1) % cfg.n_push == 0:  # with the next step's fetch, if due
+                        fetched = (step + 1) % cfg.n_fetch == 0
+                        self._push(step, fetch=fetched)
+                    step += 1
+                else:
+                    epochs += 1
+        if self.accrual_steps:
+            self._push(step - 1)
+        for p in self.ledger.unacknowledged():
+            self._ack(p, wait=True)
+        return {
+            "replica": cfg.replica,
+            "partition": cfg.partition,
+            "steps": step,
+            "epochs": epochs,
+            "pushes": self.rows,
+            "lost_pushes": self.ledger.lost,
+            "sessions": [channel.session for channel in self.channels],
+            "transports": [channel.transport for channel in self.channels],
+        }
+
+    def _done(self, step: int, epochs: int) -> bool:
+        return self.stop or self._limit_reached(step, epochs)
+
+    def _limit_reached(self, step: int, epochs: int) -> bool:
+        cfg = self.cfg
+        return (cfg.max_steps is not None and step >= cfg.max_steps) or (
+            cfg.max_epochs is not None and epochs >= cfg.max_epochs
+        )
+
+    def _await_warmstart(self) -> None:
+        """Wait until replica 0 has pushed the warmstart (every shard's version reaches
+        ``start_after_version``: its pushes reach the shards at different moments), the driver
+        releases the wait or the run stops.
+
+        The driver starts every replica together, so the others' start-up (their data, their
+        connections) overlaps the warmstart, and they begin within a poll of its end instead of
+        after the driver noticed it and submitted them.
+        """
+        target = self.cfg.start_after_version
+        s = 0
+        while target > 0 and s < len(self.channels):  # versions only grow: one shard at a time
+            channel = self.channels[s]
+            key, sent = channel.key, time.monotonic()
+            try:
+                version, stopped, released = channel.wait(channel.poll_warmstart(), key, sent)
+            except ShardLostError as err:
+                self._switch(s, key, err)  # waits for the shard's replacement
+                continue
+            if stopped or released:
+                return
+            if version >= target:
+                s += 1
+            else:
+                time.sleep(self.WARMSTART_POLL)
+
+    # -- fetching --------------------------------------------------------------------------------
+    def _start_fetches(self) -> None:
+        for s in range(len(self.channels)):
+            self._start_fetch(s)
+
+    def _start_fetch(self, s: int) -> None:
+        """Fetch shard ``s`` unless a fetch is in flight (it will be fresh enough); an
+        in-process shard's fetch is complete at once, so a fresher one replaces it."""
+        channel = self.channels[s]
+        if channel.in_process or self.pulls[s] is None:
+            self.pulls[s] = channel.pull(self.held[s])
+            self.pull_sent[s] = time.monotonic()
+
+    def _take_pull(self, s: int, wait: bool = False) -> None:
+        """Install shard ``s``'s fetch if it arrived (or ``wait`` for it); if the shard was lost,
+        switch to its replacement and fetch again."""
+        call = self.pulls[s]
+        if call is None:
+            return
+        channel = self.channels[s]
+        key, sent = channel.key, self.pull_sent[s]
+        if not (wait or call.done() or channel.replaced(key, sent)):
+            return
+        try:
+            reply = channel.wait(call, key, sent)
+        except ShardLostError as err:
+            self.pulls[s] = None
+            self._switch(s, key, err)
+            self._start_fetch(s)
+            return
+        self._install(s, reply)
+
+    def _install(self, s: int, reply: PullReply) -> None:
+        """Overwrite slice ``s`` of the local copy with fetched values plus own missing updates."""
+        self.pulls[s] = None
+        channel = self.channels[s]
+        if not channel.in_process and self.sink.keep_fetched(
+            channel.shard, channel.key, reply.version, reply.values
+        ):  # an in-process shard's copy would die with it
+            self.held[s] = reply.values
+        lo, hi = self.ranges[s]
+        local, scratch = self.params[lo:hi], self.scratch[lo:hi]
+        local[...] = reply.values
+        alpha = self.cfg.local_learning_rate
+        replayed = self.ledger.replay(s, channel, reply, local, (lo, hi), alpha, scratch)
+        if self.accrual_steps:
+            self._descend(local, self.accrued[lo:hi], scratch)
+        self.versions[s] = reply.version + replayed
+        self.stop = self.stop or reply.stop
+        self.ledger.release()
+
+    def _descend(self, target: np.ndarray, accrued: np.ndarray, scratch: np.ndarray) -> None:
+        """``target -= alpha * gradient`` for a gradient in accrual units (times ``scale``)."""
+        if self.rate == 1.0:
+            target -= accrued
+        elif self.rate:
+            target -= np.multiply(accrued, self.rate, out=scratch)
+
+    def _switch(self, s: int, lost_key: str, error: ShardLostError) -> None:
+        """Shard ``s`` (actor ``lost_key``) was lost: move its channel to the replacement; the
+        pushes the lost shard had not acknowledged are dropped (and counted)."""
+        if not self.channels[s].switch(lost_key, error):
+            return  # already switched
+        self.pulls[s] = None  # a fetch from the lost actor may never complete: ask the new one
+        self.held[s] = None
+        self.ledger.shard_switched(s)
+
+    # -- pushing ---------------------------------------------------------------------------------
+    def _push(self, step: int, fetch: bool = False) -> None:
+        """Push the accrued gradient to every shard.  With ``fetch``, a shard with no pull in
+        flight is sent an ``exchange``: the push and a pull of its result in one round trip."""
+        ledger = self.ledger
+        while ledger.in_flight() >= self.cfg.max_inflight:
+            self._ack(ledger.oldest_in_flight(), wait=True)
+        grad, self.accrued = self.accrued, ledger.buffer()
+        if self.scale != 1.0:  # shards take the plain gradient
+            grad *= DTYPE(1.0 / self.scale)
+        seq = ledger.take_seq()
+        loss, examples = self.accrual_loss / self.accrual_steps, self.accrual_examples
+        calls = []
+        for s, channel in enumerate(self.channels):
+            lo, hi = self.ranges[s]
+            if fetch and (channel.in_process or self.pulls[s] is None):
+                pushed, self.pulls[s] = channel.exchange(
+                    grad[lo:hi], self.base_versions[s], seq, examples, loss, self.held[s]
+                )
+                self.pull_sent[s] = time.monotonic()
+            else:
+                pushed = channel.push(grad[lo:hi], self.base_versions[s], seq, examples, loss)
+            calls.append(pushed)
+        keys = tuple(channel.key for channel in self.channels)
+        needed_by = set(range(len(calls)))
+        ledger.add(
+            Push(seq, step, grad, calls, loss, examples, False, needed_by, keys, time.monotonic())
+        )
+        self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
+
+    def _ack(self, p: Push, wait: bool = False) -> None:
+        """Record a push whose replies arrived (waiting for them if ``wait``)."""
+        if not wait and not all(c.done() for c in p.calls):
+            stuck = [s for s, c in enumerate(p.calls) if not c.done()]
+            if not any(self.channels[s].replaced(p.keys[s], p.sent) for s in stuck):
+                return
+        replies = []
+        lost = False
+        for s, call in enumerate(p.calls):
+            try:
+                replies.append(self.channels[s].wait(call, p.keys[s], p.sent))
+            except ShardLostError as err:  # counted in the ledger's lost pushes by _switch
+                self._switch(s, p.keys[s], err)
+                p.needed_by.discard(s)
+                lost = True
+        self.ledger.acknowledged(p, [s for s, pull in enumerate(self.pulls) if pull is None])
+        row = PushRow(
+            time=time.time() - self.cfg.t0,
+            replica=self.cfg.replica,
+            step=p.step,
+            loss=p.loss,
+            examples=p.examples,
+            staleness=max((r.staleness for r in replies), default=0),
+            version=min((r.version for r in replies), default=0),
+            accepted=not lost and all(r.accepted for r in replies),
+            partition=self.cfg.partition,
+        )
+        self.rows.append(row)
+        self.sink.keep_row(row)
+        self.stop = self.stop or any(r.stop for r in replies)
+
+    def _poll(self) -> None:
+        """Take in every fetch and push that has completed, without blocking."""
+        for s in range(len(self.channels)):
+            self._take_pull(s)
+        for p in self.ledger.unacknowledged():
+            if not p.acked:  # acknowledged meanwhile: a switch settles the pushes it lost
+                self._ack(p)

@@ -1,0 +1,371 @@
+"""A replica's line to one parameter-server shard, whatever carries it.
+
+:class:`~downpour_dask.ps.protocol.ShardChannel` is the interface the replica loop is written
+against: start a pull, a push or both in one round trip (``exchange``), poll the warmstart gate,
+wait for a call's reply, and, when the shard is lost, ``switch`` to the replacement the driver
+starts.  Calls return at once with a ``Call`` (``done()``, ``result(timeout)``), so a replica keeps
+computing while its fetches and pushes travel.  The loop never sees which transport carries
+them, so it runs in-process against a fake channel in the tests.
+
+:class:`DaskShardChannel` implements it for a shard actor, over whichever of three transports
+is cheapest:
+
+- ``"local"``: the shard lives in the replica's own worker process; its methods are called
+  directly (no message at all) and every call is complete when it returns;
+- ``"wire"``: a direct connection (:mod:`~downpour_dask.ps.wire`) where the cluster's comm is
+  plain TCP;
+- ``"actor"``: Dask actor messages, whose finished replies are read without a round trip
+  through the event loop (:func:`~downpour_dask.runtime.dask_internals.actor_result`).
+
+A lost shard is replaced by the driver, which publishes the new actor's future in a
+``distributed.Variable``; the channel then talks to the new actor under a new *session*, in
+which push numbers start again from 0 (the channel translates them, see
+:meth:`~ShardChannel.includes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from distributed import Variable
+
+from ..core.params import DTYPE
+from ..runtime.dask_internals import actor_result, local_actor
+from .protocol import PullReply, ShardLostError, is_shard_lost
+from .server import ParameterServer
+from .shard import ParameterServerShard
+from .wire import WireClient, WireError
+
+
+class Done:
+    """A call completed as it was made (the shard is in this process)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
+class Failed:
+    """A call that could not even be sent: its shard is lost.  Done; its result raises."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self.error
+
+
+class Half:
+    """The push (0) or the pull (1) half of one ``exchange`` call."""
+
+    __slots__ = ("call", "index")
+
+    def __init__(self, call: Any, index: int):
+        self.call, self.index = call, index
+
+    def done(self) -> bool:
+        return self.call.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        return actor_result(self.call, timeout)[self.index]
+
+
+class DaskShardChannel:
+    """A :class:`ShardChannel` to a shard actor (see the module docstring).
+
+    Parameters
+    ----------
+    actor : distributed.Actor
+        A handle to the shard's actor.
+    shard : int
+        The shard's number in the whole server (names it in errors and in the registry).
+    size : int
+        How many parameters the shard owns.
+    replica : int
+        The replica this channel belongs to (sent with its calls).
+    timeout : float
+        Seconds a call may go unanswered, and to wait for a lost shard's replacement.
+    replacements : str, optional
+        Name of the ``distributed.Variable`` where the driver publishes the future of the
+        shard's current actor; without it a lost shard is final.
+    direct : bool
+        Whether to reach a shard on another worker over :mod:`~downpour_dask.ps.wire` when it
+        offers an endpoint (else always actor messages).
+    """
+
+    #: Seconds a call may be outstanding before the channel asks whether its shard was replaced.
+    STUCK = 1.0
+    #: Seconds between two looks at the replacements variable.
+    CHECK_EVERY = 1.0
+
+    def __init__(
+        self,
+        actor: Any,
+        shard: int,
+        size: int,
+        replica: int,
+        timeout: float,
+        replacements: str | None = None,
+        direct: bool = True,
+    ):
+        self.shard, self.size, self.replica, self.timeout = shard, size, replica, timeout
+        self.replacements, self.direct = replacements, direct
+        self.wire: WireClient | None = None
+        self._next_seq = 0  # one past the highest push number sent
+        self._checked = 0.0
+        self._attach(actor)
+
+    def _attach(self, actor: Any) -> None:
+        """Talk to ``actor`` from now on, under a new session numbering pushes from 0."""
+        self.actor, self.key = actor, actor.key
+        found = local_actor(actor.key)
+        self.local = found if isinstance(found, ParameterServerShard) else None
+        self.session = uuid.uuid4().hex
+        self._base = self._next_seq  # the replica's number of this session's push 0
+        self._buffers: list[np.ndarray] = []
+
+    @property
+    def transport(self) -> str:
+        return "local" if self.local is not None else "wire" if self.wire is not None else "actor"
+
+    @property
+    def in_process(self) -> bool:
+        return self.local is not None
+
+    # -- opening the direct connection -----------------------------------------------------------
+    def ask_endpoint(self) -> Any | None:
+        """Start asking a shard on another worker for its direct endpoint (None: not wanted)."""
+        if not self.direct or self.local is not None:
+            return None
+        try:
+            return self.actor.open_wire()
+        except Exception as err:  # a lost actor's handle raises at once
+            if is_shard_lost(err):
+                return None
+            raise
+
+    def connect(self, asked: Any | None, sent: float) -> None:
+        """Open the direct connection offered in reply to :meth:`ask_endpoint`.  A shard that
+        offers none (its worker's comm is not plain TCP) or cannot be reached so is called
+        through actor messages; one that does not answer is left to the first fetch."""
+        if asked is None:
+            return
+        try:
+            endpoint = self.wait(asked, self.key, sent)
+            if endpoint is not None:
+                self.wire = WireClient(endpoint, timeout=min(10.0, self.timeout))
+        except (ShardLostError, WireError, OSError):
+            self.wire = None
+
+    # -- the calls -------------------------------------------------------------------------------
+    def _buffer(self, avoid: np.ndarray | None) -> np.ndarray:
+        """A buffer for pulled values, reused from pull to pull: a fresh array above glibc's
+        32 MiB mmap limit is page-faulted afresh every time.  A direct connection keeps two,
+        so a pull never writes into ``avoid`` (the values a caller still holds)."""
+        buffers = self._buffers
+        if not buffers:
+            count = 1 if self.local is not None else 2
+            buffers.extend(np.empty(self.size, dtype=DTYPE) for _ in range(count))
+        return buffers[1] if avoid is buffers[0] and len(buffers) > 1 else buffers[0]
+
+    def _failed(self, error: Exception) -> Failed:
+        """A call into a shard whose handle refused it: lost (fails at :meth:`wait`), or a bug
+        (raised now)."""
+        if is_shard_lost(error):
+            return Failed(error)
+        raise error
+
+    def pull(self, avoid: np.ndarray | None = None) -> Any:
+        if self.local is not None:
+            return Done(self.local.snapshot_into(self._buffer(None), self.replica, self.session))
+        try:
+            if self.wire is not None:
+                return self.wire.pull(self.replica, self.session, out=self._buffer(avoid))
+            return self.actor.pull(self.replica, self.session)
+        except Exception as err:
+            return self._failed(err)
+
+    def push(
+        self, grad: np.ndarray, fetched_version: int, seq: int, examples: int, loss: float
+    ) -> Any:
+        self._next_seq = seq + 1
+        kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
+        if self.local is not None:  # same process: no message at all
+            return Done(self.local.apply_push(grad, fetched_version, self.replica, **kw))
+        try:
+            return (self.wire or self.actor).push(grad, fetched_version, self.replica, **kw)
+        except Exception as err:
+            return self._failed(err)
+
+    def exchange(
+        self,
+        grad: np.ndarray,
+        fetched_version: int,
+        seq: int,
+        examples: int,
+        loss: float,
+        avoid: np.ndarray | None = None,
+    ) -> tuple[Any, Any]:
+        self._next_seq = seq + 1
+        kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
+        if self.local is not None:
+            pushed = Done(self.local.apply_push(grad, fetched_version, self.replica, **kw))
+            return pushed, self.pull()
+        try:
+            if self.wire is not None:
+                call = self.wire.exchange(
+                    grad, fetched_version, self.replica, out=self._buffer(avoid), **kw
+                )
+            else:
+                call = self.actor.exchange(grad, fetched_version, self.replica, **kw)
+        except Exception as err:
+            failed = self._failed(err)
+            return failed, failed
+        return Half(call, 0), Half(call, 1)
+
+    def poll_warmstart(self) -> Any:
+        if self.local is not None:
+            return Done(self.local.warmstart_state())
+        try:
+            return (self.wire or self.actor).poll_warmstart()
+        except Exception as err:
+            return self._failed(err)
+
+    def includes(self, reply: PullReply, seq: int) -> bool:
+        seq -= self._base
+        return seq <= reply.applied_through or seq in reply.applied_ahead
+
+    # -- a lost shard ----------------------------------------------------------------------------
+    def _published(self, timeout: float) -> Any | None:
+        """The future the driver last published for this shard, if it can be read in time."""
+        if self.replacements is None:
+            return None
+        with contextlib.suppress(TimeoutError, OSError):
+            return Variable(self.replacements).get(timeout=timeout)
+        return None
+
+    def replaced(self, key: str, sent: float) -> bool:
+        """A call into a lost actor may never complete, so a call outstanding for more than
+        :attr:`STUCK` seconds makes the channel look (at most every :attr:`CHECK_EVERY`
+        seconds) at the variable where the driver publishes replacements."""
+        if self.key != key:
+            return True
+        now = time.monotonic()
+        if self.replacements is None or now - sent < self.STUCK:
+            return False
+        if now - self._checked < self.CHECK_EVERY:
+            return False
+        self._checked = now
+        future = self._published(self.timeout)
+        return future is not None and future.key != key
+
+    def wait(self, call: Any, key: str, sent: float) -> Any:
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not call.done():
+                if self.replaced(key, sent):
+                    message = f"parameter-server shard {self.shard} was replaced"
+                    raise ShardLostError(message, self.shard)
+                if time.monotonic() >= deadline:
+                    message = f"shard {self.shard} did not answer within {self.timeout} s"
+                    raise TimeoutError(message)
+                with contextlib.suppress(TimeoutError):
+                    return actor_result(call, min(0.5, max(0.01, deadline - time.monotonic())))
+            return actor_result(call, self.timeout)
+        except ShardLostError:
+            raise
+        except Exception as err:
+            if is_shard_lost(err):
+                message = f"parameter-server shard {self.shard} was lost: {err}"
+                raise ShardLostError(message, self.shard) from err
+            raise
+
+    def _replacement(self, lost_key: str) -> Any | None:
+        """The actor replacing ``lost_key`` once the driver publishes it, or None if none
+        appears within ``timeout`` seconds."""
+        if self.replacements is None:
+            return None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            future = self._published(max(0.1, min(5.0, deadline - time.monotonic())))
+            if future is not None and future.key != lost_key:
+                return future.result(timeout=self.timeout)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def switch(self, lost_key: str, error: BaseException) -> bool:
+        """Wait for the driver to publish the lost shard's replacement, then talk to it.
+
+        Raises
+        ------
+        ShardLostError
+            If no replacement appears within ``timeout`` seconds (at once without
+            ``replacements``: nobody would publish one).
+        """
+        if self.key != lost_key:
+            return False  # already switched
+        actor = self._replacement(lost_key)
+        if actor is None:
+            raise ShardLostError(
+                f"replica {self.replica}: parameter-server shard {self.shard} was lost and no "
+                f"replacement appeared within timeout={self.timeout} s: {error}",
+                self.shard,
+            ) from error
+        self.close()  # its receiver may still be writing into a buffer: new ones
+        self._attach(actor)
+        self.connect(self.ask_endpoint(), time.monotonic())
+        return True
+
+    def close(self) -> None:
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None
+
+
+def open_channels(
+    server: ParameterServer,
+    replica: int,
+    timeout: float,
+    replacements: list[str] | None = None,
+    direct: bool = True,
+) -> list[DaskShardChannel]:
+    """One channel per shard of ``server`` (a view made by ``portable()`` or the driver's),
+    with the direct connections to shards on other workers opened all at once.
+
+    ``replacements`` names, per shard, the variable where the driver publishes replacements.
+    """
+    server = server.opened()
+    channels = [
+        DaskShardChannel(
+            actor,
+            server.ids[s],
+            hi - lo,
+            replica,
+            timeout,
+            None if replacements is None else replacements[s],
+            direct,
+        )
+        for s, (actor, (lo, hi)) in enumerate(zip(server.shards, server.ranges))
+    ]
+    sent = time.monotonic()
+    asked = [channel.ask_endpoint() for channel in channels]
+    for channel, call in zip(channels, asked):
+        channel.connect(call, sent)
+    return channels

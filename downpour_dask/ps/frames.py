@@ -1,0 +1,137 @@
+"""The byte format of :mod:`~downpour_dask.ps.wire`'s direct connections, both directions.
+
+A connection opens with a *hello* (the shard id, answered by a status and the shard's size).
+Then each request is a fixed-size head (:data:`REQUEST`: op, replica, push number, fetched
+version, examples, loss, how many values follow, session length), the session bytes and, for a
+push, the gradient as raw float32 bytes.  Each reply is a status (ok, or an error text), then
+the fixed-size parts of the op's answer, then for a pull the values as raw float32 bytes.  The
+arrays are never pickled or copied into a message: they go from and into numpy buffers.
+
+This module imports no Dask.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+
+from ..core.params import DTYPE
+from .protocol import PullReply, PushReply
+
+
+class WireError(RuntimeError):
+    """The shard's side of a direct connection reported an error (or refused the shard id)."""
+
+
+PULL, PUSH, EXCHANGE, POLL_WARMSTART = 1, 2, 3, 4
+#: op, replica, seq (-1: none), fetched_version, examples, loss, values that follow, session bytes
+REQUEST = struct.Struct("<BiqqqdqH")
+HELLO = struct.Struct("<H")  # length of the shard id that follows
+STATUS = struct.Struct("<BI")  # 0 = ok, else error; length of the error text that follows
+SIZE = struct.Struct("<q")  # the shard's parameter count, after a successful hello
+PUSHED = struct.Struct("<qq??")  # version, staleness, accepted, stop
+PULLED = struct.Struct("<q?qI")  # version, stop, applied_through, len(applied_ahead)
+POLLED = struct.Struct("<q??")  # version, stopped, released (see poll_warmstart)
+OK = STATUS.pack(0, 0)
+
+#: Ask the kernel for the whole buffer in one call where it can: a 1 MB array then costs one
+#: system call and one hand-back of the GIL instead of one per arriving segment.
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
+def recv_into(sock: socket.socket, buffer: Any) -> None:
+    """Fill ``buffer`` from ``sock``; ``ConnectionError`` if the peer closes first."""
+    view = memoryview(buffer).cast("B")
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], 0, _WAITALL)
+        if n == 0:
+            raise ConnectionError("the connection was closed by the other side")
+        got += n
+
+
+def recv(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``sock``."""
+    buffer = bytearray(n)
+    recv_into(sock, buffer)
+    return bytes(buffer)
+
+
+# -- the shard's side ----------------------------------------------------------------------------
+def send_error(conn: socket.socket, text: str) -> None:
+    """Answer with an error status carrying ``text`` (the replica raises it as a WireError)."""
+    data = text.encode("utf-8", "replace")
+    conn.sendall(STATUS.pack(1, len(data)) + data)
+
+
+def pushed(reply: PushReply) -> bytes:
+    """The fixed-size answer to a push."""
+    return PUSHED.pack(*reply)
+
+
+def pulled(reply: PullReply) -> bytes:
+    """The fixed-size answer to a pull (the values are sent after it, raw)."""
+    ahead = reply.applied_ahead
+    head = PULLED.pack(reply.version, reply.stop, reply.applied_through, len(ahead))
+    return head + struct.pack(f"<{len(ahead)}q", *ahead)
+
+
+def polled(state: tuple[int, bool, bool]) -> bytes:
+    """The answer to a warmstart poll: ``(version, stopped, released)``."""
+    return POLLED.pack(*state)
+
+
+# -- the replica's side --------------------------------------------------------------------------
+def hello(shard_id: str) -> bytes:
+    """The first bytes of a connection: which shard of the service it is for."""
+    key = shard_id.encode("ascii")
+    return HELLO.pack(len(key)) + key
+
+
+def request(
+    op: int,
+    replica: int,
+    fetched_version: int,
+    n_values: int,
+    *,
+    seq: int | None = None,
+    session: str = "",
+    examples: int = 0,
+    loss: float = math.nan,
+) -> bytes:
+    """A request's head and session (the gradient, if any, is sent after it, raw)."""
+    key = session.encode("ascii")
+    seq = -1 if seq is None else seq
+    head = REQUEST.pack(op, replica, seq, fetched_version, examples, loss, n_values, len(key))
+    return head + key
+
+
+def check_status(sock: socket.socket) -> None:
+    """Read a reply's status; raise :class:`WireError` with the shard's text if it failed."""
+    status, n = STATUS.unpack(recv(sock, STATUS.size))
+    if status:
+        raise WireError(f"parameter-server shard: {recv(sock, n).decode('utf-8', 'replace')}")
+
+
+def read_reply(sock: socket.socket, op: int, size: int, out: np.ndarray | None) -> Any:
+    """Read the reply to one ``op`` request: a PushReply, a PullReply (values into ``out``, or
+    a new array), both for an exchange, or the warmstart poll's triple."""
+    check_status(sock)
+    push = pull = None
+    if op in (PUSH, EXCHANGE):
+        push = PushReply(*PUSHED.unpack(recv(sock, PUSHED.size)))
+    if op in (PULL, EXCHANGE):
+        version, stop, through, n_ahead = PULLED.unpack(recv(sock, PULLED.size))
+        ahead = struct.unpack(f"<{n_ahead}q", recv(sock, 8 * n_ahead)) if n_ahead else ()
+        values = np.empty(size, dtype=DTYPE) if out is None else out
+        recv_into(sock, values)
+        pull = PullReply(values, version, stop, through, tuple(ahead))
+    if op == POLL_WARMSTART:
+        return POLLED.unpack(recv(sock, POLLED.size))
+    if op == EXCHANGE:
+        return push, pull
+    return push if op == PUSH else pull
