@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import DownpourSGD, datasets, models, optim
-from downpour_dask.ps import wire
+from downpour_dask.ps import frames, wire
 from downpour_dask.ps.protocol import PullReply, PushReply
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.ps.wire import WireClient, WireError
@@ -120,7 +120,7 @@ def test_a_lost_shard_fails_every_call_in_flight_with_connection_error():
         conn, _ = listener.accept()
         accepted.append(conn)
         conn.recv(1024)
-        conn.sendall(wire._STATUS.pack(0, 0) + wire._SIZE.pack(1000))
+        conn.sendall(frames.OK + frames.SIZE.pack(1000))
 
     thread = threading.Thread(target=shard_side)
     thread.start()
@@ -141,7 +141,7 @@ def test_a_lost_shard_fails_every_call_in_flight_with_connection_error():
 
 def test_a_call_without_a_reply_times_out_instead_of_hanging(shard_and_client):
     _, client = shard_and_client
-    call = wire.WireCall(wire.PULL)  # never answered
+    call = wire.WireCall(frames.PULL)  # never answered
     with pytest.raises(TimeoutError, match="within 0.05 s"):
         call.result(0.05)
 

@@ -1,28 +1,23 @@
 """A direct socket path between replicas and parameter-server shards on other workers.
 
 Why: a Dask actor call is a general message.  The caller's event loop frames and pickles it,
-the shard's event loop reads, unpickles and dispatches it, and the reply goes back the same way.
-Measured on the 2-core development machine (``benchmarks/bench_downpour.py``'s model, 203,530
-float32 parameters, one push + pull of the result):
+the shard's event loop reads, unpickles and dispatches it, and the reply goes back the same way;
+each of those steps costs CPU in both processes, which on a small machine is taken from the
+gradients.  This path carries exactly the calls a replica makes with their arrays as raw bytes
+(``benchmarks/bench_transfer.py`` compares the two).  Dask still does everything else: it
+places the shards, starts, supervises and replaces them, and the driver's own calls (status,
+evaluation pulls, checkpoints) stay actor calls.
 
-- Dask actor ``exchange``: 1.7-2.0 ms round trip, 2.2 ms of CPU over the two processes;
-- this module: 0.26-0.36 ms round trip, 0.43 ms of CPU, the shard's update included.
-
-On two cores that CPU is taken from the gradients, so the difference is throughput, not only
-latency.  Dask still does everything else: it places the shards, starts, supervises and replaces
-them, and the driver's own calls (status, evaluation pulls, checkpoints) stay actor calls.
-
-The protocol carries exactly the calls a replica makes (``pull``, ``push``, ``exchange``, and
-``poll_warmstart`` while it waits for replica 0's warmstart) with their arguments as fixed-size
-fields and the arrays as raw float32 bytes:
+The calls are ``pull``, ``push``, ``exchange``, and ``poll_warmstart`` while a replica waits for
+replica 0's warmstart; :mod:`~downpour_dask.ps.frames` defines their bytes.
 
 - Each worker process holding shards runs one :class:`ShardService`: a listening TCP socket on
   the worker's own host and one thread per connection.  A shard registers with it and gets a
   random id; the id, sent first on every connection, is what selects the shard.
-- A replica opens one :class:`WireClient` per remote shard.  Requests are written from the
-  replica's thread; a receiver thread reads the replies, which come back in request order, and
-  completes the :class:`WireCall` of each.  One connection per (replica, shard) also keeps a
-  replica's pushes in order on the shard without any waiting.
+- A replica opens one :class:`WireClient` per remote shard.  Requests are written from a sender
+  thread; a receiver thread reads the replies, which come back in request order, and completes
+  the :class:`WireCall` of each.  One connection per (replica, shard) also keeps a replica's
+  pushes in order on the shard without any waiting.
 - A lost shard or worker closes the connection: every call in flight fails with
   ``ConnectionError`` (an ``OSError``), which the replica treats like a lost actor.
 
@@ -35,7 +30,6 @@ shard.  This module does not import Dask.
 from __future__ import annotations
 
 import contextlib
-import math
 import queue
 import socket
 import struct
@@ -47,49 +41,10 @@ from typing import Any
 import numpy as np
 
 from ..core.params import DTYPE
-from .protocol import PullReply, PushReply
+from . import frames
+from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH, WireError
 
-
-class WireError(RuntimeError):
-    """The shard's side of a direct connection reported an error (or refused the shard id)."""
-
-
-PULL, PUSH, EXCHANGE, POLL_WARMSTART = 1, 2, 3, 4
-#: op, replica, seq (-1: none), fetched_version, examples, loss, values that follow, session bytes
-_REQUEST = struct.Struct("<BiqqqdqH")
-_HELLO = struct.Struct("<H")  # length of the shard id that follows
-_STATUS = struct.Struct("<BI")  # 0 = ok, else error; length of the error text that follows
-_SIZE = struct.Struct("<q")  # the shard's parameter count, after a successful hello
-_PUSHED = struct.Struct("<qq??")  # version, staleness, accepted, stop
-_PULLED = struct.Struct("<q?qI")  # version, stop, applied_through, len(applied_ahead)
-_POLLED = struct.Struct("<q??")  # version, stopped, released (see poll_warmstart)
-
-
-#: Ask the kernel for the whole buffer in one call where it can: a 1 MB array then costs one
-#: system call and one hand-back of the GIL instead of one per arriving segment.
-_WAITALL = getattr(socket, "MSG_WAITALL", 0)
-
-
-def _recv_into(sock: socket.socket, buffer: Any) -> None:
-    """Fill ``buffer`` from ``sock``; ``ConnectionError`` if the peer closes first."""
-    view = memoryview(buffer).cast("B")
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:], 0, _WAITALL)
-        if n == 0:
-            raise ConnectionError("the connection was closed by the other side")
-        got += n
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buffer = bytearray(n)
-    _recv_into(sock, buffer)
-    return bytes(buffer)
-
-
-def _send_error(conn: socket.socket, text: str) -> None:
-    data = text.encode("utf-8", "replace")
-    conn.sendall(_STATUS.pack(1, len(data)) + data)
+__all__ = ["ShardService", "WireCall", "WireClient", "WireError", "serve"]
 
 
 # -- the shard's side --------------------------------------------------------------------------
@@ -132,48 +87,42 @@ class ShardService:
         """Answer one replica's requests, in order, until it closes the connection."""
         with conn, contextlib.suppress(OSError):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            (n,) = _HELLO.unpack(_recv(conn, _HELLO.size))
-            shard = self._shards.get(_recv(conn, n).decode("ascii", "replace"))
+            (n,) = frames.HELLO.unpack(frames.recv(conn, frames.HELLO.size))
+            shard = self._shards.get(frames.recv(conn, n).decode("ascii", "replace"))
             if shard is None:
-                _send_error(conn, "no such parameter-server shard on this worker (it ended)")
+                frames.send_error(conn, "no such parameter-server shard on this worker (it ended)")
                 return
             size = shard.values.shape[0]
             grad = np.empty(size, dtype=DTYPE)
             out = np.empty(size, dtype=DTYPE)
-            conn.sendall(_STATUS.pack(0, 0) + _SIZE.pack(size))
-            head = bytearray(_REQUEST.size)
+            conn.sendall(frames.OK + frames.SIZE.pack(size))
+            head = bytearray(frames.REQUEST.size)
             while True:
-                _recv_into(conn, head)
-                op, replica, seq, fetched, examples, loss, n_values, n_session = _REQUEST.unpack(
-                    head
+                frames.recv_into(conn, head)
+                op, replica, seq, fetched, examples, loss, n_values, n_session = (
+                    frames.REQUEST.unpack(head)
                 )
-                session = _recv(conn, n_session).decode("ascii", "replace")
+                session = frames.recv(conn, n_session).decode("ascii", "replace")
                 if n_values not in (0, size):  # the stream cannot be trusted after this
-                    _send_error(conn, f"a gradient of {n_values} values for a shard of {size}")
+                    text = f"a gradient of {n_values} values for a shard of {size}"
+                    frames.send_error(conn, text)
                     return
                 if n_values:
-                    _recv_into(conn, grad)
+                    frames.recv_into(conn, grad)
                 try:
-                    parts = [_STATUS.pack(0, 0)]
+                    parts = [frames.OK]
                     if op in (PUSH, EXCHANGE):
                         kw = dict(seq=None if seq < 0 else seq, session=session)
-                        pushed = shard.apply_push(
+                        reply = shard.apply_push(
                             grad, fetched, replica, examples=examples, loss=loss, **kw
                         )
-                        parts.append(_PUSHED.pack(*pushed))
+                        parts.append(frames.pushed(reply))
                     if op == POLL_WARMSTART:
-                        parts.append(_POLLED.pack(*shard.warmstart_state()))
+                        parts.append(frames.polled(shard.warmstart_state()))
                     if op in (PULL, EXCHANGE):
-                        pulled = shard.snapshot_into(out, replica, session)
-                        ahead = pulled.applied_ahead
-                        parts.append(
-                            _PULLED.pack(
-                                pulled.version, pulled.stop, pulled.applied_through, len(ahead)
-                            )
-                            + struct.pack(f"<{len(ahead)}q", *ahead)
-                        )
+                        parts.append(frames.pulled(shard.snapshot_into(out, replica, session)))
                 except Exception as err:  # reported to the replica; the connection stays usable
-                    _send_error(conn, f"{type(err).__name__}: {err}")
+                    frames.send_error(conn, f"{type(err).__name__}: {err}")
                     continue
                 conn.sendall(b"".join(parts))
                 if op in (PULL, EXCHANGE):
@@ -240,10 +189,9 @@ class WireClient:
         sock = socket.create_connection((host, int(port)), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            key = shard_id.encode("ascii")
-            sock.sendall(_HELLO.pack(len(key)) + key)
-            self._check_status(sock)
-            (self.size,) = _SIZE.unpack(_recv(sock, _SIZE.size))
+            sock.sendall(frames.hello(shard_id))
+            frames.check_status(sock)
+            (self.size,) = frames.SIZE.unpack(frames.recv(sock, frames.SIZE.size))
             sock.settimeout(None)  # replies may be slow; the replica has its own deadlines
         except BaseException:
             sock.close()
@@ -292,12 +240,11 @@ class WireClient:
         fetched_version: int,
         replica: int,
         *,
-        seq: int | None = None,
-        session: str = "",
-        examples: int = 0,
-        loss: float = math.nan,
         out: np.ndarray | None = None,
+        **fields: Any,
     ) -> WireCall:
+        """Send one request (``fields``: seq, session, examples, loss; see
+        :func:`~downpour_dask.ps.frames.request`) and return its call at once."""
         if out is not None and (out.dtype != DTYPE or out.shape != (self.size,)):
             raise ValueError(f"out must be a float32 array of shape ({self.size},)")
         call = WireCall(op, out)
@@ -310,23 +257,13 @@ class WireClient:
                 f"{grad.dtype}"
             )
         n_values = 0 if grad is None else self.size
-        key = session.encode("ascii")
-        head = _REQUEST.pack(
-            op,
-            replica,
-            -1 if seq is None else seq,
-            fetched_version,
-            examples,
-            loss,
-            n_values,
-            len(key),
-        )
+        head = frames.request(op, replica, fetched_version, n_values, **fields)
         with self._send_lock:  # the order of _waiting is the order of the requests sent
             if self._broken is not None:
                 call._finish(error=self._broken)
                 return call
             self._waiting.put(call)
-            self._outbox.put((head + key, grad))
+            self._outbox.put((head, grad))
         return call
 
     def _send(self) -> None:
@@ -348,11 +285,6 @@ class WireClient:
                     self._sock.shutdown(socket.SHUT_RDWR)  # ends the receiver too
                 return
 
-    def _check_status(self, sock: socket.socket) -> None:
-        status, n = _STATUS.unpack(_recv(sock, _STATUS.size))
-        if status:
-            raise WireError(f"parameter-server shard: {_recv(sock, n).decode('utf-8', 'replace')}")
-
     def _receive(self) -> None:
         """Read the replies in request order and complete each call (receiver thread)."""
         while True:
@@ -360,7 +292,7 @@ class WireClient:
             if call is None:
                 return
             try:
-                call._finish(self._read_reply(call.op, call.out))
+                call._finish(frames.read_reply(self._sock, call.op, self.size, call.out))
             except WireError as err:
                 call._finish(error=err)
             except (OSError, ValueError, struct.error) as err:
@@ -368,24 +300,6 @@ class WireClient:
                 call._finish(error=error)
                 self._fail(error)
                 return
-
-    def _read_reply(self, op: int, out: np.ndarray | None) -> Any:
-        sock = self._sock
-        self._check_status(sock)
-        pushed = pulled = None
-        if op in (PUSH, EXCHANGE):
-            pushed = PushReply(*_PUSHED.unpack(_recv(sock, _PUSHED.size)))
-        if op in (PULL, EXCHANGE):
-            version, stop, through, n_ahead = _PULLED.unpack(_recv(sock, _PULLED.size))
-            ahead = struct.unpack(f"<{n_ahead}q", _recv(sock, 8 * n_ahead)) if n_ahead else ()
-            values = np.empty(self.size, dtype=DTYPE) if out is None else out
-            _recv_into(sock, values)
-            pulled = PullReply(values, version, stop, through, tuple(ahead))
-        if op == POLL_WARMSTART:
-            return _POLLED.unpack(_recv(sock, _POLLED.size))
-        if op == EXCHANGE:
-            return pushed, pulled
-        return pushed if op == PUSH else pulled
 
     def _fail(self, error: BaseException) -> None:
         """Mark the connection broken and fail every call still waiting for its reply."""
