@@ -1,16 +1,18 @@
 """What replicas, the driver and shards say to each other, whatever carries it.
 
-The replies of the calls replicas make (:class:`PullReply`, :class:`PushReply`) and what a lost
+The replies of the calls replicas make (:class:`PullReply`, :class:`PushReply`), what a lost
 shard looks like to its callers (:class:`ShardLostError`, :data:`SHARD_ERRORS`,
-:func:`is_shard_lost`).  The transports -- in-process calls, :mod:`~downpour_dask.ps.wire`'s
-direct connections, Dask actor messages -- all deliver these same values.  This module imports
-no Dask.
+:func:`is_shard_lost`) and the interface a replica talks to a shard through
+(:class:`ShardChannel`, whose calls are :class:`Call` objects).  The transports -- in-process
+calls, :mod:`~downpour_dask.ps.wire`'s direct connections, Dask actor messages -- all deliver
+these same values (:mod:`~downpour_dask.ps.channel` hides which one is used).  This module
+imports no Dask, so code written against it runs in-process against fakes.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import CancelledError
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -73,3 +75,77 @@ def is_shard_lost(error: BaseException) -> bool:
     if isinstance(error, SHARD_ERRORS):
         return True
     return isinstance(error, RuntimeError) and str(error).startswith(LOST_ACTOR)
+
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+#: What a warmstart poll returns: the shard's ``(version, stopped, released)``.
+WarmstartState = tuple[int, bool, bool]
+
+
+class Call(Protocol[T_co]):
+    """A call on its way: ``done()`` without blocking, ``result(timeout)`` to wait for it."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> T_co: ...
+
+
+class ShardChannel(Protocol):
+    """What a replica needs from one parameter-server shard, whatever carries the calls.
+
+    ``key`` names the shard the channel talks to now and changes when it switches to a
+    replacement: a caller keeps the ``key`` a call was sent under, with the ``time.monotonic()``
+    it was sent at, and hands both back to :meth:`wait` and :meth:`replaced`.
+    """
+
+    shard: int  # the shard's number in the whole server
+    key: str  # which shard actor the channel talks to now
+    session: str  # the replica's session on that actor
+    transport: str  # "local", "wire" or "actor"
+    in_process: bool  # calls complete as they are made; the shard's values die with this process
+
+    def pull(self, avoid: np.ndarray | None = None) -> Call[PullReply]:
+        """Start fetching the shard's values (never into ``avoid``, a buffer still in use)."""
+        ...
+
+    def push(
+        self, grad: np.ndarray, fetched_version: int, seq: int, examples: int, loss: float
+    ) -> Call[PushReply]:
+        """Start pushing the replica's push number ``seq`` (its own numbering)."""
+        ...
+
+    def exchange(
+        self,
+        grad: np.ndarray,
+        fetched_version: int,
+        seq: int,
+        examples: int,
+        loss: float,
+        avoid: np.ndarray | None = None,
+    ) -> tuple[Call[PushReply], Call[PullReply]]:
+        """A push and a pull of its result in one round trip."""
+        ...
+
+    def poll_warmstart(self) -> Call[WarmstartState]:
+        """Start reading the shard's ``(version, stopped, released)``."""
+        ...
+
+    def includes(self, reply: PullReply, seq: int) -> bool:
+        """Whether the values of ``reply`` contain the replica's push number ``seq``."""
+        ...
+
+    def replaced(self, key: str, sent: float) -> bool:
+        """Whether the shard a call was sent to (under ``key`` at ``sent``) was replaced."""
+        ...
+
+    def wait(self, call: Call[T], key: str, sent: float) -> T:
+        """The outcome of ``call``; :class:`ShardLostError` if its shard was lost or replaced."""
+        ...
+
+    def switch(self, lost_key: str, error: BaseException) -> bool:
+        """Move to the replacement of the lost shard ``lost_key``; False if already moved."""
+        ...
+
+    def close(self) -> None: ...
