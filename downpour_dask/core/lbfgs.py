@@ -162,7 +162,12 @@ class LBFGS:
     max_seconds : float, optional
         Wall-clock budget.
     log : callable, optional
-        ``log(kind, detail)`` receives ``line_search``, ``history_skipped``, ``converged`` events.
+        ``log(kind, detail, **data)`` receives the events: ``line_search`` (data: ``iteration``,
+        ``step``, ``evaluations``, ``objective``; or ``iteration``, ``found=False``),
+        ``history_reset`` (``iteration``, ``gd``), ``history_skipped`` (``iteration``, ``sy``)
+        and ``converged`` (``iteration``, ``objective``, ``rule``: ``gradient_norm``,
+        ``predicted_decrease``, ``line_search_precision`` or ``relative_decrease``).
+        ``detail`` says the same in a sentence.
     on_iteration : callable, optional
         ``on_iteration(record)`` after every accepted step (``iteration``, ``objective``,
         ``grad_norm``, ``step``, ``evals``).
@@ -180,14 +185,14 @@ class LBFGS:
         max_evals: int = 20,
         precision: float = 0.0,
         max_seconds: float | None = None,
-        log: Callable[[str, str], None] | None = None,
+        log: Callable[..., Any] | None = None,
         on_iteration: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.space, self.m, self.max_iter, self.tol = space, history, max_iter, tol
         self.n_batches, self.c1, self.c2, self.max_evals = n_batches, c1, c2, max_evals
         self.precision = precision
         self.max_seconds = max_seconds
-        self.log = log or (lambda kind, detail: None)
+        self.log = log or (lambda kind, detail, **data: None)
         self.on_iteration = on_iteration or (lambda record: None)
         self.ring: list[tuple[int, float]] = []  # (slot, rho = 1/s'y), oldest first
         self.gamma = 1.0  # initial Hessian scaling s'y / y'y of the newest pair
@@ -243,8 +248,8 @@ class LBFGS:
         self.on_iteration({"iteration": 0, "objective": f, "grad_norm": g0, "step": 0.0})
         while k < self.max_iter:
             if math.sqrt(gg) <= self.tol * max(1.0, g0):
-                reason = "converged"
-                self.log("converged", f"gradient norm {math.sqrt(gg):.3g} <= tol * max(1, |g0|)")
+                detail = f"gradient norm {math.sqrt(gg):.3g} <= tol * max(1, |g0|)"
+                reason = self._converged("gradient_norm", detail, k, f)
                 break
             if self.max_seconds is not None and time.time() - start >= self.max_seconds:
                 reason = "max_seconds"
@@ -252,27 +257,33 @@ class LBFGS:
             gd = self._direction() if self.ring else -gg
             if not self.ring or not (gd < 0 and math.isfinite(gd)):
                 if self.ring:
-                    self.log("history_reset", f"g'd = {gd:.3g} is not a descent direction")
+                    self.log(
+                        "history_reset", f"g'd = {gd:.3g} is not a descent direction",
+                        iteration=k, gd=gd,
+                    )  # fmt: skip
                 self.ring = []
                 self.space.run([("copy", "g", "d"), ("scale", "d", -1.0)])
                 gd = -gg
             t = 1.0 if self.ring else min(1.0, 1.0 / math.sqrt(gg))
             floor = self.precision * max(abs(f), 1.0)
             if -t * gd <= floor:
-                reason = "converged"
-                self.log("converged", f"predicted decrease {-t * gd:.3g} below precision")
+                detail = f"predicted decrease {-t * gd:.3g} below precision"
+                reason = self._converged("predicted_decrease", detail, k, f)
                 break
-            found = self._line_search(batch, f, gd, t, floor)
+            found = self._line_search(batch, f, gd, t, floor, k + 1)
             if found is None:
                 reason = "line_search_failed"
-                self.log("line_search", f"iteration {k + 1}: no Armijo step found")
+                self.log(
+                    "line_search", f"iteration {k + 1}: no Armijo step found",
+                    iteration=k + 1, found=False,
+                )  # fmt: skip
                 break
             if found[0] is None:
-                reason = "converged"
-                self.log("converged", f"line search reached precision {self.precision:.3g}")
+                detail = f"line search reached precision {self.precision:.3g}"
+                reason = self._converged("line_search_precision", detail, k, f)
                 break
             f_new, t, evals = found
-            sy, yy, gg = self._accept(t)
+            sy, yy, gg = self._accept(t, k + 1)
             k += 1
             decrease = (f - f_new) / max(abs(f), abs(f_new), 1.0)
             f = f_new
@@ -289,13 +300,18 @@ class LBFGS:
             records.append(record)
             self.on_iteration(record)
             if decrease <= self.tol:
-                reason = "converged"
-                self.log("converged", f"relative decrease {decrease:.3g} <= tol={self.tol}")
+                detail = f"relative decrease {decrease:.3g} <= tol={self.tol}"
+                reason = self._converged("relative_decrease", detail, k, f)
                 break
         return LBFGSResult(f, math.sqrt(gg), k, reason, records)
 
+    def _converged(self, rule: str, detail: str, iteration: int, objective: float) -> str:
+        """Log which stopping ``rule`` ended the run; return the reason, ``"converged"``."""
+        self.log("converged", detail, iteration=iteration, objective=objective, rule=rule)
+        return "converged"
+
     def _line_search(
-        self, batch: int, f: float, gd: float, t: float, floor: float
+        self, batch: int, f: float, gd: float, t: float, floor: float, iteration: int
     ) -> tuple[float | None, float, int] | None:
         """Backtracking Armijo search along ``d``; expands while the curvature condition fails.
 
@@ -332,10 +348,13 @@ class LBFGS:
             t *= 2.0
         else:
             return None
-        self.log("line_search", f"step {t:.4g} after {evals} evaluation(s), objective {ft:.6g}")
+        self.log(
+            "line_search", f"step {t:.4g} after {evals} evaluation(s), objective {ft:.6g}",
+            iteration=iteration, step=t, evaluations=evals, objective=ft,
+        )  # fmt: skip
         return ft, t, evals
 
-    def _accept(self, t: float) -> tuple[float, float, float]:
+    def _accept(self, t: float, iteration: int = 0) -> tuple[float, float, float]:
         """Move to the trial point; push ``s = t d``, ``y = g_new - g`` into the history ring."""
         used = {e[0] for e in self.ring}
         slot = next(i for i in range(self.m + 1) if i not in used)  # m + 1 slots: one spare
@@ -357,5 +376,8 @@ class LBFGS:
             self.ring = [*self.ring[max(0, len(self.ring) + 1 - self.m) :], (slot, 1.0 / sy)]
             self.gamma = sy / yy
         else:
-            self.log("history_skipped", f"s'y = {sy:.3g} <= eps * y'y: pair not stored")
+            self.log(
+                "history_skipped", f"s'y = {sy:.3g} <= eps * y'y: pair not stored",
+                iteration=iteration, sy=float(sy),
+            )  # fmt: skip
         return float(sy), float(yy), float(gg)
