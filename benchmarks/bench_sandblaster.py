@@ -41,7 +41,8 @@ from dask_ml.linear_model import LogisticRegression as DaskLogisticRegression  #
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import models  # noqa: E402
-from downpour_dask.sandblaster import estimator as sb  # noqa: E402
+from downpour_dask.sandblaster.coordinator import Coordinator  # noqa: E402
+from downpour_dask.sandblaster.estimator import SandblasterLBFGS  # noqa: E402
 
 L2_WEIGHT = 1e-4
 
@@ -134,22 +135,22 @@ def run_dask_ml(client, X, y, chunk_rows):
 
 def run_sandblaster(client, model, X, y, portions):
     runs = []
-    original = sb._Run.execute
+    original = Coordinator.execute
 
     def execute(self):
         runs.append(self)
         return original(self)
 
-    sb._Run.execute = execute
+    Coordinator.execute = execute
     try:
         start = time.time()
-        est = sb.SandblasterLBFGS(
+        est = SandblasterLBFGS(
             model, portions_per_batch=portions, max_iter=200, tol=1e-10, random_state=0
         ).fit(X, y, client=client)
     finally:
-        sb._Run.execute = original
+        Coordinator.execute = original
     evals = est.experiment_.evals
-    offset = runs[-1].t0 - start  # argument checks before the run's clock started
+    offset = runs[-1].recorder.t0 - start  # argument checks before the run's clock started
     trace = list(zip(evals["time"] + offset, evals["objective"]))
     passes = int((est.experiment_.events["kind"] == "batch_start").sum())
     return est.params_, trace, passes

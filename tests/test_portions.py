@@ -9,11 +9,11 @@ still running.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 from distributed.client import FutureCancelledError
 
-from downpour_dask.sandblaster.portions import PortionResult, Portions, _Copy
+from downpour_dask.sandblaster.portions import PortionCopy, Portions
+from downpour_dask.sandblaster.tasks import PortionResult
 
 
 class _FakeFuture:
@@ -28,17 +28,31 @@ class _FakeFuture:
         return self._result
 
 
-def _portions(restored: list[int]) -> Portions:
+class _Observer:
+    """A PassObserver that keeps what the pass reports."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+        self.counted: list[PortionResult] = []
+
+    def event(self, kind: str, detail: str = "", **data) -> None:
+        self.events.append((kind, data))
+
+    def portion_counted(self, result: PortionResult) -> None:
+        self.counted.append(result)
+
+
+def _portions(restored: list[int], observer: _Observer | None = None) -> Portions:
     portions = Portions.__new__(Portions)  # no cluster: only the bookkeeping is exercised
-    portions.est = SimpleNamespace(timeout=5.0)
-    portions.run_ = SimpleNamespace(event=lambda kind, detail="": None, push=lambda r, now: None)
+    portions.timeout = 5.0
+    portions.observer = observer or _Observer()
     portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
     portions._restore_blocks = lambda: restored.append(1)
     return portions
 
 
 def _add(portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str):
-    portions.inflight[future] = _Copy(version, portion, worker, time.time())
+    portions.inflight[future] = PortionCopy(version, portion, worker, time.time())
     portions.load[worker] += 1
 
 
@@ -75,13 +89,34 @@ def test_a_lost_copy_is_not_run_again_while_a_copy_of_the_same_batch_runs():
     assert todo == []  # the backup will count; a third copy would only duplicate work
 
 
-def test_a_finished_copy_counts_once():
-    portions = _portions([])
+def test_a_finished_copy_counts_once_and_the_other_is_reported_discarded():
+    observer = _Observer()
+    portions = _portions([], observer)
     result = PortionResult(7, 3, "done", 2.5, 10, "w1")
-    first, second = _FakeFuture("finished", result), _FakeFuture("finished", result)
+    backup = PortionResult(7, 3, "done", 2.5, 10, "w2")
+    first, second = _FakeFuture("finished", result), _FakeFuture("finished", backup)
     _add(portions, first, version=3, portion=7, worker="w1")
     _add(portions, second, version=3, portion=7, worker="w2")
     done: dict = {}
     assert portions._collect(first, 3, [], done, []) is True
     assert portions._collect(second, 3, [], done, []) is False
-    assert done == {7: result}
+    assert done == {7: result} and observer.counted == [result]
+    assert observer.events == [
+        (
+            "duplicate_discarded",
+            {"portion": 7, "version": 3, "status": "done", "worker": "w2"},
+        )
+    ]
+
+
+def test_a_copy_of_an_earlier_batch_is_discarded_not_counted():
+    observer = _Observer()
+    portions = _portions([], observer)
+    stale = _FakeFuture("finished", PortionResult(4, 2, "stale", 0.0, 0, "w1"))
+    _add(portions, stale, version=2, portion=4, worker="w1")
+    done: dict = {}
+    assert portions._collect(stale, 3, [], done, []) is False
+    assert not done and not observer.counted
+    assert observer.events == [
+        ("duplicate_discarded", {"portion": 4, "version": 2, "status": "stale", "worker": "w1"})
+    ]

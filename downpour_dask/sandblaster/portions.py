@@ -1,236 +1,48 @@
-"""Sandblaster's distributed passes: the shard accumulator, portion tasks and backup tasks.
+"""Sandblaster's distributed passes: portions handed to workers as they free up, backup tasks.
 
-The pieces, top to bottom:
+:class:`Portions` is the coordinator's side of one distributed pass over a batch (the ``Space``
+that :class:`~downpour_dask.core.lbfgs.LBFGS` evaluates through).  It hands portions to worker
+slots as they free up (faster workers take more, data-local portions first), launches backup
+copies of stragglers near the end of a batch on idle workers, re-sends data blocks lost with a
+worker, and counts every portion once.  The tasks themselves are in
+:mod:`downpour_dask.sandblaster.tasks`.
 
-* :class:`SandblasterShard` -- a parameter-server shard (a Dask actor) that also runs the vector
-  programs of :mod:`downpour_dask.lbfgs` on its range of every vector, publishes the point the
-  workers evaluate (as float32 ``values`` with a new ``version``) and accumulates portion
-  gradients exactly once per ``(version, portion)``.
-* :func:`run_portion` -- the Dask task computing one portion's gradient.  It fetches the published
-  parameters once per batch per worker (a cache keyed by run and version) and adds its gradient to
-  the shards' accumulator directly, worker to worker, never through the driver.
-* :class:`Portions` -- the coordinator's side of one distributed pass: it hands portions to
-  workers as they free up (faster workers take more, data-local portions first), launches backup
-  copies of stragglers near the end of a batch on idle workers, and counts every portion once.
-
-The estimator that drives them is :class:`downpour_dask.sandblaster.SandblasterLBFGS`.
+What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the tests): events
+with structured data, and each counted portion.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import CancelledError
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
-from distributed import Future, get_worker, wait
+from distributed import Client, Future, wait
 from distributed.client import FuturesCancelledError
 
-from ..core import optim
-from ..core.lbfgs import Program, VectorStore, sum_replies
-from ..core.models import Model
-from ..core.params import DTYPE
+from ..core.lbfgs import Program, sum_replies
 from ..ps.server import ParameterServer
-from ..ps.shard import ParameterServerShard
 from ..runtime.cluster import cluster_workers
-from ..runtime.malloc import tune_malloc
-
-if TYPE_CHECKING:
-    from .estimator import _Run
+from .tasks import PortionResult, run_portion
 
 
-class SandblasterShard(ParameterServerShard):
-    """A shard holding its range of every L-BFGS vector, plus the published float32 point.
+class PassObserver(Protocol):
+    """What a distributed pass reports to the coordinator driving it."""
 
-    ``values``/``version`` (inherited) are the point workers evaluate; ``store`` holds the float64
-    vectors the coordinator's programs work on (``x``, ``g``, ``d``, ``acc``, the history ...).
-    The inherited update rule is unused: L-BFGS moves the parameters by vector programs.
-    """
+    def event(self, kind: str, detail: str = "", **data: Any) -> object:
+        """Record an event: ``detail`` for people, ``data`` (plain values) for code."""
+        ...
 
-    def __init__(
-        self,
-        shard_id: int,
-        start: int,
-        stop: int,
-        values: np.ndarray,
-        rule: optim.UpdateRule,
-        *,
-        l2mask: np.ndarray,
-    ):
-        super().__init__(shard_id, start, stop, values, rule)  # the rule is never applied
-        self.store = VectorStore(stop - start)
-        self.store.set("x", values)
-        self.store.set("l2mask", l2mask)
-        self.store.run([("zero", "acc")])
-        self._accepted: set[int] = set()
-        self._scratch = np.empty(stop - start, np.float64)
-
-    def run(self, program: Program) -> list[float]:
-        """Run a vector program (see :meth:`VectorStore.run`); return its partial dot products."""
-        return self.store.run(program)
-
-    def begin(self, prelude: Program, publish: str = "xt") -> int:
-        """Run ``prelude``, zero the accumulator and publish vector ``publish`` as a new version."""
-        self.store.run([*prelude, ("zero", "acc")])
-        np.copyto(self.values, self.store[publish], casting="same_kind")
-        self.version += 1
-        self._accepted = set()
-        return self.version
-
-    def fetch(self, version: int) -> np.ndarray | None:
-        """The published values if ``version`` is still current, else None (a stale portion)."""
-        return self.values.copy() if version == self.version else None
-
-    def wanted(self, version: int, portion: int) -> bool:
-        """Whether ``portion`` of batch ``version`` still has to be computed."""
-        return version == self.version and portion not in self._accepted
-
-    def accumulate(self, version: int, portion: int, grad: np.ndarray, examples: int) -> bool:
-        """Add ``examples * grad`` (a portion's summed gradient) to ``acc``, once per portion.
-
-        A copy of a portion already counted, or of an earlier batch, is discarded and counted in
-        ``duplicates``; both copies of a portion compute the same gradient from the same
-        parameters, so deduplicating on every shard independently is still exactly-once.
-        """
-        if not self.wanted(version, portion):
-            self.duplicates += 1
-            return False
-        np.multiply(grad, float(examples), out=self._scratch)
-        acc = self.store["acc"]
-        acc += self._scratch
-        self._accepted.add(portion)
-        self.examples += int(examples)
-        return True
-
-    def vector(self, name: str) -> np.ndarray:
-        """A copy of this shard's range of vector ``name`` (for ``params_`` at the end)."""
-        return self.store[name].copy()
+    def portion_counted(self, result: PortionResult) -> None:
+        """Record a portion whose gradient the shards counted (one push row)."""
+        ...
 
 
-# -- the worker side --------------------------------------------------------------------------
-
-_CACHE: dict[str, tuple[int, np.ndarray]] = {}  # run token -> (version, parameters)
-_CACHE_LOCK = threading.Lock()
-_ENDED: set[str] = set()  # runs whose fit ended: their straggling portions stop waiting
-
-
-class _RunEnded(Exception):
-    """The fit of this portion ended; its shards are gone."""
-
-
-def _reply(call, token: str, timeout: float):
-    """The result of an actor call, waited for in short slices so that a straggler of a fit
-    that ended stops at once: a call into a released actor may never be answered."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if token in _ENDED:
-            raise _RunEnded(token)
-        try:
-            return call.result(timeout=max(0.01, min(0.1, deadline - time.monotonic())))
-        except TimeoutError:
-            if time.monotonic() >= deadline:
-                raise
-
-
-class PortionResult(NamedTuple):
-    """What a portion task returns to the driver: scalars only."""
-
-    portion: int
-    version: int
-    status: str  # "done", "stale" (batch over before it ran) or "skipped" (backup not needed)
-    loss_sum: float  # sum of per-example data losses
-    examples: int
-    worker: str
-
-
-def _params_for(server: ParameterServer, token: str, version: int, timeout: float):
-    """The published parameters of ``version``, fetched from the shards once per worker."""
-    with _CACHE_LOCK:  # portions on one worker's threads share a single fetch
-        hit = _CACHE.get(token)
-        if hit is not None and hit[0] == version:
-            return hit[1]
-        if hit is not None and hit[0] > version:
-            return None
-        calls = [shard.fetch(version) for shard in server.shards]
-        pieces = [_reply(call, token, timeout) for call in calls]
-        if any(p is None for p in pieces):
-            return None
-        params = np.concatenate(pieces).astype(DTYPE, copy=False)
-        _CACHE[token] = (version, params)  # replaces the older version
-        return params
-
-
-def forget_run(token: str) -> None:
-    """Drop a finished run's cached parameters from this worker; its portions still running
-    stop waiting for its shards."""
-    _ENDED.add(token)
-    with _CACHE_LOCK:
-        _CACHE.pop(token, None)
-
-
-def run_portion(
-    server: ParameterServer,
-    token: str,
-    version: int,
-    portion: int,
-    block: tuple[np.ndarray, np.ndarray],
-    model: Model,
-    backup: bool,
-    timeout: float,
-    delay: Mapping[str, float] | None = None,
-) -> PortionResult:
-    """Dask task: add one portion's gradient at parameters ``version`` to the shards' ``acc``.
-
-    ``model`` has ``l2 = 0``: the penalty is added once, on the shards.  ``delay`` maps worker
-    addresses to seconds slept first: a fault-injection knob that makes a worker a straggler.
-    """
-    tune_malloc()  # see _malloc.py: this worker may hold no shard
-    server = server.opened()  # actor handles from the references the task was given
-    address = get_worker().address
-    if delay and delay.get(address):
-        time.sleep(delay[address])
-    try:
-        if backup and not _reply(server.shards[0].wanted(version, portion), token, timeout):
-            return PortionResult(portion, version, "skipped", 0.0, 0, address)
-        params = _params_for(server, token, version, timeout)
-    except _RunEnded:
-        params = None
-    if params is None:
-        return PortionResult(portion, version, "stale", 0.0, 0, address)
-    # Received blocks are often unaligned, which halves matmul speed: align (one copy) first.
-    X, y = (np.require(a, requirements=["C", "A"]) for a in block)
-    loss, grad = model.loss_and_grad(params, X, y)
-    n = len(X)
-    calls = [
-        shard.accumulate(version, portion, grad[lo:hi], n)
-        for shard, (lo, hi) in zip(server.shards, server.ranges)
-    ]
-    try:
-        for call in calls:  # the driver may count this portion only once every shard has it
-            _reply(call, token, timeout)
-    except _RunEnded:
-        return PortionResult(portion, version, "stale", 0.0, 0, address)
-    return PortionResult(portion, version, "done", float(loss) * n, n, address)
-
-
-def evaluate_task(server: ParameterServer, model: Model, data: tuple, timeout: float) -> tuple:
-    """Dask task: loss and score of the snapshot ``xe`` of an iterate on ``data`` (vectors stay
-    off the driver: the worker pulls ``xe`` from the shards)."""
-    server = server.opened()  # actor handles from the references the task was given
-    calls = [shard.vector("xe") for shard in server.shards]
-    params = np.concatenate([c.result(timeout=timeout) for c in calls]).astype(DTYPE)
-    X, y = data
-    return model.loss(params, X, y), model.score(params, X, y)
-
-
-# -- the coordinator's side of a distributed pass ----------------------------------------------
-
-
-class _Copy(NamedTuple):
+class PortionCopy(NamedTuple):
     """One submitted copy of a portion (the original or a backup)."""
 
     version: int
@@ -240,17 +52,60 @@ class _Copy(NamedTuple):
 
 
 class Portions:
-    """Runs distributed passes for :class:`~downpour_dask.lbfgs.LBFGS` (its ``Space``)."""
+    """Runs distributed passes for :class:`~downpour_dask.core.lbfgs.LBFGS` (its ``Space``).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    server : ParameterServer
+        The :class:`~downpour_dask.sandblaster.shard.SandblasterShard` actors.
+    X, y : ndarray
+        The training data on the driver; each portion's rows are scattered to one worker, and
+        scattered again from here if that worker dies.
+    batches : list of list of int
+        The portion ids of every batch.
+    rows : list
+        Rows of every portion (a slice or an index array into ``X``), by portion id.
+    model : Future
+        The model (with ``l2 = 0``) scattered to every worker.
+    observer : PassObserver
+        Receives the events and the counted portions.
+    token : str
+        The fit's id, under which workers cache the published parameters.
+    timeout : float
+        Seconds a scatter, a result or a whole batch may take before the run fails.
+    backup_tasks : bool
+        Whether to copy stragglers near the end of a batch.
+    delay : mapping of worker address to seconds, optional
+        Fault injection: portions on that worker sleep this long first.
+    """
 
     DEPTH = 2  # portions queued per worker thread, so a worker never waits for the driver
 
-    def __init__(self, run: _Run, batches: list[list[int]], rows: list, model: Future):
-        self.run_, self.client, self.server, self.rows = run, run.client, run.server, rows
-        self.blocks = run.client.scatter(
-            [(run.X[idx], run.y[idx]) for idx in rows], hash=False, timeout=run.est.timeout
+    def __init__(
+        self,
+        client: Client,
+        server: ParameterServer,
+        X: np.ndarray,
+        y: np.ndarray,
+        batches: list[list[int]],
+        rows: list,
+        model: Future,
+        observer: PassObserver,
+        *,
+        token: str,
+        timeout: float,
+        backup_tasks: bool = True,
+        delay: Mapping[str, float] | None = None,
+    ):
+        self.client, self.server, self.X, self.y = client, server, X, y
+        self.batches, self.rows, self.model, self.observer = batches, rows, model, observer
+        self.token, self.timeout, self.backup_tasks = token, timeout, backup_tasks
+        self.delay = dict(delay or {})
+        self.blocks = client.scatter(
+            [(X[idx], y[idx]) for idx in rows], hash=False, timeout=timeout
         )  # spread over the workers; views when the rows are contiguous
-        self.est, self.batches, self.model = run.est, batches, model
-        self.inflight: dict[Future, _Copy] = {}  # survives batches: stragglers still occupy slots
+        self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
         self.where: dict[int, set[str]] = {}
@@ -260,21 +115,23 @@ class Portions:
     # -- Space protocol -----------------------------------------------------------------------
     def run(self, program: Program) -> np.ndarray:
         """Run ``program`` on all shards concurrently (one round trip); sum the dot products."""
-        return sum_replies(self.server.call_all("run", program, timeout=self.est.timeout))
+        return sum_replies(self.server.call_all("run", program, timeout=self.timeout))
 
     def evaluate(self, batch: int, prelude: Program) -> tuple[float, int]:
         """One distributed pass over ``batch`` at the point ``xt`` (after ``prelude``)."""
-        version = self.server.call_all("begin", prelude, timeout=self.est.timeout)[0]
+        version = self.server.call_all("begin", prelude, timeout=self.timeout)[0]
         self._refresh()
         t_start = last_progress = time.time()
-        self.run_.event("batch_start", f"batch {batch}, version {version}")
+        self.observer.event(
+            "batch_start", f"batch {batch}, version {version}", batch=batch, version=version
+        )
         todo = list(self.batches[batch])
         done: dict[int, PortionResult] = {}
-        copies: dict[int, list[_Copy]] = {}  # every copy of each portion submitted in this batch
+        copies: dict[int, list[PortionCopy]] = {}  # every copy submitted in this batch
         durations: list[float] = []  # submit-to-result seconds of the counted copies
         while len(done) < len(self.batches[batch]):
             self._dispatch(version, todo, copies)
-            if not todo and self.est.backup_tasks:
+            if not todo and self.backup_tasks:
                 self._backups(version, copies, done, durations)
             if not self.inflight:  # no live worker slot at the moment: wait for one
                 time.sleep(0.05)
@@ -296,14 +153,18 @@ class Portions:
             if time.time() - last_progress > 1.0:  # no progress: did a worker die?
                 self._refresh()
                 last_progress = time.time()
-            if time.time() - t_start > self.est.timeout:
+            if time.time() - t_start > self.timeout:
                 raise RuntimeError(
-                    f"batch {batch} did not finish within timeout={self.est.timeout} s: "
+                    f"batch {batch} did not finish within timeout={self.timeout} s: "
                     f"{len(done)} of {len(self.batches[batch])} portions done; "
                     f"{self._outstanding(version)}"
                 )
         self.examples_seen += sum(r.examples for r in done.values())
-        self.run_.event("batch_done", f"batch {batch}, version {version}, {len(done)} portions")
+        self.observer.event(
+            "batch_done",
+            f"batch {batch}, version {version}, {len(done)} portions",
+            batch=batch, version=version, portions=len(done),
+        )  # fmt: skip
         return sum(r.loss_sum for r in done.values()), sum(r.examples for r in done.values())
 
     def _collect(
@@ -317,7 +178,7 @@ class Portions:
         result: PortionResult | None = None
         if future.status == "finished":
             try:
-                result = future.result(timeout=self.est.timeout)
+                result = future.result(timeout=self.timeout)
             except CancelledError:  # finished, but its worker died before we got the result
                 pass
         if result is None:  # cancelled or lost with its data block: run it again
@@ -329,16 +190,18 @@ class Portions:
                 todo.append(copy.portion)
             return False
         if result.version != version or result.status != "done" or copy.portion in done:
-            self.run_.event(
+            self.observer.event(
                 "duplicate_discarded",
                 f"portion {copy.portion} of version {result.version} ({result.status}) from "
                 f"{result.worker}",
-            )
+                portion=copy.portion, version=result.version, status=result.status,
+                worker=result.worker,
+            )  # fmt: skip
             return False
         done[copy.portion] = result
         durations.append(time.time() - copy.submitted)
         self.where.setdefault(copy.portion, set()).add(result.worker)
-        self.run_.push(result, time.time())
+        self.observer.portion_counted(result)
         return True
 
     def _outstanding(self, version: int) -> str:
@@ -358,7 +221,9 @@ class Portions:
         workers = cluster_workers(self.client)
         if not first:
             for gone in set(self.capacity) - set(workers):
-                self.run_.event("worker_lost", f"{gone}: its portions are re-run elsewhere")
+                self.observer.event(
+                    "worker_lost", f"{gone}: its portions are re-run elsewhere", worker=gone
+                )
         self.capacity = {w: self.DEPTH * info.get("nthreads", 1) for w, info in workers.items()}
         try:  # where each block is: only a hint for data-local dispatch
             who = self.client.who_has([b for b in self.blocks if b.status == "finished"])
@@ -368,8 +233,8 @@ class Portions:
 
     def _scatter(self, pid: int) -> Future:
         """Send the rows of portion ``pid`` to one worker (Dask picks it, spreading blocks)."""
-        idx, X, y = self.rows[pid], self.run_.X, self.run_.y
-        return self.client.scatter([(X[idx], y[idx])], hash=False, timeout=self.est.timeout)[0]
+        idx, X, y = self.rows[pid], self.X, self.y
+        return self.client.scatter([(X[idx], y[idx])], hash=False, timeout=self.timeout)[0]
 
     def _restore_blocks(self) -> None:
         """Re-scatter, from the driver's copy, every data block that died with its worker.
@@ -380,18 +245,20 @@ class Portions:
         for pid, block in enumerate(self.blocks):
             if block.status != "finished":
                 self.blocks[pid] = self._scatter(pid)
-                self.run_.event("data_restored", f"portion {pid}'s rows scattered again")
+                self.observer.event(
+                    "data_restored", f"portion {pid}'s rows scattered again", portion=pid
+                )
         self._refresh()
 
-    def _submit(self, version: int, pid: int, worker: str, backup: bool) -> _Copy:
-        est, server = self.est, self.server.portable()
+    def _submit(self, version: int, pid: int, worker: str, backup: bool) -> PortionCopy:
+        server = self.server.portable()
         future = self.client.submit(
-            run_portion, server, self.run_.token, version, pid, self.blocks[pid], self.model,
-            backup, est.timeout, self.run_.delay,
+            run_portion, server, self.token, version, pid, self.blocks[pid], self.model,
+            backup, self.timeout, self.delay,
             workers=[worker], allow_other_workers=True, pure=False,
             key=f"portion-{pid}-v{version}-{'b' if backup else 'o'}-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
-        copy = _Copy(version, pid, worker, time.time())
+        copy = PortionCopy(version, pid, worker, time.time())
         self.inflight[future] = copy
         self.load[worker] = self.load.get(worker, 0) + 1
         return copy
@@ -431,9 +298,11 @@ class Portions:
                 continue
             worker = next((w for w in others if w in self.where.get(pid, ())), others[0])
             runs.append(self._submit(version, pid, worker, backup=True))
-            self.run_.event(
+            self.observer.event(
                 "backup_launched",
                 f"portion {pid} (on {runs[0].worker} for {now - runs[0].submitted:.3f}s) "
                 f"copied to {worker}",
-            )
+                portion=pid, version=version, worker=worker, straggler=runs[0].worker,
+                running=now - runs[0].submitted,
+            )  # fmt: skip
             free = self._free()

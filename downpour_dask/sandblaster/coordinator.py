@@ -1,0 +1,250 @@
+"""The driver-side coordinator of one Sandblaster fit: placement, batches, L-BFGS, the record.
+
+The paper's coordinator runs on the driver.  :class:`Coordinator` starts the
+:class:`~downpour_dask.sandblaster.shard.SandblasterShard` actors, cuts the data into batches of
+portions, scatters them (through :class:`~downpour_dask.sandblaster.portions.Portions`), and runs
+:class:`~downpour_dask.core.lbfgs.LBFGS`, which only ever sees scalars: every long vector lives on
+the shards.  Evaluations of ``eval_data`` run on a worker while the coordinator iterates on.
+Everything the fit records -- events with structured data, one push row per counted portion,
+one evaluation row per iteration, progress snapshots -- goes through a
+:class:`~downpour_dask.base.RunRecorder`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from distributed import Client, Future
+
+from .._version import __version__
+from ..base import ParamServerEstimator, RunRecorder
+from ..core import optim
+from ..core.lbfgs import LBFGS, LBFGSResult
+from ..core.models import from_config
+from ..core.params import DTYPE, split_range
+from ..log import Experiment, Progress, PushRow
+from ..ps.server import ParameterServer
+from ..runtime.cluster import cluster_workers
+from .portions import Portions
+from .shard import SandblasterShard
+from .tasks import PortionResult, evaluate_task, forget_run
+
+#: Evaluation columns Sandblaster adds to every run's ``evals``: one row per iteration.
+ITERATION_COLUMNS = {"objective": "float64", "grad_norm": "float64", "step": "float64"}
+
+
+class Coordinator:
+    """One execution of :meth:`SandblasterLBFGS.fit
+    <downpour_dask.sandblaster.estimator.SandblasterLBFGS.fit>` on the driver.
+
+    Parameters
+    ----------
+    est : SandblasterLBFGS
+        The estimator, whose (already checked) arguments the fit runs with.
+    client : distributed.Client
+    X, y : ndarray
+        Training data, checked by the model.
+    evaluation : (X, y) or None
+        Evaluation data, scored every ``est.eval_every_iter`` iterations.
+    delay : dict of worker address to seconds
+        Fault injection for straggling workers (see ``fit``'s ``portion_delay``).
+    callback : callable, optional
+        Gets a :class:`~downpour_dask.log.Progress` after every iteration and at the end.
+
+    Attributes
+    ----------
+    params, gradient : ndarray
+        The result and its gradient, gathered from the shards at the end.
+    result : LBFGSResult
+    experiment : Experiment
+    """
+
+    def __init__(
+        self,
+        est: ParamServerEstimator,
+        client: Client,
+        X: np.ndarray,
+        y: np.ndarray,
+        evaluation: tuple[np.ndarray, np.ndarray] | None,
+        delay: dict[str, float],
+        callback: Callable[[Progress], None] | None = None,
+    ):
+        self.est, self.client, self.X, self.y = est, client, X, y
+        self.evaluation, self.delay, self.callback = evaluation, delay, callback
+        self.token = uuid.uuid4().hex[:12]
+        self.worker_index: dict[str, int] = {}
+        self.metric = "accuracy" if est.model.is_classifier else "r2"
+        self._pending_eval: tuple[dict[str, Any], Future] | None = None
+
+    # -- what the passes report (the PassObserver of portions.py) ---------------------------------
+    def event(self, kind: str, detail: str = "", **data: Any) -> object:
+        """Record an event of the fit (see :meth:`RunRecorder.event`)."""
+        return self.recorder.event(kind, detail, **data)
+
+    def portion_counted(self, result: PortionResult) -> None:
+        """One push row per counted portion: ``replica`` is the worker's index, ``step`` and
+        ``version`` the batch's version."""
+        replica = self.worker_index.setdefault(result.worker, len(self.worker_index))
+        loss = result.loss_sum / result.examples
+        self.recorder.push(
+            PushRow(
+                time=self.recorder.elapsed(), replica=replica, step=result.version, loss=loss,
+                examples=result.examples, staleness=0, version=result.version, accepted=True,
+            )
+        )  # fmt: skip
+
+    # -- the fit ----------------------------------------------------------------------------------
+    def _batches(self, workers: dict) -> list[list]:
+        """Rows of every portion of every batch: slices in full-batch mode (views, no copy),
+        else index arrays of a seeded permutation cut into disjoint batches."""
+        est, n = self.est, len(self.X)
+        rng = np.random.default_rng(est.random_state)
+        self.initial = est.model.init(rng)
+        size = n if est.batch_size is None else min(est.batch_size, n)
+        order = None if size == n else rng.permutation(n)
+        threads = sum(info.get("nthreads", 1) for info in workers.values())
+        per_batch = est.portions_per_batch or 10 * threads
+        batches = []
+        for lo, hi in split_range(n, -(-n // size)):
+            parts = split_range(hi - lo, min(per_batch, hi - lo))
+            batches.append(
+                [
+                    slice(lo + a, lo + b) if order is None else order[lo + a : lo + b]
+                    for a, b in parts
+                ]
+            )
+        return batches
+
+    def execute(self) -> None:
+        """Run the fit: start the shards, optimise, gather the result, build the experiment."""
+        est, client, model = self.est, self.client, self.est.model
+        workers = cluster_workers(client)
+        if not workers:
+            raise RuntimeError("the Dask cluster has no workers")
+        self.recorder = RunRecorder(self.metric, ITERATION_COLUMNS)  # the clock starts here
+        rows = self._batches(workers)
+        mask = np.zeros(model.layout.size)
+        for name, shape in model.layout.shapes.items():  # weight matrices, not biases
+            if len(shape) == 2:
+                lo, hi = model.layout.offsets[name]
+                mask[lo:hi] = model.l2
+        self.server = ParameterServer.create(
+            client, self.initial, est.n_shards, optim.sgd(1.0), sorted(workers), est.timeout,
+            shard_class=SandblasterShard, l2mask=mask,
+        )  # fmt: skip
+        try:
+            self._optimise(rows, workers)
+        finally:
+            try:  # first: straggling portions stop before their shards go away
+                client.run(forget_run, self.token)
+            except Exception:  # a worker that died with the run has nothing to forget
+                pass
+            self.server.close()
+        self.experiment = self._experiment(sorted(workers))
+
+    def _optimise(self, rows: list[list], workers: dict) -> None:
+        est, client = self.est, self.client
+        flat = [idx for batch in rows for idx in batch]
+        data_model = from_config({**est.model.get_config(), "l2": 0.0})
+        [model_future] = client.scatter([data_model], broadcast=True, hash=False)
+        self._eval_future = None
+        if self.evaluation is not None:
+            [self._eval_future] = client.scatter([self.evaluation], hash=False)
+        ids, k = [], 0
+        for batch in rows:
+            ids.append(list(range(k, k + len(batch))))
+            k += len(batch)
+        self.portions = Portions(
+            client, self.server, self.X, self.y, ids, flat, model_future, self,
+            token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
+            delay=self.delay,
+        )  # fmt: skip
+        self.event(
+            "start",
+            f"{len(flat)} portions in {len(rows)} batch(es), {est.n_shards} shards on "
+            f"{len(workers)} workers",
+            portions=len(flat), batches=len(rows), shards=est.n_shards, workers=len(workers),
+        )  # fmt: skip
+        optimizer = LBFGS(
+            self.portions, history=est.history, max_iter=est.max_iter, tol=est.tol,
+            n_batches=len(rows), c1=est.c1, c2=est.c2, max_seconds=est.max_seconds,
+            precision=float(np.finfo(DTYPE).eps),  # workers evaluate in float32
+            log=self.event, on_iteration=self._on_iteration,
+        )  # fmt: skip
+        self.result: LBFGSResult = optimizer.minimize()
+        self.event(
+            "stop", f"{self.result.reason} after {self.result.n_iter} iteration(s)",
+            reason=self.result.reason, iterations=self.result.n_iter,
+        )  # fmt: skip
+        x = self.server.call_all("vector", "x", timeout=est.timeout)
+        g = self.server.call_all("vector", "g", timeout=est.timeout)
+        self.params = np.concatenate(x).astype(DTYPE)
+        self.gradient = np.concatenate(g)
+        self._finish_eval()
+        evals = self.recorder.evals
+        if self._eval_future is not None and np.isnan(evals[-1]["loss"]):  # score the result
+            self._submit_eval(evals[-1])
+            self._finish_eval()
+        if self.callback is not None and evals:
+            self.callback(self._progress(evals[-1], "done"))
+        extra = [f for f in (model_future, self._eval_future) if f is not None]
+        client.cancel(self.portions.blocks + extra)
+
+    def _on_iteration(self, record: dict[str, Any]) -> None:
+        """Log one evals row per iteration; score ``eval_data`` on a worker every
+        ``eval_every_iter`` iterations."""
+        self._finish_eval()
+        row = self.recorder.evaluation(
+            version=record["iteration"], examples_seen=self.portions.examples_seen,
+            loss=np.nan, **{self.metric: np.nan}, objective=record["objective"],
+            grad_norm=record["grad_norm"], step=record.get("step", 0.0),
+        )  # fmt: skip
+        if self._eval_future is not None and record["iteration"] % self.est.eval_every_iter == 0:
+            self._submit_eval(row)
+        if self.callback is not None:
+            self.callback(self._progress(row, "training"))
+
+    def _progress(self, row: dict[str, Any], phase: str) -> Progress:
+        """A snapshot for the callback: the newest finished score, iterations/time done."""
+        est = self.est
+        fractions = [row["version"] / est.max_iter if est.max_iter else 1.0]
+        if est.max_seconds is not None:
+            fractions.append(row["time"] / est.max_seconds)
+        return self.recorder.progress(
+            time=row["time"], examples=self.portions.examples_seen,
+            pushes=len(self.recorder.pushes), loss=row["objective"],
+            fraction=1.0 if phase == "done" else min(1.0, max(fractions)), phase=phase,
+        )  # fmt: skip
+
+    def _submit_eval(self, row: dict[str, Any]) -> None:
+        """Score a snapshot of ``x`` on a worker while the coordinator goes on iterating."""
+        self.portions.run([("copy", "x", "xe")])  # the next iterations may move x
+        future = self.client.submit(
+            evaluate_task, self.server.portable(), self.est.model, self._eval_future,
+            self.est.timeout, pure=False,
+        )  # fmt: skip
+        self._pending_eval = (row, future)
+
+    def _finish_eval(self) -> None:
+        """Wait for the pending evaluation, if any, and fill in its row."""
+        if self._pending_eval is not None:
+            row, future = self._pending_eval
+            row["loss"], row[self.metric] = future.result(timeout=self.est.timeout)
+            self._pending_eval = None
+
+    def _experiment(self, workers: list[str]) -> Experiment:
+        est = self.est
+        config = {k: v for k, v in est.get_params().items() if k not in ("model", "security")}
+        config.update(
+            tls=est.security is not None,  # the Security object itself is not JSON
+            model=est.model.get_config(),
+            estimator=type(est).__name__,
+            library_version=__version__,
+            n_rows=len(self.X),
+            workers=workers,
+            reason=self.result.reason,
+        )
+        return self.recorder.experiment(config)

@@ -1,0 +1,84 @@
+"""Sandblaster's parameter-server shard: the L-BFGS vector machine over its range of every vector.
+
+A :class:`SandblasterShard` is a Dask actor.  It runs the coordinator's vector programs
+(:class:`~downpour_dask.core.lbfgs.VectorStore`) on its range of the iterate, the gradients, the
+search direction and the history; publishes the point workers evaluate, as float32 ``values``
+with a new ``version`` per distributed pass; and accumulates the portions' gradients exactly once
+per ``(version, portion)``, however many copies of a portion run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import optim
+from ..core.lbfgs import Program, VectorStore
+from ..ps.shard import ParameterServerShard
+
+
+class SandblasterShard(ParameterServerShard):
+    """A shard holding its range of every L-BFGS vector, plus the published float32 point.
+
+    ``values``/``version`` (inherited) are the point workers evaluate; ``store`` holds the float64
+    vectors the coordinator's programs work on (``x``, ``g``, ``d``, ``acc``, the history ...).
+    The inherited update rule is unused: L-BFGS moves the parameters by vector programs.
+    """
+
+    def __init__(
+        self,
+        shard_id: int,
+        start: int,
+        stop: int,
+        values: np.ndarray,
+        rule: optim.UpdateRule,
+        *,
+        l2mask: np.ndarray,
+    ):
+        super().__init__(shard_id, start, stop, values, rule)  # the rule is never applied
+        self.store = VectorStore(stop - start)
+        self.store.set("x", values)
+        self.store.set("l2mask", l2mask)
+        self.store.run([("zero", "acc")])
+        self._accepted: set[int] = set()
+        self._scratch = np.empty(stop - start, np.float64)
+
+    def run(self, program: Program) -> list[float]:
+        """Run a vector program (see :meth:`VectorStore.run`); return its partial dot products."""
+        return self.store.run(program)
+
+    def begin(self, prelude: Program, publish: str = "xt") -> int:
+        """Run ``prelude``, zero the accumulator and publish vector ``publish`` as a new version."""
+        self.store.run([*prelude, ("zero", "acc")])
+        np.copyto(self.values, self.store[publish], casting="same_kind")
+        self.version += 1
+        self._accepted = set()
+        return self.version
+
+    def fetch(self, version: int) -> np.ndarray | None:
+        """The published values if ``version`` is still current, else None (a stale portion)."""
+        return self.values.copy() if version == self.version else None
+
+    def wanted(self, version: int, portion: int) -> bool:
+        """Whether ``portion`` of batch ``version`` still has to be computed."""
+        return version == self.version and portion not in self._accepted
+
+    def accumulate(self, version: int, portion: int, grad: np.ndarray, examples: int) -> bool:
+        """Add ``examples * grad`` (a portion's summed gradient) to ``acc``, once per portion.
+
+        A copy of a portion already counted, or of an earlier batch, is discarded and counted in
+        ``duplicates``; both copies of a portion compute the same gradient from the same
+        parameters, so deduplicating on every shard independently is still exactly-once.
+        """
+        if not self.wanted(version, portion):
+            self.duplicates += 1
+            return False
+        np.multiply(grad, float(examples), out=self._scratch)
+        acc = self.store["acc"]
+        acc += self._scratch
+        self._accepted.add(portion)
+        self.examples += int(examples)
+        return True
+
+    def vector(self, name: str) -> np.ndarray:
+        """A copy of this shard's range of vector ``name`` (for ``params_`` at the end)."""
+        return self.store[name].copy()

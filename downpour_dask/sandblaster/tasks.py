@@ -1,0 +1,140 @@
+"""Sandblaster's worker side: the Dask tasks that compute portions and score evaluations.
+
+* :func:`run_portion` computes one portion's gradient.  It fetches the published parameters once
+  per batch per worker (a cache keyed by run and version) and adds its gradient to the shards'
+  accumulator directly, worker to worker, never through the driver; it returns scalars only
+  (:class:`PortionResult`).
+* :func:`evaluate_task` scores a snapshot of the iterate on the evaluation data.
+* :func:`forget_run` (run on every worker when a fit ends) drops the run's cached parameters and
+  makes its straggling portions stop instead of waiting for shards that are gone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+from distributed import get_worker
+
+from ..core.models import Model
+from ..core.params import DTYPE
+from ..ps.server import ParameterServer
+from ..runtime.malloc import tune_malloc
+
+_CACHE: dict[str, tuple[int, np.ndarray]] = {}  # run token -> (version, parameters)
+_CACHE_LOCK = threading.Lock()
+_ENDED: set[str] = set()  # runs whose fit ended: their straggling portions stop waiting
+
+
+class _RunEnded(Exception):
+    """The fit of this portion ended; its shards are gone."""
+
+
+def _reply(call: Any, token: str, timeout: float) -> Any:
+    """The result of an actor call, waited for in short slices so that a straggler of a fit
+    that ended stops at once: a call into a released actor may never be answered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if token in _ENDED:
+            raise _RunEnded(token)
+        try:
+            return call.result(timeout=max(0.01, min(0.1, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+
+
+class PortionResult(NamedTuple):
+    """What a portion task returns to the driver: scalars only."""
+
+    portion: int
+    version: int
+    status: str  # "done", "stale" (batch over before it ran) or "skipped" (backup not needed)
+    loss_sum: float  # sum of per-example data losses
+    examples: int
+    worker: str
+
+
+def _params_for(
+    server: ParameterServer, token: str, version: int, timeout: float
+) -> np.ndarray | None:
+    """The published parameters of ``version``, fetched from the shards once per worker."""
+    with _CACHE_LOCK:  # portions on one worker's threads share a single fetch
+        hit = _CACHE.get(token)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        if hit is not None and hit[0] > version:
+            return None
+        calls = [shard.fetch(version) for shard in server.shards]
+        pieces = [_reply(call, token, timeout) for call in calls]
+        if any(p is None for p in pieces):
+            return None
+        params = np.concatenate(pieces).astype(DTYPE, copy=False)
+        _CACHE[token] = (version, params)  # replaces the older version
+        return params
+
+
+def forget_run(token: str) -> None:
+    """Drop a finished run's cached parameters from this worker; its portions still running
+    stop waiting for its shards."""
+    _ENDED.add(token)
+    with _CACHE_LOCK:
+        _CACHE.pop(token, None)
+
+
+def run_portion(
+    server: ParameterServer,
+    token: str,
+    version: int,
+    portion: int,
+    block: tuple[np.ndarray, np.ndarray],
+    model: Model,
+    backup: bool,
+    timeout: float,
+    delay: Mapping[str, float] | None = None,
+) -> PortionResult:
+    """Dask task: add one portion's gradient at parameters ``version`` to the shards' ``acc``.
+
+    ``model`` has ``l2 = 0``: the penalty is added once, on the shards.  ``delay`` maps worker
+    addresses to seconds slept first: a fault-injection knob that makes a worker a straggler.
+    """
+    tune_malloc()  # see runtime/malloc.py: this worker may hold no shard
+    server = server.opened()  # actor handles from the references the task was given
+    address = get_worker().address
+    if delay and delay.get(address):
+        time.sleep(delay[address])
+    try:
+        if backup and not _reply(server.shards[0].wanted(version, portion), token, timeout):
+            return PortionResult(portion, version, "skipped", 0.0, 0, address)
+        params = _params_for(server, token, version, timeout)
+    except _RunEnded:
+        params = None
+    if params is None:
+        return PortionResult(portion, version, "stale", 0.0, 0, address)
+    # Received blocks are often unaligned, which halves matmul speed: align (one copy) first.
+    X, y = (np.require(a, requirements=["C", "A"]) for a in block)
+    loss, grad = model.loss_and_grad(params, X, y)
+    n = len(X)
+    calls = [
+        shard.accumulate(version, portion, grad[lo:hi], n)
+        for shard, (lo, hi) in zip(server.shards, server.ranges)
+    ]
+    try:
+        for call in calls:  # the driver may count this portion only once every shard has it
+            _reply(call, token, timeout)
+    except _RunEnded:
+        return PortionResult(portion, version, "stale", 0.0, 0, address)
+    return PortionResult(portion, version, "done", float(loss) * n, n, address)
+
+
+def evaluate_task(server: ParameterServer, model: Model, data: tuple, timeout: float) -> tuple:
+    """Dask task: loss and score of the snapshot ``xe`` of an iterate on ``data`` (vectors stay
+    off the driver: the worker pulls ``xe`` from the shards)."""
+    server = server.opened()  # actor handles from the references the task was given
+    calls = [shard.vector("xe") for shard in server.shards]
+    params = np.concatenate([c.result(timeout=timeout) for c in calls]).astype(DTYPE)
+    X, y = data
+    return model.loss(params, X, y), model.score(params, X, y)
