@@ -31,7 +31,7 @@ import numpy as np
 from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, datasets, models
-from downpour_dask.data.shards import assign
+from downpour_dask.data.assignment import assign_shards
 from downpour_dask.data.stream import ShardStream, StreamSpec, default_buffer
 from downpour_dask.runtime.cluster import cluster_workers
 
@@ -124,7 +124,7 @@ def main() -> None:
             client.run(reset_peak_rss)
             specs = [
                 StreamSpec(ds.schema, tuple(s), BATCH, default_buffer(FEATURES, BATCH), CLASSES)
-                for s in assign(ds.shards, 2)
+                for s in assign_shards(ds.shards, 2)
             ]
             futures = [
                 client.submit(read_only, spec, workers=[w], pure=False)

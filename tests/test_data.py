@@ -1,8 +1,25 @@
+"""The data layer in-process: shipped datasets, in-memory arrays, and the public module."""
+
+import importlib
+
 import numpy as np
+import pandas as pd
 import pytest
 
 from downpour_dask import datasets
-from downpour_dask.data.datasets import Dataset, as_dataset, minibatches
+from downpour_dask.data.arrays import Dataset, minibatches
+from downpour_dask.data.datasets import as_dataset
+
+
+def test_downpour_dask_datasets_is_an_importable_module_and_the_data_layers_own():
+    module = importlib.import_module("downpour_dask.datasets")
+    assert module is datasets
+    assert module.__name__ == "downpour_dask.data.datasets"
+    from downpour_dask.datasets import from_parquet, load  # as the docstrings cite them
+
+    assert load is datasets.load and from_parquet is datasets.from_parquet
+    for name in module.__all__:
+        assert hasattr(module, name), name
 
 
 def test_shipped_datasets_load_with_fixed_splits_scaled_to_unit_range():
@@ -43,6 +60,18 @@ def test_as_dataset_accepts_dataset_tuple_and_x_y():
     assert as_dataset(X, y).n_features == 2
     with pytest.raises(TypeError, match="train must be"):
         as_dataset([1, 2, 3], what="train")
+
+
+def test_as_dataset_refuses_a_sharded_dataset_and_names_to_dataset(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pd.DataFrame({"f0": [0.5, 1.5, 2.5], "label": [0, 1, 0]}).to_parquet(path, index=False)
+    sharded = datasets.from_parquet(path)
+    with pytest.raises(
+        TypeError, match=r"eval_data is a ShardedDataset.*eval_data\.to_dataset\(\)"
+    ):
+        as_dataset(sharded, what="eval_data")
+    explicit = as_dataset(sharded.to_dataset())  # the explicit way reads it into memory
+    assert np.array_equal(explicit.X[:, 0], [0.5, 1.5, 2.5]) and explicit.y.tolist() == [0, 1, 0]
 
 
 def test_partition_gives_every_row_to_exactly_one_replica():

@@ -15,16 +15,20 @@ import time
 import uuid
 from pathlib import Path
 
+import dask.array as da
+import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from downpour_dask import DownpourSGD, datasets, models
-from downpour_dask.data.shards import ShardDataError, ShardReadError, assign
+from downpour_dask import DownpourSGD, datasets, models, runs
+from downpour_dask.data.assignment import assign_shards
+from downpour_dask.data.schema import ShardDataError, ShardReadError
 from downpour_dask.data.stream import ShardStream, StreamSpec, prefetched
 from downpour_dask.runtime.cluster import cluster_workers
+from downpour_dask.runtime.placement import place_replicas
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,7 +81,7 @@ def _write(kind: str, folder: Path, sizes: list[int]) -> datasets.ShardedDataset
 def _epoch_ids(ds, n_replicas: int, rng_seed: int = 0, batch_size: int = 16) -> list[np.ndarray]:
     """Row ids each replica reads in one epoch, through the real assignment and reader."""
     out = []
-    for r, shards in enumerate(assign(ds.shards, n_replicas)):
+    for r, shards in enumerate(assign_shards(ds.shards, n_replicas)):
         spec = StreamSpec(ds.schema, tuple(shards), batch_size, ds.shuffle_buffer, N_CLASSES)
         rng = np.random.default_rng([rng_seed, r])
         out.append(np.concatenate([Xb[:, 0].copy() for Xb, _ in ShardStream(spec).epoch(rng)]))
@@ -85,26 +89,6 @@ def _epoch_ids(ds, n_replicas: int, rng_seed: int = 0, batch_size: int = 16) -> 
 
 
 # -- the data layer, in process ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "sizes,n_replicas",
-    [([300], 4), ([40, 40, 40, 40, 40], 2), ([500, 7, 60, 3, 130], 3), ([5, 5], 10)],
-    ids=["fewer-files", "more-files", "uneven", "tiny-files"],
-)
-def test_assignment_balances_rows_and_covers_every_row_once(sizes, n_replicas):
-    shards = [datasets.Shard("parquet", f"f{i}", 0, n) for i, n in enumerate(sizes)]
-    plan = assign(shards, n_replicas)
-    per_replica = [sum(s.rows for s in mine) for mine in plan]
-    assert max(per_replica) - min(per_replica) <= 1
-    covered = {i: np.zeros(n, int) for i, n in enumerate(sizes)}
-    for mine in plan:
-        for s in mine:
-            covered[int(s.path[1:])][s.start : s.stop] += 1
-    assert all((c == 1).all() for c in covered.values())
-    assert sum(len(mine) for mine in plan) <= len(sizes) + n_replicas - 1  # few splits
-    with pytest.raises(ValueError, match=f"only {sum(sizes)} rows"):
-        assign(shards, sum(sizes) + 1)
 
 
 @pytest.mark.parametrize("kind", ["parquet", "npy", "csv"])
@@ -226,6 +210,13 @@ def test_model_mismatch_is_caught_from_metadata_before_any_cluster_work(tmp_path
         est.fit(ds, np.zeros(50), client="never touched")
 
 
+def test_sharded_eval_data_is_refused_before_any_cluster_work_naming_to_dataset(tmp_path):
+    ds = _write("parquet", tmp_path, [50])
+    est = DownpourSGD(models.SoftmaxRegression(7, N_CLASSES), n_replicas=1, n_shards=1)
+    with pytest.raises(TypeError, match=r"eval_data is a ShardedDataset.*eval_data\.to_dataset"):
+        est.fit(ds, eval_data=ds, client="never touched")
+
+
 def test_read_time_errors_name_the_file_and_row_group(tmp_path):
     frame = _frame(200)
     frame.loc[130, "f2"] = np.nan
@@ -305,9 +296,6 @@ def _features_only(folder: Path, sizes: list[int], kind: str):
         np.save(folder / "X.npy", frame.drop(columns="label").to_numpy(np.float32))
         np.save(folder / "y.npy", frame["label"].to_numpy())
         return datasets.from_npy(folder / "X.npy", folder / "y.npy")
-    import dask.array as da
-    import dask.dataframe as dd
-
     frame = pd.concat(frames, ignore_index=True)
     if kind == "dask-frame":
         return datasets.from_dask(dd.from_pandas(frame, npartitions=5), label="label")
@@ -364,21 +352,19 @@ def test_every_row_is_trained_on_exactly_once_per_epoch(client, tmp_path, sizes,
 
 
 def test_dask_partitions_are_read_on_the_worker_that_holds_them(client, tmp_path):
-    import dask.dataframe as dd
-
-    from downpour_dask.data.dask_data import place_replicas
-
     frame = _frame(1200)
     ddf = dd.from_pandas(frame, npartitions=6)
     ds = datasets.from_dask(ddf, label="label", shuffle_buffer=40)
     workers = sorted(cluster_workers(client))
     model = models.SoftmaxRegression(N_FEATURES + 1, N_CLASSES)
-    placements = place_replicas(client, ds, 4, workers, 16, model, timeout=60)
+    placed = place_replicas(client, ds, 4, workers, 16, model, timeout=60)
+    assert placed.n_rows == 1200 and placed.info["n_shards"] == 6
     rows = {}
-    for p in placements:
+    for p in placed.replicas:
         holders = client.who_has(p.parts)
         assert all(p.worker in holders[f.key] for f in p.parts)  # data is local to the replica
         rows.setdefault(p.worker, []).append(sum(s.rows for s in p.data.shards))
+        assert p.rows == rows[p.worker][-1]
     assert sum(map(sum, rows.values())) == 1200
     assert all(max(r) - min(r) <= 1 for r in rows.values())  # balanced on each worker
     # and training through them visits every row once per epoch
@@ -396,6 +382,22 @@ def test_dask_partitions_are_read_on_the_worker_that_holds_them(client, tmp_path
     ids = np.concatenate(_trained_ids(logs))
     assert np.array_equal(np.sort(ids), np.arange(1200))
     assert est.experiment_.config["data"]["kind"] == "frame"
+
+
+@pytest.mark.parametrize("kind", ["dask-frame", "dask-array"])
+def test_fit_leaves_the_callers_dask_dataset_and_collection_unchanged(client, tmp_path, kind):
+    data = _features_only(tmp_path, [300, 100, 200], kind)
+    attributes = dict(vars(data))
+    collections = data.collection if kind == "dask-array" else (data.collection,)
+    keys = [c.__dask_keys__() for c in collections]
+    rows_before = data.n_rows
+    est = _fit(data, client, epochs=1)
+    assert est.experiment_.config["n_rows"] == 600  # the placed copy knows the partitions
+    assert est.experiment_.config["data"]["rows"] == 600
+    assert vars(data).keys() == attributes.keys()
+    assert all(getattr(data, name) is value for name, value in attributes.items()), vars(data)
+    assert data.shards == [] and data.n_rows == rows_before
+    assert [c.__dask_keys__() for c in collections] == keys  # the same graphs, not persisted ones
 
 
 def _break(kind: str, folder: Path) -> tuple[datasets.ShardedDataset, str]:
@@ -418,8 +420,6 @@ def _break(kind: str, folder: Path) -> tuple[datasets.ShardedDataset, str]:
 
 @pytest.mark.parametrize("kind", ["nan", "deleted", "corrupt"])
 def test_a_bad_file_stops_the_run_with_its_name_and_writes_nothing(client, tmp_path, kind):
-    from downpour_dask import runs
-
     ds, match = _break(kind, tmp_path / "data")
     est = DownpourSGD(
         models.SoftmaxRegression(N_FEATURES + 1, N_CLASSES),
@@ -458,7 +458,7 @@ def test_synthetic_writes_learnable_reproducible_parquet_shards(client, tmp_path
         batch_size=32,
         max_epochs=5,
         random_state=0,
-    ).fit(ds, eval_data=again, client=client)
+    ).fit(ds, eval_data=again.to_dataset(), client=client)
     assert est.experiment_.evals["accuracy"].iloc[-1] > 0.75
 
 

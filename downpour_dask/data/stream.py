@@ -1,14 +1,10 @@
 """A replica's minibatches, streamed from its shards in bounded memory.
 
-Reading goes in three stages, top to bottom in this module:
+Reading goes in three stages:
 
-1. **Chunk readers** (:func:`read_chunks`) turn one shard into chunks of at most ``chunk_rows``
-   rows of float32 features and checked targets: parquet by row group (``iter_batches`` inside
-   each group, restricted to the shard's row range), ``.npy`` through a memory map (pages are
-   released after each chunk), CSV with pyarrow's streaming reader, Dask partitions by row slices.
-   Row groups / chunks are visited in a fresh random order every epoch.  Every chunk is checked
-   for NaN/inf and bad labels, and every read failure becomes a :class:`ShardReadError`; both
-   name the file and the row group or rows.
+1. **Chunk readers** (:func:`~downpour_dask.data.readers.read_chunks`) turn one shard into
+   checked chunks of at most :attr:`StreamSpec.chunk_rows` rows, visited in a fresh random order
+   every epoch.
 2. A **shuffle buffer** (:func:`shuffle_batches`) of ``capacity`` rows: once full, each batch
    takes ``batch_size`` random rows out and the next rows read take their slots (a vectorised
    version of tf.data's buffer); at the end the rest is drained in random order.  Every row is
@@ -17,14 +13,14 @@ Reading goes in three stages, top to bottom in this module:
    bounded queue, so reading overlaps the gradient computation.  Every get/put polls a stop flag,
    the consumer re-raises the reader's exception, and leaving the loop early stops the thread.
 
-:class:`ArraySource` is the in-memory path (exactly :func:`~downpour_dask.data.minibatches`);
-:class:`ShardStream` the streaming one.  Both offer ``epoch(rng)``, all a replica needs.
+:class:`ArraySource` is the in-memory path (exactly :func:`~downpour_dask.data.arrays.minibatches`);
+:class:`ShardStream` the streaming one.  Both offer ``epoch(rng)``, all a replica needs, and
+:func:`make_source` picks one from what a replica task receives.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -33,8 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from .datasets import minibatches
-from .shards import Schema, Shard, ShardDataError, ShardReadError, _open_npy, _wrap_read
+from .arrays import minibatches
+from .readers import read_chunks
+from .schema import Schema, Shard
+from .shards import ShardedDataset
 
 CHUNK_BYTES = 4 << 20  # rows read at a time: ~4 MiB of float32 features
 BUFFER_BYTES = 32 << 20  # default shuffle buffer: ~32 MiB of float32 features
@@ -66,240 +64,24 @@ class StreamSpec:
         return max(1, min(self.shuffle_buffer, CHUNK_BYTES // (4 * self.schema.n_features)))
 
 
-# -- 1. chunk readers ----------------------------------------------------------------------------
+def replica_spec(
+    data: ShardedDataset, shards: Sequence[Shard], batch_size: int, n_classes: int | None
+) -> StreamSpec:
+    """The StreamSpec of a replica that streams ``shards`` of ``data``.
 
-
-def _guarded(items: Any, where: str) -> Iterator[Any]:
-    """Iterate ``items``, turning any failure to produce the next one into a ShardReadError."""
-    try:
-        it = iter(items)
-    except Exception as err:
-        raise _wrap_read(err, where) from err
-    while True:
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        except Exception as err:
-            raise _wrap_read(err, where) from err
-        yield item
-
-
-def _check_chunk(
-    X: np.ndarray, y: np.ndarray, where: str, row0: int, n_classes: int | None
-) -> np.ndarray:
-    """Raise ShardDataError on NaN/inf features or bad targets; return the training targets."""
-    if not np.isfinite(X.sum(dtype=np.float64)):  # one pass, no temporary; finite iff all are
-        bad = ~np.isfinite(X)
-        row = row0 + int(np.argmax(bad.any(axis=1)))
-        raise ShardDataError(
-            f"{where}: features contain {int(bad.sum())} NaN, infinite or missing value(s), "
-            f"first in row {row} (values beyond float32's ~3.4e38 count too); remove or impute "
-            "them"
-        )
-    if n_classes is None:
-        with np.errstate(over="ignore", invalid="ignore"):
-            out = np.asarray(y, dtype=np.float32)
-        if not np.isfinite(out).all():
-            row = row0 + int(np.argmax(~np.isfinite(out.reshape(len(out), -1)).all(axis=1)))
-            raise ShardDataError(
-                f"{where}: targets contain NaN, infinite or missing values, first in row {row}"
-            )
-        return out
-    if y.dtype.kind == "f":
-        odd = ~np.isfinite(y) | (y != np.round(y))
-        if odd.any():
-            raise ShardDataError(
-                f"{where}: labels must be integers 0..{n_classes - 1}, got "
-                f"{np.unique(y[odd])[:5].tolist()} (first in row {row0 + int(np.argmax(odd))})"
-            )
-    bad = (y < 0) | (y >= n_classes)
-    if bad.any():
-        raise ShardDataError(
-            f"{where}: labels {np.unique(y[bad])[:5].tolist()} are outside the model's classes "
-            f"0..{n_classes - 1} (first in row {row0 + int(np.argmax(bad))})"
-        )
-    return y.astype(np.int64)
-
-
-def _arrow_chunks(
-    batches: Any, lo: int, hi: int, pos: int, xbuf: np.ndarray, where: str
-) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """Rows ``[lo, hi)`` of a stream of record batches starting at row ``pos``, as chunks.
-
-    Columns are the features in order, then the label.
+    The shuffle buffer is the dataset's ``shuffle_buffer`` (else :func:`default_buffer`), at
+    most the replica's rows and at least one batch.  ``n_classes`` is the model's number of
+    classes for a classifier, None for regression.
     """
-    n_feat, size = xbuf.shape[1], xbuf.shape[0]
-    for batch in _guarded(batches, where):
-        b0, pos = pos, pos + batch.num_rows
-        a, b = max(lo, b0), min(hi, pos)
-        if a >= b:
-            if b0 >= hi:
-                return
-            continue
-        # numpy views of the batch's columns (zero-copy for null-free numbers), made once
-        columns = [batch.column(j).to_numpy(zero_copy_only=False) for j in range(n_feat + 1)]
-        for c0 in range(a, b, size):
-            r0, m = c0 - b0, min(size, b - c0)
-            X = xbuf[:m]
-            with np.errstate(over="ignore", invalid="ignore"):
-                for j in range(n_feat):
-                    X[:, j] = columns[j][r0 : r0 + m]
-            yield X, columns[n_feat][r0 : r0 + m], c0
-
-
-def _parquet_chunks(shard: Shard, schema: Schema, rng, xbuf: np.ndarray) -> Iterator:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(shard.path)
-        meta = pf.metadata
-    except Exception as err:
-        raise _wrap_read(err, shard.where()) from err
-    with contextlib.closing(pf):
-        if meta.num_rows < shard.stop:
-            raise ShardReadError(
-                f"cannot read {shard.where()}: the file now has {meta.num_rows} rows, it changed "
-                "since the dataset was validated"
-            )
-        offsets = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-        groups = [
-            g
-            for g in range(meta.num_row_groups)
-            if offsets[g] < shard.stop and offsets[g + 1] > shard.start
-        ]
-        columns = [*schema.features, schema.label]
-        for g in rng.permutation(groups):
-            where = f"{shard.path} (row group {g})"
-            batches = pf.iter_batches(  # decoding 4 chunks at once is ~25% cheaper per row
-                batch_size=4 * xbuf.shape[0],
-                row_groups=[int(g)],
-                columns=columns,
-                use_threads=False,
-            )
-            for X, y, row0 in _arrow_chunks(
-                batches, shard.start, shard.stop, int(offsets[g]), xbuf, where
-            ):
-                yield X, y, where, row0
-
-
-def _csv_chunks(shard: Shard, schema: Schema, rng, xbuf: np.ndarray) -> Iterator:
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-
-    columns = [*schema.features, schema.label]
-    where = shard.where()
-    try:
-        reader = pacsv.open_csv(
-            shard.path,
-            read_options=pacsv.ReadOptions(block_size=max(1 << 16, xbuf.nbytes)),
-            parse_options=pacsv.ParseOptions(delimiter=schema.delimiter),
-            convert_options=pacsv.ConvertOptions(
-                include_columns=columns, column_types={c: pa.float64() for c in columns}
-            ),
-        )
-    except Exception as err:
-        raise _wrap_read(err, where) from err
-    with contextlib.closing(reader):
-        rows = 0
-        for X, y, row0 in _arrow_chunks(reader, shard.start, shard.stop, 0, xbuf, where):
-            rows += len(X)
-            yield X, y, where, row0
-    if rows < shard.rows:
-        raise ShardReadError(
-            f"cannot read {where}: only {rows} of its rows are left; the file changed since the "
-            "dataset was validated"
-        )
-
-
-def _slices(shard: Shard, size: int, rng) -> list[tuple[int, int]]:
-    """The shard's rows as ``size``-row ranges, in random order."""
-    ranges = [(lo, min(lo + size, shard.stop)) for lo in range(shard.start, shard.stop, size)]
-    return [ranges[i] for i in rng.permutation(len(ranges))]
-
-
-def _npy_chunks(shard: Shard, schema: Schema, rng, xbuf: np.ndarray) -> Iterator:
-    X, y = _open_npy(shard.path), _open_npy(shard.y_path)
-    if len(X) < shard.stop or len(y) < shard.stop:
-        raise ShardReadError(
-            f"cannot read {shard.where()}: the file now has fewer rows; it changed since the "
-            "dataset was validated"
-        )
-    for lo, hi in _slices(shard, xbuf.shape[0], rng):
-        where = shard.where(lo, hi)
-        try:
-            with np.errstate(over="ignore", invalid="ignore"):
-                np.copyto(xbuf[: hi - lo], X[lo:hi], casting="unsafe")
-            yb = np.array(y[lo:hi])
-        except Exception as err:
-            raise _wrap_read(err, where) from err
-        _release_pages(X, lo, hi)
-        yield xbuf[: hi - lo], yb, where, lo
-
-
-def _release_pages(arr: np.ndarray, lo: int, hi: int) -> None:
-    """Drop rows ``[lo, hi)`` of a memory map from this process's resident set (best effort)."""
-    mm = getattr(arr, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    row = arr.strides[0]
-    start = arr.offset + lo * row
-    aligned = start - start % mmap.PAGESIZE
-    with contextlib.suppress(Exception):
-        mm.madvise(mmap.MADV_DONTNEED, aligned, start + (hi - lo) * row - aligned)
-
-
-def _partition_chunks(shard: Shard, schema: Schema, rng, xbuf: np.ndarray, part: Any) -> Iterator:
-    size = len(part[0]) if shard.kind == "array" else len(part)
-    if size < shard.stop:
-        raise ShardReadError(f"cannot read {shard.where()}: the partition has only {size} rows")
-    for lo, hi in _slices(shard, xbuf.shape[0], rng):
-        where = shard.where(lo, hi)
-        X = xbuf[: hi - lo]
-        try:
-            if shard.kind == "array":
-                with np.errstate(over="ignore", invalid="ignore"):
-                    np.copyto(X, part[0][lo:hi], casting="unsafe")
-                yb = np.asarray(part[1][lo:hi])
-            else:
-                rows = part.iloc[lo:hi]
-                block = rows[list(schema.features)].to_numpy(dtype=np.float64, na_value=np.nan)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    np.copyto(X, block, casting="unsafe")
-                yb = rows[schema.label].to_numpy(dtype=np.float64, na_value=np.nan)
-        except Exception as err:
-            raise _wrap_read(err, where) from err
-        yield X, yb, where, lo
-
-
-_READERS = {"parquet": _parquet_chunks, "csv": _csv_chunks, "npy": _npy_chunks}
-
-
-def read_chunks(
-    shard: Shard,
-    schema: Schema,
-    rng: np.random.Generator,
-    xbuf: np.ndarray,
-    n_classes: int | None,
-    part: Any = None,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield checked ``(X, y)`` chunks of ``shard``: float32 X in ``xbuf`` (reused), targets.
-
-    Each chunk is valid until the next one is requested.
-
-    Raises
-    ------
-    ShardReadError
-        The file is missing, unreadable, corrupt or changed (message names file/row group).
-    ShardDataError
-        NaN/inf features or targets, or labels outside ``0..n_classes-1``.
-    """
-    if shard.kind in _READERS:
-        chunks = _READERS[shard.kind](shard, schema, rng, xbuf)
-    else:
-        chunks = _partition_chunks(shard, schema, rng, xbuf, part)
-    for X, y, where, row0 in chunks:
-        yield X, _check_chunk(X, y, where, row0, n_classes)
+    rows = sum(s.rows for s in shards)
+    buffer = data.shuffle_buffer or default_buffer(data.n_features, batch_size)
+    return StreamSpec(
+        data.schema,
+        tuple(shards),
+        batch_size,
+        shuffle_buffer=max(batch_size, min(buffer, rows)),
+        n_classes=n_classes,
+    )
 
 
 # -- 2. the shuffle buffer -----------------------------------------------------------------------
@@ -444,12 +226,12 @@ def prefetched(
 
 
 class ArraySource:
-    """In-memory ``(X, y)``: each epoch is :func:`~downpour_dask.data.minibatches`, unchanged.
+    """In-memory ``(X, y)``: each epoch is :func:`~downpour_dask.data.arrays.minibatches`.
 
     Arrays that arrive in a Dask message are often *unaligned* (their data starts at an odd
     offset in the received frame), and numpy gathers rows from unaligned arrays through a slow
-    element-wise path: measured in a worker, 10k instead of 5M rows/s for 256 float32 features.
-    So unaligned arrays are copied once, here, into aligned memory.
+    element-wise path, orders of magnitude slower than from aligned memory.  So unaligned arrays
+    are copied once, here, into aligned memory.
     """
 
     def __init__(self, X: np.ndarray, y: np.ndarray, batch_size: int):

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 FILE_BYTES = 256 << 20  # default: one file per ~256 MiB of features
 
@@ -24,7 +27,9 @@ def _check(name: str, value: int, low: int) -> int:
     return int(value)
 
 
-def teacher(features: int, classes: int, hidden: int, seed: int):
+def teacher(
+    features: int, classes: int, hidden: int, seed: int
+) -> Callable[[np.ndarray], np.ndarray]:
     """The labelling function: ``argmax(tanh(X @ W1) @ W2 + b)`` with class-balancing biases."""
     rng = np.random.default_rng([seed, 0])
     W1 = (rng.standard_normal((features, hidden)) / math.sqrt(features)).astype(np.float32)
@@ -59,9 +64,6 @@ def write_synthetic(
     FileExistsError
         If ``path`` already holds parquet files (they would be mixed with the new ones).
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rows = _check("rows", rows, 1)
     features = _check("features", features, 1)
     classes = _check("classes", classes, 2)
@@ -87,8 +89,8 @@ def write_synthetic(
         tmp = name + ".tmp"
         a, b = int(bounds[i]), int(bounds[i + 1])
         cuts = sorted({a, b, *range(-(-a // row_group_rows) * row_group_rows, b, row_group_rows)})
-        # Random floats do not compress: snappy saved 0.01% of the bytes here but made reading
-        # 3x slower (615k vs 2M rows/s of 256 features), and dictionary encoding only adds bytes.
+        # Random floats do not compress: compressing the features saves almost no bytes but
+        # makes reading them several times slower, and dictionary encoding only adds bytes.
         with pq.ParquetWriter(
             tmp, schema, compression={"label": "snappy"}, use_dictionary=["label"]
         ) as writer:

@@ -30,12 +30,12 @@ from ..core import optim
 from ..core.models import Model
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
-from ..data.dask_data import place_replicas
 from ..data.datasets import Dataset, ShardedDataset, as_dataset
 from ..log import EVAL_COLUMNS, PUSH_COLUMNS, Experiment, Progress, events_frame
 from ..ps.protocol import SHARD_ERRORS
 from ..ps.server import ParameterServer
 from ..runtime.cluster import check_security, cluster_client, cluster_workers
+from ..runtime.placement import place_replicas
 from .model_parallel import partition_workers
 from .recovery import Recovery
 from .replica import ReplicaConfig
@@ -410,14 +410,10 @@ class _Run(Recovery):
                 f"publish={self.publish!r}: a run or dataset of that name is already published "
                 f"on the scheduler; choose another name"
             )
-        placements = place_replicas(  # data placement is not training time: before t0
+        placed = place_replicas(  # data placement is not training time: before t0
             client, self.subsets, est.n_replicas, workers, est.batch_size, est.model, est.timeout
         )
-        if isinstance(self.subsets, ShardedDataset):
-            self.n_rows, self.data_info = self.subsets.n_rows, self.subsets.describe()
-        else:
-            self.n_rows = sum(len(y) for _, y in self.subsets)
-            self.data_info = {"kind": "arrays", "n_shards": len(placements), "rows": self.n_rows}
+        placements, self.n_rows, self.data_info = placed.replicas, placed.n_rows, placed.info
         self.t0 = time.time()
         rng = np.random.default_rng(est.random_state)
         self.plan = est._plan()
