@@ -217,6 +217,26 @@ def test_sharded_eval_data_is_refused_before_any_cluster_work_naming_to_dataset(
         est.fit(ds, eval_data=ds, client="never touched")
 
 
+def test_from_dask_checks_metadata_only_and_placing_describes_a_new_dataset():
+    frame = _frame(100)
+    ddf = dd.from_pandas(frame, npartitions=4)
+    ds = datasets.from_dask(ddf, label="label")
+    assert ds.kind == "frame" and ds.n_features == N_FEATURES + 1 and ds.n_partitions == 4
+    assert ds.shards == [] and ds.n_rows is None  # unknown until persisted on a cluster
+    placed = ds.with_partitions(ddf, [30, 0, 40, 30], [f"partition {i}" for i in range(4)])
+    assert placed is not ds and placed.n_rows == 100 and placed.describe()["n_shards"] == 3
+    assert [s.part for s in placed.shards] == [0, 2, 3]  # the empty partition has no shard
+    assert ds.shards == [] and ds.n_rows is None and ds.collection is ddf
+    arrays = datasets.from_dask((da.ones((10, 3), chunks=(4, 3)), da.zeros(10, chunks=5)))
+    assert arrays.n_rows == 10 and arrays.n_partitions == 3  # y follows X's row blocks
+    with pytest.raises(TypeError, match="from_dask expects a dask.dataframe.DataFrame"):
+        datasets.from_dask(frame)  # pandas, not Dask
+    with pytest.raises(TypeError, match=r"non-numeric column\(s\): f2"):
+        datasets.from_dask(ddf.assign(f2="x"), label="label")
+    with pytest.raises(ValueError, match="label column 'y' not found"):
+        datasets.from_dask(ddf, label="y")
+
+
 def test_read_time_errors_name_the_file_and_row_group(tmp_path):
     frame = _frame(200)
     frame.loc[130, "f2"] = np.nan

@@ -61,6 +61,7 @@ class StreamSpec:
 
     @property
     def chunk_rows(self) -> int:
+        """Rows read at a time: ~4 MiB of float32 features, at most the shuffle buffer."""
         return max(1, min(self.shuffle_buffer, CHUNK_BYTES // (4 * self.schema.n_features)))
 
 
