@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -122,19 +122,27 @@ class RunRecorder:
         Name of the evaluation score column.
     extra_eval_columns : dict, optional
         Further evaluation columns and their dtypes (Sandblaster's ``objective`` ...).
+    clock : callable, default time.time
+        Wall-clock seconds; tests give a fake clock to drive time-dependent decisions.
     """
 
-    def __init__(self, metric: str, extra_eval_columns: dict[str, str] | None = None):
+    def __init__(
+        self,
+        metric: str,
+        extra_eval_columns: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.metric = metric
         self.eval_columns = {**EVAL_COLUMNS, metric: "float64", **(extra_eval_columns or {})}
-        self.t0 = time.time()
+        self.clock = clock
+        self.t0 = clock()
         self.events: list[Event] = []
         self.evals: list[dict[str, Any]] = []
         self.pushes: list[PushRow] = []
 
     def elapsed(self) -> float:
         """Seconds since training started."""
-        return time.time() - self.t0
+        return self.clock() - self.t0
 
     def event(self, kind: str, detail: str = "", **data: Any) -> Event:
         """Record an event now: ``detail`` for people, ``data`` (plain values) for code."""
@@ -146,7 +154,8 @@ class RunRecorder:
         """Add events recorded elsewhere, already timed relative to :attr:`t0`
         (``(time, kind, detail)`` or ``(time, kind, detail, data)``)."""
         for e in events:
-            self.events.append(Event(*e) if len(e) == 4 else Event(*e, {}))
+            data = e[3] if len(e) > 3 else None
+            self.events.append(Event(float(e[0]), e[1], e[2], dict(data or {})))
 
     def push(self, row: PushRow | tuple) -> None:
         """Record one acknowledged push."""
@@ -193,8 +202,9 @@ class RunRecorder:
         """Continue the log of a checkpoint taken ``elapsed`` seconds into its run: the time axis
         goes on from there.  Rows written by older releases (8-field pushes, 3-field events)
         load too."""
-        self.t0 = time.time() - elapsed
+        self.t0 = self.clock() - elapsed
         self.evals = [dict(e) for e in meta.get("evals", [])]
+        self.events = []
         self.add_events(meta.get("events", []))
         self.pushes = [PushRow(*row) for row in meta.get("pushes", [])]
 
