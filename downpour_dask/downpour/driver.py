@@ -1,0 +1,393 @@
+"""One Downpour fit on a Dask client, from placing the data to the experiment log.
+
+:class:`Driver` is what :meth:`~downpour_dask.DownpourSGD.fit` runs once its arguments are
+checked.  In order: it places each replica's data on a worker (before the run's clock starts),
+starts the parameter-server shards (next to replica 0's partitions with model parallelism),
+starts every replica -- the others wait on the shards for replica 0's warmstart --, watches the
+warmstart, supervises until every replica has finished (:mod:`.loop`), reads the final
+parameters, and always lets go of what it started: tasks, mailboxes, shards, the published
+name.  The decisions of the run are its collaborators': :mod:`.supervisor`,
+:mod:`.shard_recovery`, :mod:`.tasks`, :mod:`.checkpoints`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from distributed import Client
+
+from .. import live
+from ..base import RunRecorder
+from ..checkpoint import Checkpoint
+from ..core.models import Model
+from ..core.optim import UpdateRule
+from ..core.partition import PartitionPlan
+from ..data.datasets import ShardedDataset
+from ..log import Experiment, Progress
+from ..ps.server import ParameterServer
+from ..runtime.cluster import cluster_workers
+from ..runtime.placement import place_replicas
+from .checkpoints import Checkpoints, initial_states, restore_args, steps_pushed
+from .dask_cluster import DaskCluster, DaskServer
+from .model_parallel import partition_workers
+from .replica import ReplicaConfig
+from .shard_recovery import ShardRecovery
+from .supervision import Limits, SupervisionLoop, take_rows
+from .supervisor import Supervisor
+from .tasks import ReplicaTasks
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """What one fit needs of the estimator's checked arguments (see
+    :class:`~downpour_dask.DownpourSGD` for their meaning)."""
+
+    model: Model
+    rule: UpdateRule
+    n_replicas: int
+    n_shards: int
+    ranges: list[tuple[int, int]]  # each shard's range of the server's vector
+    plan: PartitionPlan | None  # how replicas are split (None: not)
+    batch_size: int
+    n_fetch: int
+    n_push: int
+    max_inflight: int
+    local_learning_rate: float  # alpha, resolved
+    warmstart_steps: int
+    max_epochs: int | None  # resolved: one epoch when no limit was given
+    max_steps: int | None
+    max_seconds: float | None
+    eval_every: float
+    random_state: int | None
+    timeout: float
+    checkpoint_every: float
+    checkpoint_dir: str | os.PathLike[str] | None
+    transport: str
+    config: dict[str, Any]  # the estimator's part of the experiment's config
+
+    @property
+    def partitions(self) -> int:
+        """Partitions of each replica."""
+        return 1 if self.plan is None else self.plan.partitions
+
+
+class Driver:
+    """One execution of :meth:`DownpourSGD.fit` on ``client``: call :meth:`execute` once, then
+    read :attr:`params`, :attr:`status` and :attr:`experiment`.
+
+    Parameters
+    ----------
+    fit : FitSettings
+        The estimator's checked arguments.
+    client : distributed.Client
+    data : list of (X, y), or ShardedDataset
+        Each replica's in-memory subset, or the files / Dask data the replicas stream.
+    evaluation : (X, y), optional
+        Evaluated every ``eval_every`` seconds and at the end.
+    resumed : Checkpoint, optional
+        The checkpoint to continue from.
+    callback : callable, optional
+        Receives :class:`Progress` snapshots.
+    publish : str, optional
+        Name to publish the running server under.
+    """
+
+    def __init__(
+        self,
+        fit: FitSettings,
+        client: Client,
+        data: Any,
+        evaluation: tuple[np.ndarray, np.ndarray] | None = None,
+        resumed: Checkpoint | None = None,
+        callback: Callable[[Progress], None] | None = None,
+        publish: str | None = None,
+    ):
+        self.fit, self.client, self.data, self.evaluation = fit, client, data, evaluation
+        self.resumed, self.callback, self.publish = resumed, callback, publish
+        self.metric = "accuracy" if fit.model.is_classifier else "r2"
+        self.token = uuid.uuid4().hex[:8]  # names this run's tasks, variables, worker records
+        self.cluster = DaskCluster(client, self.token)
+        self.published = False
+        #: The outcome, once :meth:`execute` returned.
+        self.params: np.ndarray | None = None
+        self.status: pd.DataFrame | None = None
+        self.experiment: Experiment | None = None
+
+    # -- the fit ---------------------------------------------------------------------------------
+    def execute(self) -> None:
+        """Run the fit to its end (see the module docstring for the order of things)."""
+        fit, client = self.fit, self.client
+        workers = self._workers()
+        placed = place_replicas(  # data placement is not training time: before t0
+            client, self.data, fit.n_replicas, workers, fit.batch_size, fit.model, fit.timeout
+        )
+        recorder = RunRecorder(self.metric)  # the run's clock starts now
+        rng = np.random.default_rng(fit.random_state)
+        initial = fit.model.init(rng)
+        if fit.plan is not None:  # the server holds the parameters partition by partition
+            initial = fit.plan.pack(initial)
+        seed = int(rng.integers(2**31)) if fit.random_state is None else fit.random_state
+        restore = None
+        if self.resumed is not None:  # continue the interrupted run's time axis and log
+            recorder.restore(self.resumed.meta, self.resumed.elapsed)
+            initial = np.concatenate([s.values for s in self.resumed.shards])
+            restore = restore_args(self.resumed)
+        server = ParameterServer.create(
+            client,
+            initial,
+            fit.n_shards,
+            fit.rule,
+            self._shard_workers(placed.replicas[0].worker, workers),
+            fit.timeout,
+            restore=restore,
+            ranges=fit.ranges,
+        )
+        view = DaskServer(server, client, fit.rule, fit.plan)
+        for i, future in enumerate(server.futures):  # replicas find replacements there
+            self.cluster.announce_shard(i, future)
+        checkpoints = Checkpoints(
+            view,
+            initial_states(server.ranges, initial, fit.rule, restore),
+            recorder,
+            fit.checkpoint_every,
+            fit.timeout,
+            fit.checkpoint_dir,
+            meta={"model": fit.model.get_config(), "partitions": fit.partitions},
+            before_write=functools.partial(take_rows, self.cluster, recorder),
+        )
+        self._record_start(recorder, len(workers))
+        first_shards = self._first_shards()
+        arrays = None if isinstance(self.data, ShardedDataset) else self.data
+        tasks = ReplicaTasks(
+            self.cluster, view, fit.model, self.token, fit.timeout, fit.plan,
+            [*first_shards, fit.n_shards], arrays,
+        )  # fmt: skip
+        republish = functools.partial(self._republish, server, recorder, placed.n_rows)
+        recovery = ShardRecovery(self.cluster, view, checkpoints, recorder, fit.timeout, republish)
+        supervisor = Supervisor(
+            self.cluster, view, tasks, recovery, recorder, fit.n_push, fit.timeout
+        )
+        loop = SupervisionLoop(
+            self.cluster, view, tasks, supervisor, checkpoints, recorder,
+            self._limits(placed.n_rows), self._scorer(), self._reporter(),
+        )  # fmt: skip
+        try:
+            if self.publish is not None:
+                info = self._live_info(recorder, placed.n_rows)
+                live.publish(client, self.publish, server, info)
+                self.published = True
+            done = steps_pushed(restore, first_shards, fit.n_push)
+            warm = fit.n_replicas > 1 and fit.warmstart_steps > 0 and self.resumed is None
+            gate = -(-fit.warmstart_steps // fit.n_push) if warm else 0  # replica 0's pushes
+            for r, place in enumerate(placed.replicas):
+                start, wait_for = done.get(r, 0), gate if r else 0
+                configs = [
+                    self._replica_config(r, p, recorder.t0, seed, start, wait_for)
+                    for p in range(fit.partitions)
+                ]
+                where = partition_workers(place.worker, fit.partitions, workers)
+                tasks.start_replica(r, where, place.data, place.parts, configs)
+            if warm:
+                loop.warmstart(gate, fit.warmstart_steps)
+            loop.run()
+            self.params, _ = loop.finish()
+            self.status = supervisor.recovering(server.status, fit.timeout)
+            shard_events = supervisor.recovering(view.shard_events, fit.timeout)
+            recorder.add_events((e[0] - recorder.t0, *e[1:]) for e in shard_events)
+            loop.collect_rows(force=True)  # the replicas' last rows, before they are forgotten
+            results = tasks.ordered_results()
+        finally:
+            if tasks.running():  # the driver failed: let the replicas finish
+                with contextlib.suppress(Exception):
+                    view.request_stop(fit.timeout)
+            tasks.cancel_all()
+            if self.published:
+                live.unpublish(client, self.publish)
+            self.cluster.forget()
+            server.close()
+        config = self._config(placed, workers, results, tasks, supervisor.restarts)
+        self.experiment = recorder.experiment(config)
+
+    def _workers(self) -> list[str]:
+        """The cluster's workers, checked against what the fit needs of them."""
+        partitions = self.fit.partitions
+        workers = sorted(cluster_workers(self.client))
+        if not workers:
+            raise RuntimeError("the Dask cluster has no workers")
+        if partitions > len(workers):
+            raise ValueError(
+                f"partitions={partitions} puts each replica's partitions on "
+                f"{partitions} different workers, but the cluster has {len(workers)}; use "
+                f"partitions <= {len(workers)} or a cluster with more workers"
+            )
+        if self.publish is not None and live.is_published(self.client, self.publish):
+            raise ValueError(
+                f"publish={self.publish!r}: a run or dataset of that name is already published "
+                f"on the scheduler; choose another name"
+            )
+        return workers
+
+    def _record_start(self, recorder: RunRecorder, n_workers: int) -> None:
+        """Events ``resumed`` ``{path, versions, elapsed}`` (when resuming) and ``start``
+        ``{n_replicas, n_shards, n_workers}``."""
+        fit, resumed = self.fit, self.resumed
+        if resumed is not None:
+            recorder.event(
+                "resumed",
+                f"from {resumed.path} at versions {resumed.versions} "
+                f"({resumed.elapsed:.1f} s into the run)",
+                path=str(resumed.path),
+                versions=list(resumed.versions),
+                elapsed=resumed.elapsed,
+            )
+        recorder.event(
+            "start",
+            f"{fit.n_replicas} replicas, {fit.n_shards} shards on {n_workers} workers",
+            n_replicas=fit.n_replicas,
+            n_shards=fit.n_shards,
+            n_workers=n_workers,
+        )
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _replica_config(
+        self, r: int, p: int, t0: float, seed: int, start: int, gate: int
+    ) -> ReplicaConfig:
+        fit = self.fit
+        return ReplicaConfig(
+            replica=r,
+            batch_size=fit.batch_size,
+            n_fetch=fit.n_fetch,
+            n_push=fit.n_push,
+            max_inflight=fit.max_inflight,
+            local_learning_rate=fit.local_learning_rate,
+            seed=seed,  # the same for every partition of a replica: they read the same batches
+            t0=t0,
+            max_epochs=fit.max_epochs,
+            max_steps=fit.max_steps,
+            timeout=fit.timeout,
+            run=self.token,
+            start_step=start,
+            topic=live.topic(self.publish) if self.publish is not None else "",
+            partition=p,
+            transport=fit.transport,
+            start_after_version=gate,
+        )
+
+    def _limits(self, n_rows: int | None) -> Limits:
+        fit = self.fit
+        return Limits(
+            eval_every=fit.eval_every,
+            timeout=fit.timeout,
+            max_seconds=fit.max_seconds,
+            max_epochs=fit.max_epochs,
+            max_steps=fit.max_steps,
+            n_rows=n_rows,
+            n_replicas=fit.n_replicas,
+            n_push=fit.n_push,
+        )
+
+    def _first_shards(self) -> list[int]:
+        """Index of each partition's first shard (shard 0 alone without partitions)."""
+        if self.fit.plan is None:
+            return [0]
+        counts = self.fit.plan.shards_per_partition(self.fit.n_shards)
+        return [sum(counts[:p]) for p in range(len(counts))]
+
+    def _shard_workers(self, first: str, workers: list[str]) -> list[str]:
+        """Where each shard goes: round robin over the workers; with model parallelism, next to
+        the partition of replica 0 whose parameters it holds (further shards of a partition
+        continue round robin from there)."""
+        plan = self.fit.plan
+        if plan is None:
+            return workers
+        placed = []
+        start = workers.index(first)
+        for p, count in enumerate(plan.shards_per_partition(self.fit.n_shards)):
+            for j in range(count):
+                placed.append(workers[(start + p + j * plan.partitions) % len(workers)])
+        return placed
+
+    def _scorer(self) -> Callable[[np.ndarray], dict[str, float]] | None:
+        """Loss and score of parameters on the evaluation data (None without any)."""
+        if self.evaluation is None:
+            return None
+        X, y = self.evaluation
+        model, metric = self.fit.model, self.metric
+        return lambda params: {"loss": model.loss(params, X, y), metric: model.score(params, X, y)}
+
+    def _reporter(self) -> Callable[[Progress], None] | None:
+        """Where progress snapshots go: the callback, and watchers of a published run."""
+        if self.callback is None and self.publish is None:
+            return None
+
+        def report(progress: Progress) -> None:
+            if self.publish is not None:
+                live.log_progress(self.client, self.publish, progress)
+            if self.callback is not None:
+                self.callback(progress)
+
+        return report
+
+    def _live_info(self, recorder: RunRecorder, n_rows: int | None) -> dict[str, Any]:
+        """What a published run tells processes that attach to it (msgpack/JSON-able)."""
+        fit = self.fit
+        return {
+            "estimator": "DownpourSGD",
+            "model": fit.model.get_config(),
+            "t0": recorder.t0,
+            "n_replicas": fit.n_replicas,
+            "n_shards": fit.n_shards,
+            "partitions": fit.partitions,
+            "n_rows": n_rows,
+            "metric": self.metric,
+        }
+
+    def _republish(
+        self, server: ParameterServer, recorder: RunRecorder, n_rows: int | None
+    ) -> None:
+        """After a shard was replaced: attached live views must see the new shard."""
+        if not self.published:
+            return
+        with contextlib.suppress(Exception):  # best effort: never fail the recovery
+            info = self._live_info(recorder, n_rows)
+            live.publish(self.client, self.publish, server, info, override=True)
+
+    def _config(
+        self, placed: Any, workers: list[str], results: list[dict], tasks: ReplicaTasks,
+        restarts: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The experiment's config: the estimator's, the data, and what the replicas did."""
+        config = {**self.fit.config, "n_rows": placed.n_rows, "workers": workers}
+        config["data"] = placed.info
+        config["replica_steps"] = [r["steps"] for r in results if r.get("partition", 0) == 0]
+        config["lost_pushes"] = sum(r.get("lost_pushes", 0) for r in results)
+        # how each replica (each "replica.partition" of a split model) reached each of its shards
+        config["replica_transports"] = {
+            f"{r['replica']}"
+            if self.fit.plan is None
+            else f"{r['replica']}.{r['partition']}": list(r.get("transports", []))
+            for r in results
+        }
+        if self.fit.plan is not None:  # what crossed partition boundaries, over the whole run
+            config["partition_bytes_sent"] = sum(r.get("bytes_sent", 0) for r in results)
+            bounds = [*self._first_shards(), self.fit.n_shards]
+            config["partition_slots"] = [  # where each partition ran, and whom it talked to
+                {
+                    "replica": r,
+                    "partition": p,
+                    "worker": worker,
+                    "shards": list(range(bounds[p], bounds[p + 1])),
+                    "sessions": list(result.get("sessions", [])),
+                }
+                for (r, p), worker, result in zip(tasks.slots, tasks.workers, results)
+            ]
+        config["replica_restarts"] = restarts
+        return config

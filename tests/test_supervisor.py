@@ -1,0 +1,464 @@
+"""The Downpour driver's decisions, in-process: fake cluster, fake shards, fake clock, no Dask.
+
+The supervision loop, the supervisor, shard recovery, the replica tasks and checkpoints talk to
+the cluster and the shards only through :mod:`downpour_dask.downpour.protocols`; these fakes
+implement those protocols, so every decision -- restart which replica where and from which
+step, restore a shard from which copy, when to evaluate, when to stop -- is checked here
+without a cluster.  ``tests/test_failures.py`` checks the same story for real, with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from distributed import KilledWorker
+
+from downpour_dask.base import RunRecorder
+from downpour_dask.core import models
+from downpour_dask.downpour.checkpoints import Checkpoints
+from downpour_dask.downpour.replica import ReplicaConfig
+from downpour_dask.downpour.shard_recovery import ShardRecovery
+from downpour_dask.downpour.supervision import Limits, SupervisionLoop
+from downpour_dask.downpour.supervisor import MAX_REPLICA_RESTARTS, Supervisor
+from downpour_dask.downpour.tasks import ReplicaTasks
+from downpour_dask.ps.protocol import ShardLostError
+
+SHARD_SIZE = 4
+
+
+class FakeClock:
+    """Wall-clock seconds that move only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class FakeTask:
+    """A task with the status and outcome a test gives it."""
+
+    key: str
+    status: str = "pending"
+    outcome: Any = None  # the result, or the error of an "error" task
+    cancelled: bool = False
+
+    def done(self) -> bool:
+        return self.status != "pending"
+
+    def result(self, timeout: float | None = None) -> Any:
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.outcome if isinstance(self.outcome, BaseException) else None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def finish(self, result: dict) -> None:
+        self.status, self.outcome = "finished", result
+
+
+@dataclass
+class Submission:
+    function: Any
+    args: tuple
+    worker: str
+    task: FakeTask
+
+    @property
+    def config(self) -> ReplicaConfig:
+        return next(a for a in self.args if isinstance(a, ReplicaConfig))
+
+
+@dataclass
+class FakeCluster:
+    """Workers by name; ``wait`` advances the clock by its timeout, then calls ``on_wait``."""
+
+    alive: list[str]
+    clock: FakeClock
+    submitted: list[Submission] = field(default_factory=list)
+    scattered: list[tuple[str, int]] = field(default_factory=list)
+    copies: dict[str, Any] = field(default_factory=dict)  # worker -> (version, values)
+    rows: list[tuple] = field(default_factory=list)
+    announced: list[tuple[int, Any]] = field(default_factory=list)
+    on_wait: Any = None
+    born_failed: set[int] = field(default_factory=set)  # replicas whose tasks die at once
+
+    def workers(self, fresh: bool = True) -> list[str]:
+        return sorted(self.alive)
+
+    def submit(self, function: Any, *args: Any, worker: str, key: str) -> FakeTask:
+        task = FakeTask(key)
+        replica = next(a for a in args if isinstance(a, ReplicaConfig)).replica
+        if replica in self.born_failed:
+            task.status, task.outcome = "error", KilledWorker(key, worker, 3)
+        self.submitted.append(Submission(function, args, worker, task))
+        return task
+
+    def start_actor(self, cls: type, worker: str, key: str) -> FakeTask:
+        raise AssertionError("no model parallelism in these tests")
+
+    def scatter(self, values: list[Any], worker: str) -> list[Any]:
+        self.scattered.append((worker, len(values)))
+        return [f"{worker}/{i}" for i in range(len(values))]
+
+    def wait(self, tasks: list[FakeTask], timeout: float) -> None:
+        self.clock.now += timeout
+        if self.on_wait is not None:
+            self.on_wait()
+
+    def fetched_copies(self, shard: int, key: str, workers: list[str]) -> dict[str, Any]:
+        return {w: self.copies.get(w) for w in workers}
+
+    def drain_rows(self) -> list[tuple]:
+        rows, self.rows = self.rows, []
+        return rows
+
+    def announce_shard(self, shard: int, future: Any) -> None:
+        self.announced.append((shard, future))
+
+
+class FakeServer:
+    """Shards on named workers, with versions and per-replica push counts a test sets."""
+
+    def __init__(self, workers: list[str]):
+        self.workers = list(workers)
+        self.ranges = [(i * SHARD_SIZE, (i + 1) * SHARD_SIZE) for i in range(len(workers))]
+        self.version = [0] * len(workers)
+        self.accepted_by_replica: dict[int, int] = {}
+        self.lost: set[int] = set()
+        self.generation = [0] * len(workers)
+        self.replaced: list[tuple[int, np.ndarray, str, dict]] = []
+        self.stop_requests = 0
+        self.releases = 0
+
+    def _check(self) -> None:
+        for i in sorted(self.lost):
+            raise ShardLostError(f"shard {i} is gone", i)
+
+    def shard_key(self, shard: int) -> str:
+        return f"shard-{shard}-{self.generation[shard]}"
+
+    def portable(self, first: int = 0, stop: int | None = None) -> Any:
+        return ("server", first, stop)
+
+    def versions(self, timeout: float) -> list[int]:
+        self._check()
+        return list(self.version)
+
+    def pull(self, timeout: float) -> tuple[np.ndarray, list[int]]:
+        self._check()
+        return np.zeros(self.ranges[-1][1], np.float32), list(self.version)
+
+    def shard_status(self, shard: int, timeout: float) -> dict[str, Any]:
+        if shard in self.lost:
+            raise ShardLostError(f"shard {shard} is gone", shard)
+        accepted = sum(self.accepted_by_replica.values())
+        return {
+            "examples": 32 * accepted,
+            "accepted": accepted,
+            "recent_loss": 1.0,
+            "accepted_by_replica": dict(self.accepted_by_replica),
+        }
+
+    def lost_shards(self, timeout: float) -> list[int]:
+        return sorted(self.lost)
+
+    def request_stop(self, timeout: float) -> None:
+        self.stop_requests += 1
+
+    def release_warmstart(self, timeout: float) -> None:
+        self.releases += 1
+
+    def export_state(self, timeout: float) -> list[dict[str, Any]]:
+        self._check()
+        return [
+            {"values": np.zeros(SHARD_SIZE, np.float32), "rule_state": {}, "version": v}
+            | {"counters": {}}
+            for v in self.version
+        ]
+
+    def replace_shard(
+        self, shard: int, values: np.ndarray, worker: str, state: dict, timeout: float
+    ) -> str:
+        self.replaced.append((shard, np.array(values), worker, state))
+        self.workers[shard] = worker
+        self.version[shard] = state["version"]
+        self.generation[shard] += 1
+        self.lost.discard(shard)
+        return f"future-of-{self.shard_key(shard)}"
+
+
+def _run(
+    workers: list[str],
+    shard_workers: list[str],
+    replica_workers: list[str],
+    n_push: int = 1,
+    limits: Limits | None = None,
+    score: Any = None,
+) -> SimpleNamespace:
+    """A fit's collaborators over fakes, every replica started (in-memory data)."""
+    clock = FakeClock()
+    recorder = RunRecorder("accuracy", clock=clock)
+    cluster = FakeCluster(list(workers), clock)
+    server = FakeServer(shard_workers)
+    states = [
+        {"values": np.zeros(SHARD_SIZE, np.float32), "rule_state": {}, "version": 0, "counters": {}}
+        for _ in shard_workers
+    ]
+    checkpoints = Checkpoints(server, states, recorder, every=3600.0, timeout=5.0)
+    model = models.SoftmaxRegression(2, 2)
+    arrays = [(np.zeros((8, 2), np.float32), np.zeros(8, np.int64)) for _ in replica_workers]
+    tasks = ReplicaTasks(cluster, server, model, "run", 5.0, arrays=arrays)
+    for r, worker in enumerate(replica_workers):
+        config = ReplicaConfig(
+            replica=r, batch_size=4, n_fetch=1, n_push=n_push, local_learning_rate=0.1, seed=0, t0=0
+        )
+        tasks.start_replica(r, [worker], (f"X{r}", f"y{r}"), [], [config])
+    recovery = ShardRecovery(cluster, server, checkpoints, recorder, timeout=5.0)
+    supervisor = Supervisor(cluster, server, tasks, recovery, recorder, n_push, timeout=5.0)
+    loop = SupervisionLoop(
+        cluster,
+        server,
+        tasks,
+        supervisor,
+        checkpoints,
+        recorder,
+        limits or Limits(eval_every=0.5, timeout=5.0),
+        score,
+    )
+    return SimpleNamespace(
+        clock=clock, recorder=recorder, cluster=cluster, server=server, tasks=tasks,
+        checkpoints=checkpoints, supervisor=supervisor, loop=loop,
+    )  # fmt: skip
+
+
+def _events(run: SimpleNamespace, kind: str) -> list[dict]:
+    return [e.data for e in run.recorder.events if e.kind == kind]
+
+
+def _kinds(run: SimpleNamespace) -> list[str]:
+    return [e.kind for e in run.recorder.events]
+
+
+def _finish_all(run: SimpleNamespace) -> None:
+    for r, task in enumerate(run.tasks.tasks):
+        if task.status == "pending":
+            task.finish({"replica": r, "partition": 0, "steps": 10})
+
+
+# -- replicas --------------------------------------------------------------------------------------
+
+
+def test_a_replica_killed_with_its_worker_restarts_on_the_least_loaded_survivor_after_its_pushes():
+    # shards on w0 and w3; replicas 0..3 on w0, w1, w2, w1: w2 dies with replica 2
+    run = _run(["w0", "w1", "w2", "w3"], ["w0", "w3"], ["w0", "w1", "w2", "w1"], n_push=2)
+    run.server.accepted_by_replica = {0: 30, 1: 25, 2: 17, 3: 20}
+    old = run.tasks.tasks[2]
+    old.status, old.outcome = "error", KilledWorker(old.key, "w2", 3)
+    run.cluster.alive.remove("w2")
+    run.supervisor.check()
+
+    failed, restarted = _events(run, "replica_failed"), _events(run, "replica_restarted")
+    assert [f["replica"] for f in failed] == [2] and "KilledWorker" in failed[0]["reason"]
+    # w3 holds a shard but runs no replica: the least loaded (w0 runs one, w1 two)
+    assert restarted == [{"replica": 2, "workers": ["w3"], "step": 34}]  # 17 pushes x n_push 2
+    new = run.cluster.submitted[-1]
+    assert new.worker == "w3" and new.config.replica == 2 and new.config.start_step == 34
+    assert new.task.key != old.key and old.cancelled
+    assert run.tasks.tasks[2] is new.task and run.tasks.workers[2] == "w3"
+    assert run.cluster.scattered == [("w3", 2)]  # its data died with w2: sent again, to w3
+    assert new.args[2] == ("w3/0", "w3/1")
+    assert run.supervisor.restarts == 1 and run.server.stop_requests == 0
+
+
+def test_among_equally_loaded_survivors_a_worker_without_a_shard_is_preferred():
+    run = _run(["w0", "w1", "w2", "w3"], ["w0", "w1"], ["w0", "w1", "w2", "w3"])
+    run.tasks.tasks[0].finish({"replica": 0, "partition": 0, "steps": 10})  # w0: nothing runs
+    run.tasks.tasks[1].finish({"replica": 1, "partition": 0, "steps": 10})  # w1: nothing runs
+    run.tasks.tasks[3].finish({"replica": 3, "partition": 0, "steps": 10})  # w3: nothing runs
+    run.cluster.alive.remove("w2")  # replica 2's task stays pending: its worker is gone
+    run.supervisor.check()
+    assert _events(run, "replica_restarted") == [{"replica": 2, "workers": ["w3"], "step": 0}]
+    assert sorted(run.tasks.results) == [0, 1, 3]  # finished results gathered, not restarted
+
+
+def test_a_finished_replica_whose_result_died_with_its_worker_runs_again_from_its_pushes():
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w1", "w2"])
+    run.server.accepted_by_replica = {2: 40}
+    task = run.tasks.tasks[2]
+    task.status, task.outcome = "finished", OSError("worker w2 is gone")  # gathering fails
+    run.supervisor.check()
+    assert _events(run, "replica_restarted") == [{"replica": 2, "workers": ["w2"], "step": 40}]
+    assert "result was lost" in _events(run, "replica_failed")[0]["reason"]
+
+
+def test_a_replica_that_raises_its_own_error_fails_the_run_with_that_error():
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"])
+    task = run.tasks.tasks[1]
+    task.status, task.outcome = "error", ValueError("row 7 of part-3.parquet has 5 features")
+    with pytest.raises(RuntimeError, match="replica task replica-1-run-0 failed: ValueError") as e:
+        run.supervisor.check()
+    assert isinstance(e.value.__cause__, ValueError)
+    assert run.server.stop_requests == 1  # the other replicas are told to stop
+    assert _events(run, "replica_restarted") == [] and len(run.cluster.submitted) == 2
+
+
+def test_restarts_beyond_max_replica_restarts_give_up_and_stop_the_replicas():
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"])
+    run.cluster.born_failed.add(1)  # every task of replica 1 dies at once
+    task = run.tasks.tasks[1]
+    task.status, task.outcome = "error", KilledWorker(task.key, "w1", 3)
+    for _ in range(MAX_REPLICA_RESTARTS):
+        run.supervisor.check()
+    assert run.supervisor.restarts == MAX_REPLICA_RESTARTS
+    assert run.server.stop_requests == 0
+    with pytest.raises(RuntimeError, match=f"after {MAX_REPLICA_RESTARTS} replica restarts"):
+        run.supervisor.check()
+    assert run.server.stop_requests == 1
+    assert len(_events(run, "replica_failed")) == MAX_REPLICA_RESTARTS + 1
+    assert len(_events(run, "replica_restarted")) == MAX_REPLICA_RESTARTS
+    assert len({s.task.key for s in run.cluster.submitted}) == len(run.cluster.submitted)
+
+
+# -- shards ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "copy_version,source,version,lost",
+    [(12, "fetched_copy", 12, 3), (8, "checkpoint", 10, 5)],
+)
+def test_a_shard_whose_worker_left_is_restored_from_the_fresher_of_checkpoint_and_copy(
+    copy_version, source, version, lost
+):
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w2", "w2"])
+    checkpointed = np.full(SHARD_SIZE, 10, np.float32)
+    run.checkpoints.replaced(1, {"values": checkpointed, "rule_state": {"s": 1}, "version": 10})
+    run.checkpoints.observe([0, 15])  # the driver saw shard 1 at version 15
+    fetched = np.full(SHARD_SIZE, copy_version, np.float32)
+    run.cluster.copies = {"w2": (copy_version, fetched)}
+    run.cluster.alive.remove("w1")
+    run.supervisor.check()
+
+    assert _events(run, "shard_lost") == [
+        {"shard": 1, "worker": "w1", "reason": "worker w1 left the cluster"}
+    ]
+    assert _events(run, "shard_restored") == [
+        {"shard": 1, "worker": "w2", "source": source, "version": version, "lost_updates": lost}
+    ]  # w2 holds no other shard; w0 holds shard 0
+    shard, values, worker, state = run.server.replaced[0]
+    assert (shard, worker, state["version"], state["rule_state"]) == (1, "w2", version, {"s": 1})
+    np.testing.assert_array_equal(values, np.full(SHARD_SIZE, version, np.float32))
+    assert run.cluster.announced == [(1, "future-of-shard-1-1")]  # replicas switch to it
+    assert run.checkpoints.saved[1]["version"] == version  # the next loss restores from here
+    assert run.checkpoints.known_versions[1] == version
+    assert _events(run, "replica_failed") == []  # no replica ran on w1
+
+
+def test_a_lost_shard_is_restored_before_a_replica_on_its_worker_is_restarted():
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w1", "w2"])
+    run.cluster.alive.remove("w1")
+    run.supervisor.check()
+    assert _kinds(run) == ["shard_lost", "shard_restored", "replica_failed", "replica_restarted"]
+    # not the dead w1: w0 and w2 run one replica each and hold a shard each (shard 1 moved to
+    # w2), so the first by name
+    assert _events(run, "replica_restarted")[0]["workers"] == ["w0"]
+
+
+def test_a_shard_lost_during_a_tick_is_restored_and_the_loop_goes_on():
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w2"])
+    run.server.lost.add(0)  # its worker still looks alive: the failed call tells
+    waits = []
+
+    def on_wait() -> None:
+        waits.append(run.clock.now)
+        if len(waits) == 3:
+            _finish_all(run)
+
+    run.cluster.on_wait = on_wait
+    run.loop.run()
+    assert _events(run, "shard_restored")[0]["shard"] == 0
+    assert "shard 0 is gone" in _events(run, "shard_lost")[0]["reason"]
+    assert run.tasks.all_gathered()
+
+
+def test_a_call_that_fails_for_another_reason_than_a_lost_shard_is_raised():
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"])
+    with pytest.raises(TimeoutError, match="slow"):
+        run.supervisor.recover_lost_shards(TimeoutError("slow, but every shard answers"))
+    assert run.server.replaced == []
+
+
+# -- the loop --------------------------------------------------------------------------------------
+
+
+def _score(params: np.ndarray) -> dict[str, float]:
+    return {"loss": 1.0, "accuracy": 0.5}
+
+
+def test_evaluations_keep_to_eval_every_instead_of_drifting_late():
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], score=_score)
+
+    def on_wait() -> None:
+        run.clock.now += 0.01  # every round of the loop takes a little time
+        if run.recorder.elapsed() > 3.0:
+            _finish_all(run)
+
+    run.cluster.on_wait = on_wait
+    run.loop.run()
+    times = [e["time"] for e in run.recorder.evals]
+    assert len(times) >= 5
+    gaps = np.diff(times)
+    assert (gaps >= 0.5).all() and (gaps <= 0.5 + 0.011).all()  # due, and never one round late
+
+
+def test_max_seconds_sends_one_stop_request():
+    limits = Limits(eval_every=0.1, timeout=5.0, max_seconds=1.0)
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], limits=limits)
+
+    def on_wait() -> None:  # the replicas take a while to see the stop flag
+        if run.server.stop_requests and run.recorder.elapsed() > 2.0:
+            _finish_all(run)
+
+    run.cluster.on_wait = on_wait
+    run.loop.run()
+    assert run.server.stop_requests == 1
+    requested = [e for e in run.recorder.events if e.kind == "stop_requested"]
+    assert len(requested) == 1 and requested[0].data == {"max_seconds": 1.0}
+    assert requested[0].time >= 1.0
+
+
+def test_the_warmstart_ends_when_replica_0_has_made_its_pushes_and_releases_the_others():
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], score=_score)
+
+    def on_wait() -> None:
+        run.server.version = [v + 5 for v in run.server.version]
+
+    run.cluster.on_wait = on_wait
+    run.loop.warmstart(20, steps=40)
+    assert min(run.server.version) >= 20 and run.server.releases == 1
+    assert _events(run, "warmstart_done") == [{"steps": 40}]
+    assert run.loop.phase == "training"
+
+
+def test_finish_records_the_stop_with_the_final_versions_and_the_rows_are_collected():
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], score=_score)
+    run.server.version = [7, 9]
+    run.cluster.rows = [(0.5, 0, 0, 1.0, 32, 0, 1, True), (0.6, 1, 0, 1.0, 32, 1, 2, True, 0)]
+    params, versions = run.loop.finish()
+    run.loop.collect_rows(force=True)
+    assert versions == [7, 9] and params.shape == (2 * SHARD_SIZE,)
+    assert _events(run, "stop") == [{"versions": [7, 9]}]
+    assert run.recorder.evals[-1]["version"] == 7
+    assert [row.partition for row in run.recorder.pushes] == [0, 0]  # 8- and 9-field rows
+    assert not math.isnan(run.recorder.last_score())
