@@ -1,6 +1,8 @@
 """Shared fixtures: one real local Dask cluster (two single-threaded worker processes) per session.
 
-Tests that kill workers or need a different topology start their own cluster.
+Tests that kill workers or need a different topology start their own cluster (for instance with
+``three_workers``); they, and tests that run the command as a subprocess or execute notebooks,
+are marked ``@pytest.mark.slow`` so that ``pytest -m "not slow"`` is a quick inner loop.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def client(cluster):
 @pytest.fixture
 def three_workers():
     """A client of a fresh three-worker cluster, for tests that kill workers (nannies start a
-    new worker after a kill)."""
+    new worker after a kill); a test using it is a slow one."""
     with (
         LocalCluster(
             n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
