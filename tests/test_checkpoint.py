@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from downpour_dask.base import RunRecorder
 from downpour_dask.checkpoint import (
     CheckpointError,
     ShardState,
@@ -12,6 +13,7 @@ from downpour_dask.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from downpour_dask.log import PushRow
 
 
 def _states(offset: float = 0.0) -> list[ShardState]:
@@ -76,3 +78,23 @@ def test_a_corrupt_or_truncated_checkpoint_is_refused_naming_the_file(tmp_path, 
     name = "checkpoint.json" if damage == "manifest" else "shard-1.npz"
     with pytest.raises(CheckpointError, match=name):
         read_checkpoint(tmp_path)
+
+
+def test_the_run_log_a_checkpoint_keeps_restores_rows_of_this_and_the_previous_release(tmp_path):
+    recorder = RunRecorder("accuracy")
+    recorder.event("start", "2 replicas, 2 shards on 2 workers", n_replicas=2)
+    recorder.push(PushRow(0.5, 0, 0, 2.3, 16, 0, 1, True))
+    recorder.evaluation(version=1, examples_seen=16, loss=2.3, accuracy=0.1)
+    meta = recorder.to_json()
+    meta["events"].append([1.0, "checkpoint", "versions [1, 1]"])  # the previous release's rows
+    meta["pushes"].append([0.6, 1, 0, 2.2, 16, 1, 2, True])  # 8 fields: before partitions
+    write_checkpoint(tmp_path, _states(), elapsed=3.0, meta=meta)
+
+    later = RunRecorder("accuracy")
+    later.restore(read_checkpoint(tmp_path).meta, elapsed=3.0)
+    assert later.elapsed() >= 3.0  # the time axis goes on
+    run = later.experiment({})
+    assert list(run.events["kind"]) == ["start", "checkpoint"]
+    assert list(run.events["data"]) == [{"n_replicas": 2}, {}]
+    assert run.pushes["replica"].tolist() == [0, 1] and run.pushes["partition"].tolist() == [0, 0]
+    assert run.evals["accuracy"].tolist() == [0.1]

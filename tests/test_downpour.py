@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from downpour_dask import DownpourSGD, Experiment, datasets, models, optim
+from downpour_dask.checkpoint import ShardState, write_checkpoint
+from downpour_dask.core.params import split_range
 from downpour_dask.data.datasets import minibatches
 
 
@@ -103,6 +105,10 @@ def test_four_replicas_adagrad_mlp_reaches_90_percent_on_mnist5k(client, mnist):
     assert run.evals["accuracy"].iloc[-1] == pytest.approx(accuracy)
     assert list(run.events["kind"][:2]) == ["start", "warmstart_done"]
     assert run.events["kind"].iloc[-1] == "stop"
+    data = dict(zip(run.events["kind"], run.events["data"]))  # what code reads, not the wording
+    assert data["start"] == {"n_replicas": 4, "n_shards": 2, "n_workers": 2}
+    assert data["warmstart_done"] == {"steps": 100}
+    assert data["stop"] == {"versions": est.server_status_["version"].tolist()}
     # each replica made 3 passes over its quarter of the data
     assert run.pushes["examples"].sum() == 3 * train.n_rows
     assert est.predict(test.X[:5]).shape == (5,)
@@ -310,7 +316,7 @@ def test_a_diverging_run_is_refused_by_the_shards_and_surfaced_in_the_log(client
     est.fit(X, y, client=client)  # the rate is absurd: gradients overflow to inf within steps
     run = est.experiment_
     refused = run.events[run.events["kind"] == "gradient_refused"]
-    assert len(refused) > 0 and "left unchanged" in refused["detail"].iloc[0]
+    assert len(refused) > 0 and {d["shard"] for d in refused["data"]} == {0}  # the one shard
     assert run.summary()["refused_pushes"] == len(refused) == est.server_status_["refused"].sum()
     assert np.isfinite(est.params_).all()  # the shards never applied a non-finite update
 
@@ -380,3 +386,38 @@ def test_finished_fits_release_their_shards_on_the_workers(client, digits):
         gc.collect()
         time.sleep(0.1)
     assert sum(client.run(_actors).values()) <= before
+
+
+def test_a_checkpoint_written_by_the_previous_release_resumes_and_continues_its_log(
+    client, digits, tmp_path
+):
+    """Checkpoints written before events carried data keep events as 3-lists and push rows as
+    8-lists (before model parallelism) or 9-lists; they load, and the fit continues them."""
+    train, _ = digits
+    model = models.SoftmaxRegression(64, 10)
+    rule = optim.make("adagrad", 0.05)
+    counters = {"accepted_by_replica": {"0": 3, "1": 3}, "examples": 96}
+    states = [
+        ShardState(i, lo, hi, np.zeros(hi - lo, np.float32), rule.init(hi - lo), 6, counters)
+        for i, (lo, hi) in enumerate(split_range(model.layout.size, 2))
+    ]
+    meta = {
+        "model": model.get_config(),
+        "partitions": 1,
+        "pushes": [[0.5, 0, 0, 2.3, 16, 0, 1, True], [0.6, 1, 0, 2.3, 16, 1, 2, True, 0]],
+        "evals": [{"time": 1.0, "version": 2, "examples_seen": 32, "loss": 2.3, "accuracy": 0.1}],
+        "events": [[0.0, "start", "2 replicas, 2 shards on 2 workers"], [1.5, "checkpoint", ""]],
+    }
+    write_checkpoint(tmp_path, states, elapsed=2.0, meta=meta)
+    est = DownpourSGD(model, n_replicas=2, n_shards=2, batch_size=16, max_epochs=1, timeout=30)
+    est.fit(train, eval_data=train, client=client, resume_from=tmp_path)
+    run = est.experiment_
+    assert list(run.events["kind"][:3]) == ["start", "checkpoint", "resumed"]
+    assert list(run.events["data"][:2]) == [{}, {}]  # old events: no data, and no error
+    resumed = run.events["data"].iloc[2]
+    assert resumed["versions"] == [6, 6] and resumed["elapsed"] == 2.0
+    assert run.pushes["replica"].iloc[:2].tolist() == [0, 1]  # the old rows come first
+    assert run.pushes["partition"].tolist() == [0] * len(run.pushes)
+    assert len(run.pushes) > 2 and (run.pushes["time"].iloc[2:] >= 2.0).all()
+    assert run.evals["time"].iloc[0] == 1.0 and run.evals["time"].iloc[-1] >= 2.0
+    assert (est.server_status_["version"] > 6).all()  # the versions continued

@@ -92,3 +92,27 @@ def test_summary_and_time_to_target():
     assert s["staleness_p95"] == pytest.approx(np.percentile([0, 1, 3], 95))
     assert s["refused_pushes"] == 1 and s["final_accuracy"] == 0.9 and s["best_accuracy"] == 0.9
     assert run.time_to(0.8) == 1.0 and np.isnan(run.time_to(0.95))
+
+
+def test_event_data_round_trips_through_a_run_directory(tmp_path):
+    run = _experiment()
+    run.events["data"] = [
+        {"n_replicas": 2, "n_shards": 2, "n_workers": 2},
+        {"versions": [12, 15]},
+    ]
+    back = Experiment.load(run.save(tmp_path / "run"))
+    assert list(back.events["data"]) == [
+        {"n_replicas": 2, "n_shards": 2, "n_workers": 2},
+        {"versions": [12, 15]},
+    ]
+    assert list(back.events["detail"]) == ["", "done"]
+
+
+def test_a_run_directory_written_before_events_had_data_loads_with_empty_data(tmp_path):
+    run = _experiment()
+    path = run.save(tmp_path / "old")
+    old = pd.DataFrame({"time": [0.0, 1.2], "kind": ["start", "stop"], "detail": ["", "done"]})
+    old.to_parquet(path / "events.parquet", index=False)  # the events table as saved before
+    back = Experiment.load(path)
+    assert list(back.events["data"]) == [{}, {}]
+    assert list(back.events["kind"]) == ["start", "stop"] and back.summary()["duration"] == 1.2
