@@ -152,6 +152,7 @@ def test_more_partitions_than_workers_is_refused_before_training(client, mnist):
         est.fit(train, client=client)
 
 
+@pytest.mark.slow  # its own cluster, a worker killed
 @pytest.mark.timeout(240)
 def test_losing_a_partitions_worker_restarts_that_replica_and_the_others_go_on(
     three_workers, mnist

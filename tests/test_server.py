@@ -1,13 +1,21 @@
-"""The parameter server on a real local cluster: placement, pull/push semantics, refusals."""
+"""The parameter server on a real local cluster: placement, pull/push semantics, refusals,
+and what counts as a lost shard."""
 
+import os
+import signal
 import time
+from concurrent.futures import CancelledError
 
 import numpy as np
 import pytest
+from distributed import Client, LocalCluster
+from distributed.comm import CommClosedError
 
 from downpour_dask import optim
+from downpour_dask.ps.protocol import ShardLostError, is_shard_lost
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.ps.wire import WireError
 from downpour_dask.runtime.cluster import cluster_workers
 
 TIMEOUT = 30
@@ -95,6 +103,47 @@ def test_wrong_gradient_length_is_an_error(server):
         server.shards[0].push(np.ones(4, np.float32), 0, 0).result(TIMEOUT)
 
 
+def test_a_bug_in_a_shard_method_is_raised_as_it_is_not_taken_for_a_lost_shard(server):
+    pieces = [(np.ones(5, np.float32), 0, 0), (np.ones(4, np.float32), 0, 0)]
+    with pytest.raises(ValueError, match="owns 5 parameters") as caught:
+        server.call_all("push", timeout=TIMEOUT, per_shard=pieces)
+    assert not isinstance(caught.value, ShardLostError)
+
+
+def test_typed_calls_on_every_shard(server):
+    assert server.lost_shards(TIMEOUT) == []
+    row = server.shard_status(1, TIMEOUT)
+    assert (row["shard"], row["start"], row["stop"], row["version"]) == (1, 5, 10, 0)
+    server.push(np.ones(10, np.float32), [0, 0], timeout=TIMEOUT)
+    states = server.export_state(TIMEOUT)
+    assert [state["version"] for state in states] == [1, 1]
+    np.testing.assert_array_equal(states[0]["values"], np.arange(5, dtype=np.float32) - 0.5)
+    assert not server.shards[0].poll_warmstart().result(TIMEOUT)[2]
+    server.release_warmstart(TIMEOUT)
+    assert all(shard.poll_warmstart().result(TIMEOUT)[2] for shard in server.shards)
+
+
+@pytest.mark.parametrize(
+    "error, lost",
+    [
+        (RuntimeError("Worker holding Actor was lost.  Status: cancelled"), True),
+        (RuntimeError("Worker holding Actor was lost"), True),
+        (ShardLostError("parameter-server shard 1 was replaced", 1), True),
+        (OSError("Unable to contact Actor's worker"), True),
+        (CommClosedError("in <TCP (closed)>"), True),
+        (ConnectionError("lost the connection to the shard"), True),
+        (TimeoutError("no reply from the shard within 5 s"), True),
+        (CancelledError(), True),
+        (RuntimeError("a bug in a shard method"), False),
+        (WireError("parameter-server shard: ValueError: shard 0 owns 5 parameters"), False),
+        (ValueError("shard 0 owns 5 parameters, got a gradient of shape (4,)"), False),
+        (KeyError("parameterservershard-0-abc"), False),
+    ],
+)
+def test_only_what_a_lost_shard_raises_counts_as_a_lost_shard(error, lost):
+    assert is_shard_lost(error) is lost
+
+
 def test_adagrad_accumulators_live_on_the_shard(client):
     ps = ParameterServer.create(
         client, np.zeros(4, np.float32), 2, optim.adagrad(0.1), timeout=TIMEOUT
@@ -109,13 +158,9 @@ def test_adagrad_accumulators_live_on_the_shard(client):
         ps.close()
 
 
+@pytest.mark.slow  # its own cluster, a worker killed
 def test_a_lost_shard_fails_fast_with_an_error_naming_it():
     """SIGKILL the worker holding shard 1: calls fail at once, naming the shard; nothing hangs."""
-    import os
-    import signal
-
-    from distributed import Client, LocalCluster
-
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
@@ -123,10 +168,12 @@ def test_a_lost_shard_fails_fast_with_an_error_naming_it():
         ps = ParameterServer.create(client, np.zeros(10, np.float32), 2, optim.sgd(0.1))
         pid = client.run(os.getpid, workers=[ps.workers[1]])[ps.workers[1]]
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match=r"shard 1 on worker tcp://.* was lost"):
+        with pytest.raises(ShardLostError, match=r"shard 1 on worker tcp://.* was lost") as caught:
             for _ in range(100):  # the loss is noticed within moments, never a hang
                 ps.pull(timeout=5)
                 time.sleep(0.05)
+        assert caught.value.shard == 1
+        assert ps.lost_shards(timeout=5) == [1]
         ps.close()
 
 

@@ -47,6 +47,7 @@ def softmax_estimator(train, **kw) -> DownpourSGD:
     return DownpourSGD(model, n_replicas=2, n_shards=2, max_epochs=2, random_state=0, **kw)
 
 
+@pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 @pytest.mark.timeout(120)
 def test_training_on_a_tls_only_cluster(tls_cluster, digits):
     train, test = digits
@@ -62,6 +63,7 @@ def test_training_on_a_tls_only_cluster(tls_cluster, digits):
     assert est.experiment_.config["tls"] is False  # the estimator did not start the cluster
 
 
+@pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 @pytest.mark.timeout(60)
 def test_a_client_without_the_credentials_is_refused(tls_cluster):
     address = tls_cluster.scheduler_address
@@ -73,6 +75,7 @@ def test_a_client_without_the_credentials_is_refused(tls_cluster):
         Client(address, security=Security.temporary(), timeout=5)
 
 
+@pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 @pytest.mark.timeout(180)
 def test_security_true_runs_an_embedded_tls_cluster(digits, monkeypatch):
     from distributed import deploy
@@ -117,6 +120,7 @@ def write_credentials(security: Security, directory: Path) -> dict[str, str]:
     return paths
 
 
+@pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 @pytest.mark.timeout(180)
 def test_cli_trains_on_a_tls_scheduler_with_credential_files(tls_cluster, tmp_path):
     credentials = write_credentials(tls_cluster.security, tmp_path)
@@ -135,6 +139,7 @@ def test_cli_trains_on_a_tls_scheduler_with_credential_files(tls_cluster, tmp_pa
     assert not (tmp_path / "runs" / "no").exists()
 
 
+@pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 def test_cli_tls_flag_misuse_is_a_usage_error(tmp_path):
     done = run_cli("train", *SMALL, "--tls", "--scheduler", "tls://127.0.0.1:1")
     assert done.returncode == 2 and "--tls starts a TLS-only embedded cluster" in done.stderr
@@ -146,6 +151,7 @@ def test_cli_tls_flag_misuse_is_a_usage_error(tmp_path):
     assert done.stderr.count("\n") == 1
 
 
+@pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 @pytest.mark.timeout(180)
 def test_cli_tls_flag_trains_on_an_embedded_tls_cluster(tmp_path):
     done = run_cli("train", *SMALL, "--tls", "--quiet", "--out", str(tmp_path), "--name", "t")

@@ -1,7 +1,7 @@
 """Model-parallel replicas on Dask: the P partitions of one replica as P tasks on P workers.
 
-Each partition of a replica (see :mod:`downpour_dask.partition` for the neuron split) runs the
-ordinary Downpour replica loop (:class:`~downpour_dask.replica.Replica`: fetch every n_fetch
+Each partition of a replica (see :mod:`downpour_dask.core.partition` for the neuron split) runs
+the ordinary Downpour replica loop (:class:`~.replica_loop.ReplicaLoop`: fetch every n_fetch
 steps, local alpha updates, push every n_push steps, all asynchronous) over *its own* parameter
 range, talking only to the parameter-server shards that hold that range.  What it cannot compute
 alone -- the activations and gradients that cross partition boundaries -- travels through
@@ -15,7 +15,7 @@ wish to stop rides with the step's logits and all of them stop after the same st
 
 When a partition's worker dies, its peers would wait forever; the driver closes their mailboxes
 (:meth:`Mailbox.close`), which makes them fail with :class:`PartitionAborted`, and restarts the
-whole replica (``recovery.py``).  A peer that stops answering for ``timeout`` seconds, or a
+whole replica.  A peer that stops answering for ``timeout`` seconds, or a
 message that cannot be delivered, fails the partition with :class:`PartitionLost`.
 """
 
@@ -27,14 +27,17 @@ import time
 from typing import Any
 
 import numpy as np
-from distributed import get_worker, secede
+from distributed import secede
 
 from ..core.models import Model
 from ..core.partition import MLPPart, PartitionPlan
 from ..data.stream import StreamSpec, make_source
+from ..ps.protocol import ShardChannel
 from ..ps.server import ActorRef, ParameterServer
+from ..runtime.dask_internals import actor_result, local_actor
 from ..runtime.malloc import tune_malloc
-from .replica import Replica, ReplicaConfig, outcome
+from .replica import run_loop
+from .replica_loop import ReplicaConfig, ReplicaLoop, ReplicaSink
 
 
 class PartitionLost(RuntimeError):
@@ -97,7 +100,7 @@ class Mailbox:
 
 
 class MailboxLink:
-    """A :class:`~downpour_dask.partition.Link` over mailbox actors.
+    """A :class:`~downpour_dask.core.partition.Link` over mailbox actors.
 
     Sends are asynchronous actor calls; their replies are checked later (every call, without
     blocking) so that an undeliverable message fails the partition instead of vanishing.  At
@@ -136,7 +139,7 @@ class MailboxLink:
         for i, (to, call) in enumerate(self._inflight):
             if call.done() or (wait and i == 0):
                 try:
-                    outcome(call, self.timeout)
+                    actor_result(call, self.timeout)
                 except Exception as err:  # the receiver's worker is gone or did not answer
                     raise PartitionLost(f"a message to partition {to} was lost: {err!r}") from err
             else:
@@ -157,11 +160,18 @@ def _nbytes(payload: Any) -> int:
     return 8
 
 
-class PartitionReplica(Replica):
+class PartitionLoop(ReplicaLoop):
     """The replica loop of one partition: stops only when all partitions agree to."""
 
-    def __init__(self, server: ParameterServer, part: MLPPart, config: ReplicaConfig):
-        super().__init__(server, part, config)
+    def __init__(
+        self,
+        channels: list[ShardChannel],
+        ranges: list[tuple[int, int]],
+        part: MLPPart,
+        config: ReplicaConfig,
+        sink: ReplicaSink,
+    ):
+        super().__init__(channels, ranges, part, config, sink)
         part.vote = lambda: self.stop
 
     def _done(self, step: int, epochs: int) -> bool:
@@ -175,7 +185,7 @@ class Peers:
     Not actor handles: Dask treats handles found in a task's list arguments as the task's
     dependencies and fails the task ("Worker holding Actor was lost") as soon as any of them is
     lost, and a handle made in the driver keeps its actor alive (see
-    :class:`~downpour_dask.server.ActorRef`).  A partition whose peer died learns it from its
+    :class:`~downpour_dask.ps.server.ActorRef`).  A partition whose peer died learns it from its
     own calls and reports :class:`PartitionLost`.
     """
 
@@ -189,7 +199,7 @@ class Peers:
 
 def local_mailbox(mailbox: Any) -> Mailbox:
     """The mailbox object of actor handle ``mailbox``, which must live in this worker."""
-    found = get_worker().state.actors.get(mailbox.key)
+    found = local_actor(mailbox.key)
     if not isinstance(found, Mailbox):
         raise RuntimeError(
             f"the mailbox {mailbox.key} of this partition is not on this worker; "
@@ -210,7 +220,7 @@ def run_partition(
     """Dask task entry point: run partition ``config.partition`` of replica ``config.replica``.
 
     ``server`` is the view over this partition's own shards only
-    (:meth:`~downpour_dask.server.ParameterServer.subset`); ``peers`` holds the mailboxes of
+    (:meth:`~downpour_dask.ps.server.ParameterServer.subset`); ``peers`` holds the mailboxes of
     every partition of the replica, this one's on this worker; ``data`` is the replica's
     data, which every partition reads in the same order.
     """
@@ -221,7 +231,8 @@ def run_partition(
     mailboxes = peers.open()
     link = MailboxLink(p, mailboxes, local_mailbox(mailboxes[p]), config.timeout)
     part = MLPPart(plan, p, link)
-    result = PartitionReplica(server, part, config).run(make_source(data, config.batch_size, parts))
+    source = make_source(data, config.batch_size, parts)
+    result = run_loop(server, part, config, source, loop_class=PartitionLoop)
     with contextlib.suppress(PartitionLost):  # the peers got what they needed; they may be done
         link.flush()
     result["bytes_sent"] = link.bytes_sent

@@ -12,6 +12,8 @@ import threading
 
 import numpy as np
 
+from ..log import PushRow
+
 #: The freshest shard values any replica of this worker process fetched, per (run, shard, actor
 #: key): (version, values).  The driver reads it (``fetched_copy``) to restore a lost shard.
 _FETCHED: dict[tuple[str, int, str], tuple[int, np.ndarray]] = {}
@@ -23,26 +25,30 @@ def shard_variable(run: str, shard: int) -> str:
     return f"downpour-{run}-shard-{shard}"
 
 
-def remember_fetched(run: str, shard: int, key: str, version: int, values: np.ndarray) -> None:
+def remember_fetched(run: str, shard: int, key: str, version: int, values: np.ndarray) -> bool:
+    """Keep ``values`` (version ``version`` of shard actor ``key``) if no fresher copy is kept;
+    True if kept: the caller must then leave ``values`` untouched."""
     with _FETCHED_LOCK:
         known = _FETCHED.get((run, shard, key))
         if known is None or known[0] < version:
             _FETCHED[(run, shard, key)] = (version, values)
+            return True
+        return False
 
 
 #: Push-log rows of this process's replicas not yet collected by the driver, per run: the driver
 #: drains them every few seconds (``drain_rows``), so the log keeps the pushes of a replica
 #: whose worker later dies and, through checkpoints, those made before a driver was killed.
-_ROWS: dict[str, list[tuple]] = {}
+_ROWS: dict[str, list[PushRow]] = {}
 
 
-
-def keep_row(run: str, row: tuple) -> None:
+def keep_row(run: str, row: PushRow) -> None:
+    """Keep one push-log row of ``run`` until the driver drains it."""
     with _FETCHED_LOCK:
         _ROWS.setdefault(run, []).append(row)
 
 
-def drain_rows(run: str) -> list[tuple]:
+def drain_rows(run: str) -> list[PushRow]:
     """Hand over (and forget) this process's push-log rows of ``run`` not yet collected."""
     with _FETCHED_LOCK:
         return _ROWS.pop(run, [])

@@ -1,0 +1,108 @@
+"""The guard on Dask's private API: every function of ``runtime/dask_internals.py`` (and the
+wording of Dask's lost-actor error) checked on the installed ``distributed``.
+
+When one of these fails after a Dask upgrade, ``dask_internals.py`` (or ``ps/protocol.py``'s
+``LOST_ACTOR``) is the one place to fix.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from downpour_dask import optim
+from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
+from downpour_dask.ps.server import ParameterServer
+from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.runtime.dask_internals import (
+    actor_handle,
+    actor_result,
+    local_actor,
+    scheduler_workers,
+)
+
+TIMEOUT = 30
+
+
+@pytest.fixture
+def server(client):
+    ps = ParameterServer.create(client, np.zeros(6, np.float32), 2, optim.sgd(0.1), timeout=TIMEOUT)
+    yield ps
+    ps.close()
+
+
+def _finished(call) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not call.done():
+        assert time.monotonic() < deadline, "the actor call did not finish"
+        time.sleep(0.01)
+
+
+def test_actor_result_reads_a_finished_call_without_the_event_loop(server, monkeypatch):
+    actor = server.shards[0]
+    answered, failed = actor.current_version(), actor.push(np.ones(2, np.float32), 0, 0)
+    _finished(answered)
+    _finished(failed)
+
+    def through_the_loop(self, timeout=None):
+        raise AssertionError("ActorFuture.result() was called: the _out fast path is gone")
+
+    monkeypatch.setattr(type(answered), "result", through_the_loop)
+    assert actor_result(answered, TIMEOUT) == 0
+    with pytest.raises(ValueError, match="owns 3 parameters"):  # the call's own error
+        actor_result(failed, TIMEOUT)
+
+
+def test_actor_result_waits_for_a_call_still_on_its_way(server):
+    assert actor_result(server.shards[1].current_version(), TIMEOUT) == 0
+
+
+def _local_actor_class(key: str) -> str | None:
+    found = local_actor(key)
+    return None if found is None else type(found).__name__
+
+
+def test_local_actor_finds_an_actor_of_its_own_worker_only(client, server):
+    for key, worker in zip((a.key for a in server.shards), server.workers):
+        other = next(w for w in server.workers if w != worker)
+        here = client.submit(_local_actor_class, key, workers=[worker], pure=False)
+        there = client.submit(_local_actor_class, key, workers=[other], pure=False)
+        assert here.result(timeout=TIMEOUT) == "ParameterServerShard"
+        assert there.result(timeout=TIMEOUT) is None
+    assert local_actor(server.shards[0].key) is None  # not on a worker at all
+
+
+def test_actor_handle_reaches_an_actor_from_its_class_address_and_key(server):
+    handle = actor_handle(ParameterServerShard, server.workers[0], server.shards[0].key)
+    assert handle.current_version().result(timeout=TIMEOUT) == 0
+    del handle
+
+
+def test_scheduler_workers_asks_the_scheduler_itself(client, monkeypatch):
+    expected = set(client.scheduler_info(n_workers=-1)["workers"])
+
+    def no_cache(*args, **kwargs):
+        raise AssertionError("scheduler_info() was used: the direct identity call is gone")
+
+    monkeypatch.setattr(client, "scheduler_info", no_cache)
+    workers = scheduler_workers(client)
+    assert set(workers) == expected and len(workers) == 2
+    assert all(info["nthreads"] == 1 for info in workers.values())
+
+
+def test_a_call_into_a_lost_actor_raises_the_error_is_shard_lost_recognises(client):
+    future = client.submit(
+        ParameterServerShard, 0, 0, 2, np.zeros(2, np.float32), optim.sgd(0.1),
+        actor=True, pure=False,
+    )  # fmt: skip
+    actor = future.result(timeout=TIMEOUT)
+    future.cancel()  # the actor's task is gone, as when its worker dies
+    deadline = time.monotonic() + TIMEOUT
+    with pytest.raises(RuntimeError) as caught:
+        while time.monotonic() < deadline:
+            actor.current_version().result(timeout=TIMEOUT)
+            time.sleep(0.01)
+    assert str(caught.value).startswith(LOST_ACTOR)
+    assert is_shard_lost(caught.value)
