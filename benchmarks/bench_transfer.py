@@ -5,9 +5,10 @@ whose ``push`` applies a gradient in place, both awaited one after the other, fr
 other worker of a default 2-worker local cluster.  Then downpour-dask's path: its parameter-server
 shards (2 shards on the other worker, async methods), each sent one ``exchange`` (the push and
 the pull of its result in one message) concurrently, from a task that starts the way a replica
-starts: once over the direct connections replicas use by default (downpour_dask/wire.py), once
+starts: once over the direct connections replicas use by default (downpour_dask/ps/wire.py), once
 as Dask actor messages (``transport="dask"``).  Finally the naive actor again in those same,
-now tuned, processes, to show what part of the gain is the allocator (downpour_dask/_malloc.py).
+now tuned, processes, to show what part of the gain is the allocator
+(downpour_dask/runtime/malloc.py).
 
     python benchmarks/bench_transfer.py [--repeats 5] [--calls 30]
 """

@@ -173,8 +173,8 @@ class ReplicaLoop:
                     if step % cfg.n_fetch == 0 and step > 0 and not fetched:
                         self._start_fetches()
                     fetched = False
-                    # The first step of an accrual writes straight into the accrual buffer: every
-                    # pass over the parameter vector costs about 1% here.
+                    # The first step of an accrual writes straight into the accrual buffer: it
+                    # saves a pass over the parameter vector, a visible part of a step's cost.
                     first = self.accrual_steps == 0
                     if first:
                         self.base_versions = list(self.versions)

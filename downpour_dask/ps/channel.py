@@ -87,7 +87,8 @@ class Half:
 
 
 class DaskShardChannel:
-    """A :class:`ShardChannel` to a shard actor (see the module docstring).
+    """A :class:`~downpour_dask.ps.protocol.ShardChannel` to a shard actor (see the module
+    docstring).
 
     Parameters
     ----------
@@ -136,6 +137,7 @@ class DaskShardChannel:
         self.actor, self.key = actor, actor.key
         found = local_actor(actor.key)
         self.local = found if isinstance(found, ParameterServerShard) else None
+        self.in_process = self.local is not None
         self.session = uuid.uuid4().hex
         self._base = self._next_seq  # the replica's number of this session's push 0
         self._buffers: list[np.ndarray] = []
@@ -143,10 +145,6 @@ class DaskShardChannel:
     @property
     def transport(self) -> str:
         return "local" if self.local is not None else "wire" if self.wire is not None else "actor"
-
-    @property
-    def in_process(self) -> bool:
-        return self.local is not None
 
     # -- opening the direct connection -----------------------------------------------------------
     def ask_endpoint(self) -> Any | None:

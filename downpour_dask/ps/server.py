@@ -30,8 +30,8 @@ class ActorRef(NamedTuple):
     Task arguments carry these instead of :class:`distributed.Actor` handles.  A handle made in
     the driver holds a future of its key, and Dask's client keeps its recent messages (up to
     ``distributed.admin.low-level-log-length``, 1000), task arguments included: handles in
-    arguments kept every fit's shards alive on the workers long after the fit ended (measured:
-    two more actors per fit, never released).  :meth:`open` makes the handle inside the task.
+    arguments kept every fit's shards alive on the workers long after the fit ended (they were
+    never released).  :meth:`open` makes the handle inside the task.
     """
 
     cls: type

@@ -3,8 +3,8 @@
 Dask's nanny starts workers with ``MALLOC_TRIM_THRESHOLD_=65536``.  Setting any malloc tunable
 turns off glibc's *dynamic* mmap threshold, so every block of 128 KiB or more (a 1 MB gradient,
 a received message frame, a parameter copy) is mmapped and page-faulted afresh each time and
-unmapped when freed.  Measured on a 2-core machine inside a default worker: copying 4 MB took
-3.5 ms instead of 0.3 ms, and an actor pull of 1M parameters 20 ms instead of 2.4 ms.
+unmapped when freed: copies and received messages of that size become several times slower
+(``benchmarks/bench_transfer.py`` measures it with and without this tuning).
 
 The library's own hot loops preallocate their buffers, but the messages Dask receives cannot be
 preallocated.  So processes that hold a parameter-server shard or run a replica raise the mmap
