@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,9 +25,6 @@ from distributed import Client
 from .. import live
 from ..base import RunRecorder
 from ..checkpoint import Checkpoint
-from ..core.models import Model
-from ..core.optim import UpdateRule
-from ..core.partition import PartitionPlan
 from ..data.datasets import ShardedDataset
 from ..log import Experiment, Progress
 from ..ps.server import ParameterServer
@@ -38,45 +33,13 @@ from ..runtime.placement import place_replicas
 from .checkpoints import Checkpoints, initial_states, restore_args, steps_pushed
 from .dask_cluster import DaskCluster, DaskServer
 from .model_parallel import partition_workers
+from .publication import Publication
 from .replica import ReplicaConfig
+from .settings import FitSettings
 from .shard_recovery import ShardRecovery
 from .supervision import Limits, SupervisionLoop, take_rows
 from .supervisor import Supervisor
 from .tasks import ReplicaTasks
-
-
-@dataclass(frozen=True)
-class FitSettings:
-    """What one fit needs of the estimator's checked arguments (see
-    :class:`~downpour_dask.DownpourSGD` for their meaning)."""
-
-    model: Model
-    rule: UpdateRule
-    n_replicas: int
-    n_shards: int
-    ranges: list[tuple[int, int]]  # each shard's range of the server's vector
-    plan: PartitionPlan | None  # how replicas are split (None: not)
-    batch_size: int
-    n_fetch: int
-    n_push: int
-    max_inflight: int
-    local_learning_rate: float  # alpha, resolved
-    warmstart_steps: int
-    max_epochs: int | None  # resolved: one epoch when no limit was given
-    max_steps: int | None
-    max_seconds: float | None
-    eval_every: float
-    random_state: int | None
-    timeout: float
-    checkpoint_every: float
-    checkpoint_dir: str | os.PathLike[str] | None
-    transport: str
-    config: dict[str, Any]  # the estimator's part of the experiment's config
-
-    @property
-    def partitions(self) -> int:
-        """Partitions of each replica."""
-        return 1 if self.plan is None else self.plan.partitions
 
 
 class Driver:
@@ -115,7 +78,6 @@ class Driver:
         self.metric = "accuracy" if fit.model.is_classifier else "r2"
         self.token = uuid.uuid4().hex[:8]  # names this run's tasks, variables, worker records
         self.cluster = DaskCluster(client, self.token)
-        self.published = False
         #: The outcome, once :meth:`execute` returned.
         self.params: np.ndarray | None = None
         self.status: pd.DataFrame | None = None
@@ -170,20 +132,24 @@ class Driver:
             self.cluster, view, fit.model, self.token, fit.timeout, fit.plan,
             [*first_shards, fit.n_shards], arrays,
         )  # fmt: skip
-        republish = functools.partial(self._republish, server, recorder, placed.n_rows)
+        publication = None
+        if self.publish is not None:
+            info = self._live_info(recorder, placed.n_rows)
+            publication = Publication(client, self.publish, info)
+        republish = (
+            None if publication is None else functools.partial(publication.republish, server)
+        )
         recovery = ShardRecovery(self.cluster, view, checkpoints, recorder, fit.timeout, republish)
         supervisor = Supervisor(
             self.cluster, view, tasks, recovery, recorder, fit.n_push, fit.timeout
         )
         loop = SupervisionLoop(
             self.cluster, view, tasks, supervisor, checkpoints, recorder,
-            self._limits(placed.n_rows), self._scorer(), self._reporter(),
+            self._limits(placed.n_rows), self._scorer(), self._reporter(publication),
         )  # fmt: skip
         try:
-            if self.publish is not None:
-                info = self._live_info(recorder, placed.n_rows)
-                live.publish(client, self.publish, server, info)
-                self.published = True
+            if publication is not None:
+                publication.publish(server)
             done = steps_pushed(restore, first_shards, fit.n_push)
             warm = fit.n_replicas > 1 and fit.warmstart_steps > 0 and self.resumed is None
             gate = -(-fit.warmstart_steps // fit.n_push) if warm else 0  # replica 0's pushes
@@ -209,11 +175,12 @@ class Driver:
                 with contextlib.suppress(Exception):
                     view.request_stop(fit.timeout)
             tasks.cancel_all()
-            if self.published:
-                live.unpublish(client, self.publish)
+            if publication is not None:
+                publication.unpublish()
             self.cluster.forget()
             server.close()
-        config = self._config(placed, workers, results, tasks, supervisor.restarts)
+        config = {**fit.config, "n_rows": placed.n_rows, "workers": workers, "data": placed.info}
+        config.update(tasks.summary(results), replica_restarts=supervisor.restarts)
         self.experiment = recorder.experiment(config)
 
     def _workers(self) -> list[str]:
@@ -228,11 +195,8 @@ class Driver:
                 f"{partitions} different workers, but the cluster has {len(workers)}; use "
                 f"partitions <= {len(workers)} or a cluster with more workers"
             )
-        if self.publish is not None and live.is_published(self.client, self.publish):
-            raise ValueError(
-                f"publish={self.publish!r}: a run or dataset of that name is already published "
-                f"on the scheduler; choose another name"
-            )
+        if self.publish is not None:
+            Publication.check_free(self.client, self.publish)
         return workers
 
     def _record_start(self, recorder: RunRecorder, n_workers: int) -> None:
@@ -323,16 +287,16 @@ class Driver:
         model, metric = self.fit.model, self.metric
         return lambda params: {"loss": model.loss(params, X, y), metric: model.score(params, X, y)}
 
-    def _reporter(self) -> Callable[[Progress], None] | None:
-        """Where progress snapshots go: the callback, and watchers of a published run."""
-        if self.callback is None and self.publish is None:
-            return None
+    def _reporter(self, publication: Publication | None) -> Callable[[Progress], None] | None:
+        """Where progress snapshots go: watchers of a published run, and the callback."""
+        callback = self.callback
+        if publication is None:
+            return callback
 
         def report(progress: Progress) -> None:
-            if self.publish is not None:
-                live.log_progress(self.client, self.publish, progress)
-            if self.callback is not None:
-                self.callback(progress)
+            publication.report(progress)
+            if callback is not None:
+                callback(progress)
 
         return report
 
@@ -349,45 +313,3 @@ class Driver:
             "n_rows": n_rows,
             "metric": self.metric,
         }
-
-    def _republish(
-        self, server: ParameterServer, recorder: RunRecorder, n_rows: int | None
-    ) -> None:
-        """After a shard was replaced: attached live views must see the new shard."""
-        if not self.published:
-            return
-        with contextlib.suppress(Exception):  # best effort: never fail the recovery
-            info = self._live_info(recorder, n_rows)
-            live.publish(self.client, self.publish, server, info, override=True)
-
-    def _config(
-        self, placed: Any, workers: list[str], results: list[dict], tasks: ReplicaTasks,
-        restarts: int,
-    ) -> dict[str, Any]:  # fmt: skip
-        """The experiment's config: the estimator's, the data, and what the replicas did."""
-        config = {**self.fit.config, "n_rows": placed.n_rows, "workers": workers}
-        config["data"] = placed.info
-        config["replica_steps"] = [r["steps"] for r in results if r.get("partition", 0) == 0]
-        config["lost_pushes"] = sum(r.get("lost_pushes", 0) for r in results)
-        # how each replica (each "replica.partition" of a split model) reached each of its shards
-        config["replica_transports"] = {
-            f"{r['replica']}"
-            if self.fit.plan is None
-            else f"{r['replica']}.{r['partition']}": list(r.get("transports", []))
-            for r in results
-        }
-        if self.fit.plan is not None:  # what crossed partition boundaries, over the whole run
-            config["partition_bytes_sent"] = sum(r.get("bytes_sent", 0) for r in results)
-            bounds = [*self._first_shards(), self.fit.n_shards]
-            config["partition_slots"] = [  # where each partition ran, and whom it talked to
-                {
-                    "replica": r,
-                    "partition": p,
-                    "worker": worker,
-                    "shards": list(range(bounds[p], bounds[p + 1])),
-                    "sessions": list(result.get("sessions", [])),
-                }
-                for (r, p), worker, result in zip(tasks.slots, tasks.workers, results)
-            ]
-        config["replica_restarts"] = restarts
-        return config

@@ -26,7 +26,8 @@ from ..core.partition import PartitionPlan
 from ..data.datasets import Dataset, ShardedDataset, as_dataset
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
-from .driver import Driver, FitSettings
+from .driver import Driver
+from .settings import FitSettings
 
 #: Values of ``DownpourSGD(transport=...)``.
 TRANSPORTS = ("auto", "dask")

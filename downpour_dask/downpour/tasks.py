@@ -93,6 +93,37 @@ class ReplicaTasks:
         """Every slot's result, in slot order (all must be gathered)."""
         return [self.results[i] for i in range(len(self.tasks))]
 
+    def summary(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """What the replicas did, for the experiment's config (JSON-able): steps, pushes lost
+        to lost shards, how each replica (``"r"``, or ``"r.p"`` per partition) reached each of
+        its shards and, with model parallelism, what crossed partitions and where each
+        partition ran."""
+        split = self.plan is not None
+        summary: dict[str, Any] = {
+            "replica_steps": [r["steps"] for r in results if r.get("partition", 0) == 0],
+            "lost_pushes": sum(r.get("lost_pushes", 0) for r in results),
+            "replica_transports": {
+                (f"{r['replica']}.{r['partition']}" if split else f"{r['replica']}"): list(
+                    r.get("transports", [])
+                )
+                for r in results
+            },
+        }
+        if split:
+            bounds = self.shard_bounds
+            summary["partition_bytes_sent"] = sum(r.get("bytes_sent", 0) for r in results)
+            summary["partition_slots"] = [  # where each partition ran, and whom it talked to
+                {
+                    "replica": r,
+                    "partition": p,
+                    "worker": worker,
+                    "shards": list(range(bounds[p], bounds[p + 1])),
+                    "sessions": list(result.get("sessions", [])),
+                }
+                for (r, p), worker, result in zip(self.slots, self.workers, results)
+            ]
+        return summary
+
     # -- starting --------------------------------------------------------------------------------
     def start_replica(
         self, replica: int, workers: list[str], data: Any, parts: Any, configs: list[ReplicaConfig]

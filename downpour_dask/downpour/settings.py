@@ -1,0 +1,50 @@
+"""What one Downpour fit needs of the estimator's checked arguments: :class:`FitSettings`.
+
+:meth:`~downpour_dask.DownpourSGD.fit` checks its arguments, resolves the defaults that depend on
+each other (the local rate ``alpha``, one epoch when no limit is given, the shards' ranges and
+the partition plan) and hands the result to the :class:`~.driver.Driver` -- which so depends on
+these plain values, not on the estimator.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.models import Model
+from ..core.optim import UpdateRule
+from ..core.partition import PartitionPlan
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """The settings of one fit (see :class:`~downpour_dask.DownpourSGD` for their meaning)."""
+
+    model: Model
+    rule: UpdateRule
+    n_replicas: int
+    n_shards: int
+    ranges: list[tuple[int, int]]  # each shard's range of the server's vector
+    plan: PartitionPlan | None  # how replicas are split (None: not)
+    batch_size: int
+    n_fetch: int
+    n_push: int
+    max_inflight: int
+    local_learning_rate: float  # alpha, resolved
+    warmstart_steps: int
+    max_epochs: int | None  # resolved: one epoch when no limit was given
+    max_steps: int | None
+    max_seconds: float | None
+    eval_every: float
+    random_state: int | None
+    timeout: float
+    checkpoint_every: float
+    checkpoint_dir: str | os.PathLike[str] | None
+    transport: str
+    config: dict[str, Any]  # the estimator's part of the experiment's config
+
+    @property
+    def partitions(self) -> int:
+        """Partitions of each replica."""
+        return 1 if self.plan is None else self.plan.partitions
