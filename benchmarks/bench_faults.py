@@ -85,8 +85,8 @@ def run(schedule: list[tuple[int, int]], epochs: int, seed: int) -> dict[str, fl
         ]
         if len(done):
             recover.append(float(done["time"].iloc[0]) - kill_time)
-    for detail in events.loc[events["kind"] == "shard_restored", "detail"]:
-        lost += int(detail.split("; ")[1].split(" updates lost")[0])
+    for data in events.loc[events["kind"] == "shard_restored", "data"]:
+        lost += data["lost_updates"]
     return {
         "failures": len(injector.kill_times),
         "events": int(events["kind"].isin(["shard_lost", "replica_failed"]).sum()),

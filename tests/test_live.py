@@ -1,8 +1,8 @@
 """Live view of a running fit: publish by name, attach from another process, ``watch`` command.
 
-Every test trains on its own real local cluster (worker processes) in a background thread of the
-test process, and looks at it from a second process (``python -c`` or the ``downpour-dask``
-command) that knows only the scheduler address and the published name.
+Most tests train on their own real local cluster (worker processes) in a background thread of
+the test process, and look at it from a second process (``python -c`` or the ``downpour-dask``
+command) that knows only the scheduler address and the published name: those are marked slow.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ ATTACH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_second_process_attaches_by_name_and_sees_versions_advance(own_cluster, digits):
     train, test = digits
@@ -146,6 +147,7 @@ def test_second_process_attaches_by_name_and_sees_versions_advance(own_cluster, 
     assert est.score(test) > 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_attached_view_in_the_same_process_and_after_the_end(own_cluster, digits):
     train, test = digits
@@ -191,6 +193,7 @@ def test_a_taken_name_is_refused_and_left_alone(client, digits):
         client.unpublish_dataset("taken")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_watch_prints_progress_until_the_run_ends(own_cluster, digits):
     train, test = digits
@@ -212,6 +215,7 @@ def test_watch_prints_progress_until_the_run_ends(own_cluster, digits):
     assert lines[-1] == "run 'live-w' finished"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_watch_errors_are_one_line(client):
     done = run_cli("watch", "nothing-here", "--scheduler", client.scheduler.address)
@@ -226,6 +230,7 @@ def test_watch_errors_are_one_line(client):
     assert done.stderr.count("\n") == 1 and "cannot reach the Dask scheduler" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_view_follows_a_shard_recreated_after_its_worker_died(own_cluster):
     """What DownpourSGD does when it restores a lost shard: replace it, re-publish (override)."""
@@ -265,6 +270,7 @@ def test_a_view_follows_a_shard_recreated_after_its_worker_died(own_cluster):
             server.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_watch_exits_non_zero_when_the_run_fails(own_cluster, digits):
     train, _ = digits
@@ -295,6 +301,7 @@ def test_watch_exits_non_zero_when_the_run_fails(own_cluster, digits):
         "(its fit failed)\n"  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_cli_training_job_published_by_name_is_watched_from_another_command(
     own_cluster, tmp_path
