@@ -5,6 +5,9 @@ update-rule state, version, counters) to the driver -- the copy a lost shard is 
 (:mod:`.shard_recovery`) -- and, given a directory, writes it with the run's log so far through
 :func:`~downpour_dask.checkpoint.write_checkpoint` (atomic, checksummed).  It also keeps the
 newest version the driver has seen of each shard, so a restore can say how many updates it lost.
+
+A fit resumed from a checkpoint (:func:`read_resumable`) starts its shards from the saved
+states and its replicas after the steps they had pushed (:func:`steps_pushed`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,48 @@ from typing import Any
 import numpy as np
 
 from ..base import RunRecorder
-from ..checkpoint import Checkpoint, ShardState, write_checkpoint
+from ..checkpoint import Checkpoint, ShardState, read_checkpoint, write_checkpoint
+from ..core.models import Model
 from ..core.optim import UpdateRule
 from .protocols import Server
+
+
+def read_resumable(
+    path: str | os.PathLike[str],
+    ranges: list[tuple[int, int]],
+    partitions: int,
+    model: Model,
+) -> Checkpoint:
+    """The latest checkpoint in ``path``, checked to fit a fit with these shard ``ranges``,
+    ``partitions`` and ``model`` (before any cluster work).
+
+    Raises
+    ------
+    TypeError
+        If ``path`` is not a path.
+    ValueError
+        If the checkpoint is damaged (:class:`~downpour_dask.checkpoint.CheckpointError`, naming
+        the file) or was written by a fit with other shards, partitions or model.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"resume_from must be a path, got {type(path).__name__}")
+    checkpoint = read_checkpoint(path)
+    found = [(s.start, s.stop) for s in checkpoint.shards]
+    saved_partitions = int(checkpoint.meta.get("partitions", 1))
+    if found != [tuple(r) for r in ranges] or saved_partitions != partitions:
+        raise ValueError(
+            f"resume_from={str(path)!r}: the checkpoint holds {len(found)} shard(s) covering "
+            f"{found[-1][1]} parameters of a model in {saved_partitions} partition(s), but "
+            f"this estimator has n_shards={len(ranges)}, partitions={partitions} and a model "
+            f"of {model.layout.size} parameters; use the interrupted run's settings"
+        )
+    saved_model = checkpoint.meta.get("model")
+    if saved_model is not None and saved_model != model.get_config():
+        raise ValueError(
+            f"resume_from={str(path)!r}: the checkpoint was written for model {saved_model}, "
+            f"not {model.get_config()}"
+        )
+    return checkpoint
 
 
 def initial_states(

@@ -18,7 +18,6 @@ from distributed import Client, Security
 from .. import live
 from .._version import __version__
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..checkpoint import Checkpoint, read_checkpoint
 from ..core import optim
 from ..core.models import Model
 from ..core.params import split_range
@@ -26,6 +25,7 @@ from ..core.partition import PartitionPlan
 from ..data.datasets import Dataset, ShardedDataset, as_dataset
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
+from .checkpoints import read_resumable
 from .driver import Driver
 from .settings import FitSettings
 
@@ -299,7 +299,9 @@ class DownpourSGD(ParamServerEstimator):
         max_epochs = self.max_epochs
         if max_epochs is None and self.max_steps is None and self.max_seconds is None:
             max_epochs = 1
-        resumed = None if resume_from is None else self._check_resume(resume_from)
+        resumed = None
+        if resume_from is not None:  # a CheckpointError (a ValueError) names a damaged file
+            resumed = read_resumable(resume_from, self._shard_ranges(), self.partitions, self.model)
         settings = self._settings(rule, max_epochs, self.checkpoint_dir or resume_from)
         with cluster_client(client, self.security) as active:
             driver = Driver(settings, active, subsets, evaluation, resumed, callback, publish)
@@ -341,30 +343,6 @@ class DownpourSGD(ParamServerEstimator):
             transport=self.transport,
             config=self._config(),
         )
-
-    def _check_resume(self, path: str | os.PathLike[str]) -> Checkpoint:
-        """Read the checkpoint to resume from and check it fits this estimator."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"resume_from must be a path, got {type(path).__name__}")
-        checkpoint = read_checkpoint(path)  # CheckpointError (a ValueError) naming the file
-        ranges = self._shard_ranges()
-        found = [(s.start, s.stop) for s in checkpoint.shards]
-        saved_partitions = int(checkpoint.meta.get("partitions", 1))
-        if found != [tuple(r) for r in ranges] or saved_partitions != self.partitions:
-            raise ValueError(
-                f"resume_from={str(path)!r}: the checkpoint holds {len(found)} shard(s) covering "
-                f"{found[-1][1]} parameters of a model in {saved_partitions} partition(s), but "
-                f"this estimator has n_shards={self.n_shards}, partitions={self.partitions} and "
-                f"a model of {self.model.layout.size} parameters; use the interrupted run's "
-                f"settings"
-            )
-        saved_model = checkpoint.meta.get("model")
-        if saved_model is not None and saved_model != self.model.get_config():
-            raise ValueError(
-                f"resume_from={str(path)!r}: the checkpoint was written for model "
-                f"{saved_model}, not {self.model.get_config()}"
-            )
-        return checkpoint
 
     def _config(self) -> dict[str, Any]:
         """The estimator's part of the experiment's config (JSON-able)."""
