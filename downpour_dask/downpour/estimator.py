@@ -106,7 +106,14 @@ class DownpourSGD(ParamServerEstimator):
     params_ : ndarray
         The trained flat float32 parameter vector.
     experiment_ : Experiment
-        Pushes, evaluations and events of the run.
+        Pushes, evaluations and events of the run.  Each event's ``data`` holds its facts for
+        code to read (its ``detail`` is a sentence for people): ``start`` {n_replicas,
+        n_shards, n_workers}, ``resumed`` {path, versions, elapsed}, ``warmstart_done``
+        {steps}, ``replica_failed`` {replica, reason, and partition with model parallelism},
+        ``replica_restarted`` {replica, workers, step}, ``shard_lost`` {shard, worker,
+        reason}, ``shard_restored`` {shard, worker, source, version, lost_updates},
+        ``checkpoint`` {versions}, ``stop_requested`` {max_seconds}, ``stop`` {versions}; the
+        shards' own events (``gradient_refused`` ...) {shard, ...}.
     server_status_ : DataFrame
         Per-shard counters at the end of the run (versions, accepted/refused pushes, staleness).
     """
