@@ -92,16 +92,7 @@ class Driver:
             client, self.data, fit.n_replicas, workers, fit.batch_size, fit.model, fit.timeout
         )
         recorder = RunRecorder(self.metric)  # the run's clock starts now
-        rng = np.random.default_rng(fit.random_state)
-        initial = fit.model.init(rng)
-        if fit.plan is not None:  # the server holds the parameters partition by partition
-            initial = fit.plan.pack(initial)
-        seed = int(rng.integers(2**31)) if fit.random_state is None else fit.random_state
-        restore = None
-        if self.resumed is not None:  # continue the interrupted run's time axis and log
-            recorder.restore(self.resumed.meta, self.resumed.elapsed)
-            initial = np.concatenate([s.values for s in self.resumed.shards])
-            restore = restore_args(self.resumed)
+        initial, restore, seed = self._initial(recorder)
         server = ParameterServer.create(
             client,
             initial,
@@ -113,19 +104,6 @@ class Driver:
             ranges=fit.ranges,
         )
         view = DaskServer(server, client, fit.rule, fit.plan)
-        for i, future in enumerate(server.futures):  # replicas find replacements there
-            self.cluster.announce_shard(i, future)
-        checkpoints = Checkpoints(
-            view,
-            initial_states(server.ranges, initial, fit.rule, restore),
-            recorder,
-            fit.checkpoint_every,
-            fit.timeout,
-            fit.checkpoint_dir,
-            meta={"model": fit.model.get_config(), "partitions": fit.partitions},
-            before_write=functools.partial(take_rows, self.cluster, recorder),
-        )
-        self._record_start(recorder, len(workers))
         first_shards = self._first_shards()
         arrays = None if isinstance(self.data, ShardedDataset) else self.data
         tasks = ReplicaTasks(
@@ -136,18 +114,33 @@ class Driver:
         if self.publish is not None:
             info = self._live_info(recorder, placed.n_rows)
             publication = Publication(client, self.publish, info)
-        republish = (
-            None if publication is None else functools.partial(publication.republish, server)
-        )
-        recovery = ShardRecovery(self.cluster, view, checkpoints, recorder, fit.timeout, republish)
-        supervisor = Supervisor(
-            self.cluster, view, tasks, recovery, recorder, fit.n_push, fit.timeout
-        )
-        loop = SupervisionLoop(
-            self.cluster, view, tasks, supervisor, checkpoints, recorder,
-            self._limits(placed.n_rows), self._scorer(), self._reporter(publication),
-        )  # fmt: skip
         try:
+            for i, future in enumerate(server.futures):  # replicas find replacements there
+                self.cluster.announce_shard(i, future)
+            checkpoints = Checkpoints(
+                view,
+                initial_states(server.ranges, initial, fit.rule, restore),
+                recorder,
+                fit.checkpoint_every,
+                fit.timeout,
+                fit.checkpoint_dir,
+                meta={"model": fit.model.get_config(), "partitions": fit.partitions},
+                before_write=functools.partial(take_rows, self.cluster, recorder),
+            )
+            self._record_start(recorder, len(workers))
+            republish = (
+                None if publication is None else functools.partial(publication.republish, server)
+            )
+            recovery = ShardRecovery(
+                self.cluster, view, checkpoints, recorder, fit.timeout, republish
+            )
+            supervisor = Supervisor(
+                self.cluster, view, tasks, recovery, recorder, fit.n_push, fit.timeout
+            )
+            loop = SupervisionLoop(
+                self.cluster, view, tasks, supervisor, checkpoints, recorder,
+                self._limits(placed.n_rows), self._scorer(), self._reporter(publication),
+            )  # fmt: skip
             if publication is not None:
                 publication.publish(server)
             done = steps_pushed(restore, first_shards, fit.n_push)
@@ -182,6 +175,22 @@ class Driver:
         config = {**fit.config, "n_rows": placed.n_rows, "workers": workers, "data": placed.info}
         config.update(tasks.summary(results), replica_restarts=supervisor.restarts)
         self.experiment = recorder.experiment(config)
+
+    def _initial(self, recorder: RunRecorder) -> tuple[np.ndarray, list[dict] | None, int]:
+        """The server's starting vector (partition by partition with model parallelism), the
+        shards' saved states when resuming -- the recorder then continues the checkpoint's log
+        and time axis --, and the seed of the replicas' data order."""
+        fit = self.fit
+        rng = np.random.default_rng(fit.random_state)
+        initial = fit.model.init(rng)
+        if fit.plan is not None:
+            initial = fit.plan.pack(initial)
+        seed = int(rng.integers(2**31)) if fit.random_state is None else fit.random_state
+        if self.resumed is None:
+            return initial, None, seed
+        recorder.restore(self.resumed.meta, self.resumed.elapsed)
+        initial = np.concatenate([s.values for s in self.resumed.shards])
+        return initial, restore_args(self.resumed), seed
 
     def _workers(self) -> list[str]:
         """The cluster's workers, checked against what the fit needs of them."""
