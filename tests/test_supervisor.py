@@ -20,6 +20,7 @@ from distributed import KilledWorker
 
 from downpour_dask.base import RunRecorder
 from downpour_dask.core import models
+from downpour_dask.core.partition import PartitionPlan
 from downpour_dask.downpour.checkpoints import Checkpoints
 from downpour_dask.downpour.replica import ReplicaConfig
 from downpour_dask.downpour.shard_recovery import ShardRecovery
@@ -81,6 +82,18 @@ class Submission:
 
 
 @dataclass
+class FakeMailbox:
+    """A model-parallel partition's mailbox; ``close`` makes waiting partitions give up."""
+
+    worker: str
+    closed: str | None = None
+
+    def close(self, reason: str) -> FakeTask:
+        self.closed = reason
+        return FakeTask("close", "finished")
+
+
+@dataclass
 class FakeCluster:
     """Workers by name; ``wait`` advances the clock by its timeout, then calls ``on_wait``."""
 
@@ -93,6 +106,7 @@ class FakeCluster:
     announced: list[tuple[int, Any]] = field(default_factory=list)
     on_wait: Any = None
     born_failed: set[int] = field(default_factory=set)  # replicas whose tasks die at once
+    mailboxes: list[FakeMailbox] = field(default_factory=list)
 
     def workers(self, fresh: bool = True) -> list[str]:
         return sorted(self.alive)
@@ -106,7 +120,9 @@ class FakeCluster:
         return task
 
     def start_actor(self, cls: type, worker: str, key: str) -> FakeTask:
-        raise AssertionError("no model parallelism in these tests")
+        mailbox = FakeMailbox(worker)
+        self.mailboxes.append(mailbox)
+        return FakeTask(key, "finished", mailbox)
 
     def scatter(self, values: list[Any], worker: str) -> list[Any]:
         self.scattered.append((worker, len(values)))
@@ -202,12 +218,14 @@ class FakeServer:
 def _run(
     workers: list[str],
     shard_workers: list[str],
-    replica_workers: list[str],
+    replica_workers: list[Any],
     n_push: int = 1,
     limits: Limits | None = None,
     score: Any = None,
+    partitions: int = 1,
 ) -> SimpleNamespace:
-    """A fit's collaborators over fakes, every replica started (in-memory data)."""
+    """A fit's collaborators over fakes, every replica started (in-memory data); with
+    ``partitions``, ``replica_workers[r]`` lists the workers of replica r's partitions."""
     clock = FakeClock()
     recorder = RunRecorder("accuracy", clock=clock)
     cluster = FakeCluster(list(workers), clock)
@@ -217,14 +235,22 @@ def _run(
         for _ in shard_workers
     ]
     checkpoints = Checkpoints(server, states, recorder, every=3600.0, timeout=5.0)
-    model = models.SoftmaxRegression(2, 2)
+    model = models.MLP(2, (4,), 2)
+    plan = PartitionPlan(model, partitions) if partitions > 1 else None
+    bounds = [0, 1, 2] if plan is not None else None  # partition p owns shard p
     arrays = [(np.zeros((8, 2), np.float32), np.zeros(8, np.int64)) for _ in replica_workers]
-    tasks = ReplicaTasks(cluster, server, model, "run", 5.0, arrays=arrays)
-    for r, worker in enumerate(replica_workers):
-        config = ReplicaConfig(
-            replica=r, batch_size=4, n_fetch=1, n_push=n_push, local_learning_rate=0.1, seed=0, t0=0
+    tasks = ReplicaTasks(cluster, server, model, "run", 5.0, plan, bounds, arrays)
+    for r, where in enumerate(replica_workers):
+        configs = [
+            ReplicaConfig(
+                replica=r, batch_size=4, n_fetch=1, n_push=n_push, local_learning_rate=0.1,
+                seed=0, t0=0, partition=p,
+            )
+            for p in range(partitions)
+        ]  # fmt: skip
+        tasks.start_replica(
+            r, [where] if partitions == 1 else where, (f"X{r}", f"y{r}"), [], configs
         )
-        tasks.start_replica(r, [worker], (f"X{r}", f"y{r}"), [], [config])
     recovery = ShardRecovery(cluster, server, checkpoints, recorder, timeout=5.0)
     supervisor = Supervisor(cluster, server, tasks, recovery, recorder, n_push, timeout=5.0)
     loop = SupervisionLoop(
@@ -329,6 +355,32 @@ def test_restarts_beyond_max_replica_restarts_give_up_and_stop_the_replicas():
     assert len(_events(run, "replica_failed")) == MAX_REPLICA_RESTARTS + 1
     assert len(_events(run, "replica_restarted")) == MAX_REPLICA_RESTARTS
     assert len({s.task.key for s in run.cluster.submitted}) == len(run.cluster.submitted)
+
+
+def test_a_split_replica_moves_as_a_whole_to_distinct_workers_with_new_mailboxes():
+    # replica 0's partitions on w0, w1 (with the shards), replica 1's on w2, w3: w3 dies
+    run = _run(["w0", "w1", "w2", "w3"], ["w0", "w1"], [["w0", "w1"], ["w2", "w3"]], partitions=2)
+    run.server.accepted_by_replica = {1: 12}
+    old_tasks, old_boxes = run.tasks.tasks[2:], run.cluster.mailboxes[2:]
+    run.cluster.alive.remove("w3")
+    run.supervisor.check()
+
+    failed = _events(run, "replica_failed")
+    assert [(f["replica"], f["partition"]) for f in failed] == [(1, 1)]
+    # w2 runs nothing else; w0 and w1 one partition each and a shard each: the first by name
+    assert _events(run, "replica_restarted") == [
+        {"replica": 1, "workers": ["w2", "w0"], "step": 12}
+    ]
+    assert all(t.cancelled for t in old_tasks)  # both partitions go, the live one too
+    assert all(box.closed and "replica 1 is restarted" in box.closed for box in old_boxes)
+    new_boxes = run.tasks.mailboxes[1]
+    assert [box.result().worker for box in new_boxes] == ["w2", "w0"]
+    moved = run.cluster.submitted[-2:]
+    assert [(m.worker, m.config.partition, m.config.start_step) for m in moved] == [
+        ("w2", 0, 12),
+        ("w0", 1, 12),
+    ]
+    assert [m.args[0] for m in moved] == [("server", 0, 1), ("server", 1, 2)]  # its own shards
 
 
 # -- shards ----------------------------------------------------------------------------------------
