@@ -196,22 +196,30 @@ def test_max_seconds_stops_replicas_cooperatively(client, digits):
     assert len(run.pushes) > 10
 
 
-def test_embedded_cluster_experiment_round_trip_and_sklearn_contract(tmp_path, digits):
-    train, test = digits
-    est = DownpourSGD(
-        models.SoftmaxRegression(64, 10),
-        n_replicas=2,
-        n_shards=2,
-        max_epochs=5,
-        learning_rate=0.5,
-        random_state=0,
-    )
+def test_the_sklearn_parameter_contract_holds_and_an_unfitted_estimator_says_so(digits):
+    _, test = digits
+    est = DownpourSGD(models.SoftmaxRegression(64, 10), n_replicas=2, n_shards=2)
     assert est.get_params()["n_replicas"] == 2
     assert est.set_params(n_replicas=3) is est and est.n_replicas == 3
     with pytest.raises(ValueError, match="invalid parameter 'replicas'"):
         est.set_params(replicas=3)
     with pytest.raises(AttributeError, match="not fitted"):
         est.predict(test.X)
+
+
+@pytest.mark.slow  # starts (and closes) its own embedded cluster
+def test_without_a_client_fit_runs_on_an_embedded_cluster_and_the_experiment_round_trips(
+    tmp_path, digits
+):
+    train, test = digits
+    est = DownpourSGD(
+        models.SoftmaxRegression(64, 10),
+        n_replicas=3,
+        n_shards=2,
+        max_epochs=5,
+        learning_rate=0.5,
+        random_state=0,
+    )
     assert est.fit(train.X, train.y, eval_data=(test.X, test.y)) is est  # client=None
     assert est.score(test.X, test.y) > 0.8
     saved = Experiment.load(est.experiment_.save(tmp_path / "run"))
