@@ -188,10 +188,10 @@ def test_losing_a_partitions_worker_restarts_that_replica_and_the_others_go_on(
     events = est.experiment_.events
     kinds = list(events["kind"])
     assert "shard_lost" not in kinds
-    failed = events.loc[events["kind"] == "replica_failed", "detail"]
-    restarted = events.loc[events["kind"] == "replica_restarted", "detail"]
-    assert len(failed) >= 1 and len(restarted) == len(failed)
-    assert {d.split(":")[0] for d in failed} <= {"replica 1", "replica 2"}  # replica 0 went on
+    failed = [d["replica"] for d in events.loc[events["kind"] == "replica_failed", "data"]]
+    restarted = [d["replica"] for d in events.loc[events["kind"] == "replica_restarted", "data"]]
+    assert len(failed) >= 1 and restarted == failed
+    assert set(failed) <= {1, 2}  # replica 0 went on
     slots = est.experiment_.config["partition_slots"]
     for r in range(3):
         placed = [s["worker"] for s in slots if s["replica"] == r]
