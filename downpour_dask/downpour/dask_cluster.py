@@ -21,6 +21,7 @@ from distributed import Client, Future, Variable, wait
 
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
+from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from .registry import drain_rows, fetched_copy, forget_run, shard_variable
@@ -153,7 +154,11 @@ class DaskServer:
         index in its data (``{"shard": i, ...}``), in time order."""
         found = []
         for i in range(self.server.n_shards):
-            for event in self.server.subset(i, i + 1).events(timeout):
+            try:
+                events = self.server.subset(i, i + 1).events(timeout)
+            except ShardLostError as err:  # numbered within the one-shard view: renumber it
+                raise ShardLostError(f"shard {i}: {err}", i) from err
+            for event in events:
                 data = event[3] if len(event) > 3 else {}
                 found.append((*event[:3], {"shard": i, **(data or {})}))
         return sorted(found, key=lambda e: e[0])
