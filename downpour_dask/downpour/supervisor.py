@@ -131,19 +131,18 @@ class Supervisor:
         """
         tasks = self.tasks
         where = {} if tasks.plan is None else {"partition": partition}
-        said = reason if tasks.plan is None else f"partition {partition}: {reason}"
+        why = reason if tasks.plan is None else f"partition {partition}: {reason}"
         self.recorder.event(
-            "replica_failed", f"replica {replica}: {said}", replica=replica, reason=reason, **where
+            "replica_failed", f"replica {replica}: {why}", replica=replica, reason=reason, **where
         )
-        reason = said
         if self.restarts >= MAX_REPLICA_RESTARTS:
             self.server.request_stop(self.timeout)
             raise RuntimeError(
-                f"replica {replica} failed ({reason}) after {self.restarts} replica restarts in "
+                f"replica {replica} failed ({why}) after {self.restarts} replica restarts in "
                 f"this run; giving up"
             )
         self.restarts += 1
-        tasks.stop_replica(replica, f"replica {replica} is restarted: {reason}")
+        tasks.stop_replica(replica, f"replica {replica} is restarted: {why}")
         workers = self._placement(replica, alive)
         step = self._steps_pushed(replica)
         tasks.resume_replica(replica, workers, step)
