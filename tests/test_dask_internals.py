@@ -11,12 +11,14 @@ import time
 
 import numpy as np
 import pytest
+from distributed import wait
 
 from downpour_dask import optim
 from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.runtime.dask_internals import (
+    FUTURES_CANCELLED,
     actor_handle,
     actor_result,
     local_actor,
@@ -106,3 +108,11 @@ def test_a_call_into_a_lost_actor_raises_the_error_is_shard_lost_recognises(clie
             time.sleep(0.01)
     assert str(caught.value).startswith(LOST_ACTOR)
     assert is_shard_lost(caught.value)
+
+
+def test_waiting_on_cancelled_data_raises_the_error_sandblaster_catches(client):
+    [block] = client.scatter([np.arange(4)], hash=False)
+    block.cancel()
+    with pytest.raises(FUTURES_CANCELLED):
+        wait([block], timeout=TIMEOUT)
+

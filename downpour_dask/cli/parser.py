@@ -8,8 +8,9 @@ of :mod:`.commands` that runs it.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .._version import __version__
 from ..runs import ALGORITHMS
@@ -33,22 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Downpour SGD on Dask: train and compare runs.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_train(commands)
-    _add_watch(commands)
-    _add_synthetic(commands)
-    _add_report(commands)
+    for name, (handler, help_text, description, add_arguments) in _COMMANDS.items():
+        command = commands.add_parser(name, help=help_text, description=description)
+        command.set_defaults(handler=handler)
+        add_arguments(command)
     return parser
 
 
-def _add_train(commands: argparse._SubParsersAction) -> None:
-    train_parser = commands.add_parser(
-        "train",
-        help="train a model and write a run directory",
-        description="Train a model with Downpour SGD (or Sandblaster L-BFGS) and write "
-        "runs/<name>/. With no argument: an MLP on the shipped mnist5k, 4 replicas, 2 shards, "
-        "Adagrad, on an embedded local cluster.",
-    )
-    job = train_parser.add_argument_group("job")
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    job = parser.add_argument_group("job")
     job.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
     job.add_argument(
         "--algorithm",
@@ -107,65 +101,77 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run the embedded cluster on TLS only, with temporary self-signed certificates",
     )
-    add_connection_flags(train_parser)
-    add_estimator_flags(train_parser)
-    train_parser.set_defaults(handler=train)
+    add_connection_flags(parser)
+    add_estimator_flags(parser)
 
 
-def _add_watch(commands: argparse._SubParsersAction) -> None:
-    watch_parser = commands.add_parser(
-        "watch",
-        help="follow a running fit published on a cluster",
-        description="Print progress lines of the run a fit(..., publish=NAME) published on the "
-        "cluster, until it ends (exit 0 when it finished, 1 if it failed).",
-    )
-    watch_parser.add_argument("name", metavar="NAME", help="the name given to fit(..., publish=)")
-    watch_parser.add_argument(
+def _watch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", metavar="NAME", help="the name given to fit(..., publish=)")
+    parser.add_argument(
         "--scheduler",
         required=True,
         metavar="ADDRESS",
         help="the Dask scheduler of the run's cluster (e.g. tcp://host:8786)",
     )
-    watch_parser.add_argument(
+    parser.add_argument(
         "--interval",
         type=float,
         default=2.0,
         metavar="SECONDS",
         help="seconds between progress lines when the output is not a terminal (default 2)",
     )
-    add_connection_flags(watch_parser)
-    watch_parser.set_defaults(handler=watch)
+    add_connection_flags(parser)
 
 
-def _add_synthetic(commands: argparse._SubParsersAction) -> None:
-    synthetic_parser = commands.add_parser(
-        "synthetic",
-        help="write a large learnable classification dataset as parquet files",
-        description="Write ROWS rows of FEATURES float32 features, labelled by a fixed random "
-        "teacher network, as parquet files in PATH (streamed: memory stays bounded).",
-    )
-    synthetic_parser.add_argument("path", metavar="PATH", help="directory to create")
-    synthetic_parser.add_argument("--rows", type=int, required=True)
-    synthetic_parser.add_argument("--features", type=int, required=True)
-    synthetic_parser.add_argument("--classes", type=int, default=10)
-    synthetic_parser.add_argument("--seed", type=int, default=0)
-    synthetic_parser.add_argument("--files", type=int, default=None, help="number of parquet files")
-    synthetic_parser.set_defaults(handler=synthetic)
+def _synthetic_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", metavar="PATH", help="directory to create")
+    parser.add_argument("--rows", type=int, required=True)
+    parser.add_argument("--features", type=int, required=True)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--files", type=int, default=None, help="number of parquet files")
 
 
-def _add_report(commands: argparse._SubParsersAction) -> None:
-    report_parser = commands.add_parser(
-        "report",
-        help="summarise and plot finished runs",
-        description="Print one summary row per run and write summary.csv and comparison "
-        "plots (accuracy and loss against time, staleness histogram).",
-    )
-    report_parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    report_parser.add_argument("--out", default="report", help="directory for the table and plots")
-    report_parser.add_argument(
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--out", default="report", help="directory for the table and plots")
+    parser.add_argument(
         "--target",
         type=float,
         default=None,
         help="score for the time-to-target column (default: 0.9 for classifiers)",
     )
-    report_parser.set_defaults(handler=compare)
+
+
+#: Each command: what runs it, its one-line help, its description, what adds its arguments.
+_COMMANDS: dict[str, tuple[Any, str, str, Callable[[argparse.ArgumentParser], None]]] = {
+    "train": (
+        train,
+        "train a model and write a run directory",
+        "Train a model with Downpour SGD (or Sandblaster L-BFGS) and write "
+        "runs/<name>/. With no argument: an MLP on the shipped mnist5k, 4 replicas, 2 shards, "
+        "Adagrad, on an embedded local cluster.",
+        _train_arguments,
+    ),
+    "watch": (
+        watch,
+        "follow a running fit published on a cluster",
+        "Print progress lines of the run a fit(..., publish=NAME) published on the "
+        "cluster, until it ends (exit 0 when it finished, 1 if it failed).",
+        _watch_arguments,
+    ),
+    "synthetic": (
+        synthetic,
+        "write a large learnable classification dataset as parquet files",
+        "Write ROWS rows of FEATURES float32 features, labelled by a fixed random "
+        "teacher network, as parquet files in PATH (streamed: memory stays bounded).",
+        _synthetic_arguments,
+    ),
+    "report": (
+        compare,
+        "summarise and plot finished runs",
+        "Print one summary row per run and write summary.csv and comparison "
+        "plots (accuracy and loss against time, staleness histogram).",
+        _report_arguments,
+    ),
+}

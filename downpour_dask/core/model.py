@@ -60,13 +60,15 @@ class Model:
     def _build(
         self,
         n_inputs: int,
-        hidden: Sequence[int],
         n_outputs: int,
-        activation: str,
         kind: str,
         l2: float,
-        numbered: bool,
+        hidden: Sequence[int] = (),
+        activation: str = "relu",
+        numbered: bool = False,
     ) -> None:
+        """Set up the layers: ``hidden`` widths with ``activation``, then the ``kind`` output
+        ("softmax", "sigmoid" or "linear"); parameters ``W, b`` or, ``numbered``, ``W0, b0 ...``."""
         self.n_inputs, self.n_outputs, self.l2 = n_inputs, n_outputs, l2
         self._act, self._kind = activation, kind
         self._widths = [*hidden, n_outputs]

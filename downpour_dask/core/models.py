@@ -41,15 +41,8 @@ class LinearRegression(Model):
     """Least squares, ``W`` (n_inputs, n_outputs) and ``b`` (n_outputs,); see :class:`Model`."""
 
     def __init__(self, n_inputs: int, n_outputs: int = 1, l2: float = 0.0):
-        self._build(
-            require_int("n_inputs", n_inputs, 1),
-            (),
-            require_int("n_outputs", n_outputs, 1),
-            "relu",
-            "linear",
-            require_l2(l2),
-            numbered=False,
-        )
+        n_outputs = require_int("n_outputs", n_outputs, 1)
+        self._build(require_int("n_inputs", n_inputs, 1), n_outputs, "linear", require_l2(l2))
 
 
 class LogisticRegression(Model):
@@ -60,15 +53,7 @@ class LogisticRegression(Model):
     """
 
     def __init__(self, n_inputs: int, l2: float = 0.0):
-        self._build(
-            require_int("n_inputs", n_inputs, 1),
-            (),
-            1,
-            "relu",
-            "sigmoid",
-            require_l2(l2),
-            numbered=False,
-        )
+        self._build(require_int("n_inputs", n_inputs, 1), 1, "sigmoid", require_l2(l2))
 
 
 class SoftmaxRegression(Model):
@@ -78,15 +63,8 @@ class SoftmaxRegression(Model):
     """
 
     def __init__(self, n_inputs: int, n_classes: int, l2: float = 0.0):
-        self._build(
-            require_int("n_inputs", n_inputs, 1),
-            (),
-            require_int("n_classes", n_classes, 2),
-            "relu",
-            "softmax",
-            require_l2(l2),
-            numbered=False,
-        )
+        n_classes = require_int("n_classes", n_classes, 2)
+        self._build(require_int("n_inputs", n_inputs, 1), n_classes, "softmax", require_l2(l2))
 
 
 class MLP(Model):
@@ -120,7 +98,7 @@ class MLP(Model):
         n_outputs = require_int("n_outputs", n_outputs, 2 if output == "softmax" else 1)
         self.activation, self.output = activation, output
         self._build(
-            n_inputs, self.hidden, n_outputs, activation, output, require_l2(l2), numbered=True
+            n_inputs, n_outputs, output, require_l2(l2), self.hidden, activation, numbered=True
         )
 
 

@@ -42,33 +42,21 @@ from .wire import WireClient, WireError
 
 
 class Done:
-    """A call completed as it was made (the shard is in this process)."""
+    """A call that completed as it was made: the shard is in this process, or (with ``error``)
+    the call could not even be sent because its shard is lost, and its result raises."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "error")
 
-    def __init__(self, value: Any):
-        self.value = value
+    def __init__(self, value: Any = None, error: BaseException | None = None):
+        self.value, self.error = value, error
 
     def done(self) -> bool:
         return True
 
     def result(self, timeout: float | None = None) -> Any:
+        if self.error is not None:
+            raise self.error
         return self.value
-
-
-class Failed:
-    """A call that could not even be sent: its shard is lost.  Done; its result raises."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> Any:
-        raise self.error
 
 
 class Half:
@@ -182,11 +170,11 @@ class DaskShardChannel:
             buffers.extend(np.empty(self.size, dtype=DTYPE) for _ in range(count))
         return buffers[1] if avoid is buffers[0] and len(buffers) > 1 else buffers[0]
 
-    def _failed(self, error: Exception) -> Failed:
+    def _failed(self, error: Exception) -> Done:
         """A call into a shard whose handle refused it: lost (fails at :meth:`wait`), or a bug
         (raised now)."""
         if is_shard_lost(error):
-            return Failed(error)
+            return Done(error=error)
         raise error
 
     def pull(self, avoid: np.ndarray | None = None) -> Any:

@@ -17,6 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 from distributed import Actor, Client, get_worker
+from distributed.client import FuturesCancelledError
+
+#: What waiting on futures raises when one of them was cancelled -- e.g. scattered data that a
+#: dead worker took with it.  ``distributed`` raises it from ``wait``/``gather`` but exports it
+#: only from its ``client`` module, not from the package (checked: distributed 2024.x to
+#: 2026.8); a move fails at import, loudly.
+FUTURES_CANCELLED = FuturesCancelledError
 
 
 def actor_result(call: Any, timeout: float | None) -> Any:

@@ -22,11 +22,11 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 from distributed import Client, Future, wait
-from distributed.client import FuturesCancelledError
 
 from ..core.lbfgs import Program, sum_replies
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
+from ..runtime.dask_internals import FUTURES_CANCELLED
 from .tasks import PortionResult, run_portion
 
 
@@ -145,7 +145,7 @@ class Portions:
                 ).done
             except TimeoutError:
                 finished = set()
-            except FuturesCancelledError:  # a dead worker took scattered data with it
+            except FUTURES_CANCELLED:  # a dead worker took scattered data with it
                 finished = {f for f in self.inflight if f.done()}
             for future in finished:
                 if self._collect(future, version, todo, done, durations):
@@ -227,7 +227,7 @@ class Portions:
         self.capacity = {w: self.DEPTH * info.get("nthreads", 1) for w, info in workers.items()}
         try:  # where each block is: only a hint for data-local dispatch
             who = self.client.who_has([b for b in self.blocks if b.status == "finished"])
-        except FuturesCancelledError:  # a block died meanwhile; _restore_blocks resends it
+        except FUTURES_CANCELLED:  # a block died meanwhile; _restore_blocks resends it
             return
         self.where = {pid: set(who.get(block.key, ())) for pid, block in enumerate(self.blocks)}
 
