@@ -325,6 +325,7 @@ def test_a_diverging_run_is_refused_by_the_shards_and_surfaced_in_the_log(client
     run = est.experiment_
     refused = run.events[run.events["kind"] == "gradient_refused"]
     assert len(refused) > 0 and {d["shard"] for d in refused["data"]} == {0}  # the one shard
+    assert all(d["replica"] in (0, 1) and d["non_finite"] > 0 for d in refused["data"])
     assert run.summary()["refused_pushes"] == len(refused) == est.server_status_["refused"].sum()
     assert np.isfinite(est.params_).all()  # the shards never applied a non-finite update
 

@@ -366,10 +366,10 @@ class ParameterServer:
         frame.insert(3, "worker", self.workers)
         return frame
 
-    def events(self, timeout: float = 60.0) -> list[tuple[float, str, str]]:
-        """All events the shards recorded, in time order."""
+    def events(self, timeout: float = 60.0) -> list[tuple[float, str, str, dict[str, Any]]]:
+        """All events the shards recorded -- ``(time, kind, detail, data)`` -- in time order."""
         found = self.call_all("events", timeout=timeout)
-        return sorted(e for shard_events in found for e in shard_events)
+        return sorted((e for shard_events in found for e in shard_events), key=lambda e: e[0])
 
     def close(self) -> None:
         """Release the actors (they are deleted once no future refers to them).

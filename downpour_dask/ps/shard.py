@@ -126,7 +126,7 @@ class ParameterServerShard:
             self._restore(restore)
         self._seqs: dict[tuple[int, str], _SeqTracker] = {}
         self._sessions: set[str] = set()  # replica sessions that pulled or pushed here
-        self._events: list[tuple[float, str, str]] = []
+        self._events: list[tuple[float, str, str, dict[str, Any]]] = []
         self._arrived: asyncio.Condition | None = None
         # Replicas on this worker call snapshot/apply_push directly from their own threads
         # (see replica.py), and replicas on other workers through wire.py's threads, concurrently
@@ -264,6 +264,7 @@ class ParameterServerShard:
                     "gradient_refused",
                     f"shard {self.shard_id}: replica {replica} pushed {bad} non-finite values; "
                     f"parameters left unchanged",
+                    {"replica": int(replica), "non_finite": bad},
                 )
             )
             return PushReply(self.version, staleness, False, self.stopped)
@@ -361,6 +362,7 @@ class ParameterServerShard:
             "sessions": sorted(self._sessions),
         }
 
-    async def events(self, since: int = 0) -> list[tuple[float, str, str]]:
-        """Events recorded by this shard (``time``, ``kind``, ``detail``), from index ``since``."""
+    async def events(self, since: int = 0) -> list[tuple[float, str, str, dict[str, Any]]]:
+        """Events recorded by this shard (``time``, ``kind``, ``detail``, ``data``), from index
+        ``since``; ``gradient_refused``'s data: ``replica``, ``non_finite`` (values)."""
         return self._events[since:]
