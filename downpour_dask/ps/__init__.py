@@ -1,0 +1,7 @@
+"""The parameter server: shard actors, the client-side view over them, and how replicas reach them.
+
+``protocol`` (replies, errors, the :class:`~downpour_dask.ps.protocol.ShardChannel` interface)
+imports no Dask; ``shard`` is the actor, ``server`` the view the driver holds, ``wire`` and
+``frames`` the direct connections, ``channel`` one replica's line to one shard over whichever
+transport reaches it.  Nothing here knows of Downpour or Sandblaster.
+"""
