@@ -1,5 +1,5 @@
 """Model parallelism on a real cluster: DownpourSGD(partitions=P) splits each replica's MLP over
-P workers (model_parallel.py, partition.py, and the driver's slots in downpour.py/recovery.py)."""
+P workers (model_parallel.py, partition.py, and the driver's slots in downpour/tasks.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 checked.  In order: it places each replica's data on a worker (before the run's clock starts),
 starts the parameter-server shards (next to replica 0's partitions with model parallelism),
 starts every replica -- the others wait on the shards for replica 0's warmstart --, watches the
-warmstart, supervises until every replica has finished (:mod:`.loop`), reads the final
+warmstart, supervises until every replica has finished (:mod:`.supervision`), reads the final
 parameters, and always lets go of what it started: tasks, mailboxes, shards, the published
 name.  The decisions of the run are its collaborators': :mod:`.supervisor`,
 :mod:`.shard_recovery`, :mod:`.tasks`, :mod:`.checkpoints`.

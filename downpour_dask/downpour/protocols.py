@@ -1,6 +1,6 @@
 """What the Downpour driver needs from the outside world: a cluster and a parameter server.
 
-The driver's collaborators -- the supervision loop (:mod:`.loop`), the supervisor
+The driver's collaborators -- the supervision loop (:mod:`.supervision`), the supervisor
 (:mod:`.supervisor`), shard recovery (:mod:`.shard_recovery`), the replica tasks (:mod:`.tasks`)
 and checkpoints (:mod:`.checkpoints`) -- reach Dask and the shards only through the three small
 protocols below.  :mod:`.dask_cluster` implements them on a real Dask client; the tests implement

@@ -129,7 +129,7 @@ class ParameterServerShard:
         self._events: list[tuple[float, str, str, dict[str, Any]]] = []
         self._arrived: asyncio.Condition | None = None
         # Replicas on this worker call snapshot/apply_push directly from their own threads
-        # (see replica.py), and replicas on other workers through wire.py's threads, concurrently
+        # (see ps/channel.py), and replicas on other workers through wire.py's threads, concurrently
         # with the event loop serving actor calls.
         self._lock = threading.Lock()
         self._host = _tcp_host()
@@ -158,7 +158,7 @@ class ParameterServerShard:
 
     async def open_wire(self) -> tuple[str, int, str] | None:
         """Where a replica on another worker can reach this shard without actor messages:
-        ``(host, port, shard id)`` of this process's :class:`~downpour_dask.wire.ShardService`,
+        ``(host, port, shard id)`` of this process's :class:`~downpour_dask.ps.wire.ShardService`,
         or None when the worker's comm is not plain TCP (e.g. TLS), so the replica keeps using
         actor calls."""
         if self._endpoint is None and self._host is not None:
