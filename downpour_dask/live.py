@@ -31,6 +31,7 @@ from .data.datasets import Dataset, as_dataset
 from .log import Progress
 from .progress import ProgressBar
 from .ps.server import ParameterServer
+from .ps.shard import ParameterServerShard
 
 #: Prefix of the scheduler event topic a published run logs its progress under.
 TOPIC_PREFIX = "downpour-dask/"
@@ -229,8 +230,11 @@ class LiveRun:
         assert self._server is not None
         return self._server
 
-    def _call(self, method: str) -> list:
-        return self._retrying(lambda server: server.call_all(method, timeout=self._timeout))
+    def _statuses(self) -> list[dict[str, Any]]:
+        """Every shard's counters (see :meth:`ParameterServerShard.status`)."""
+        return self._retrying(
+            lambda server: server.call_all(ParameterServerShard.status, timeout=self._timeout)
+        )
 
     def _retrying(self, call: Any) -> Any:
         """``call(server)``; after a failure, once more with the shards published now (the
@@ -253,10 +257,10 @@ class LiveRun:
         pushes per replica), recent training loss, staleness, plus ``elapsed`` (s since the fit
         started) and ``examples_per_s`` (since the previous ``status()`` of this view, or since
         the start for the first one)."""
-        rows = self._call("status")
+        rows = self._statuses()
         now = time.time()
         frame = pd.DataFrame(rows)
-        assert self._server is not None  # _call succeeded
+        assert self._server is not None  # _statuses succeeded
         frame.insert(3, "worker", self._server.workers)
         elapsed = now - float(self.info.get("t0", now))
         examples = int(frame["examples"].iloc[0]) if len(frame) else 0

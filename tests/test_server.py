@@ -106,8 +106,16 @@ def test_wrong_gradient_length_is_an_error(server):
 def test_a_bug_in_a_shard_method_is_raised_as_it_is_not_taken_for_a_lost_shard(server):
     pieces = [(np.ones(5, np.float32), 0, 0), (np.ones(4, np.float32), 0, 0)]
     with pytest.raises(ValueError, match="owns 5 parameters") as caught:
-        server.call_all("push", timeout=TIMEOUT, per_shard=pieces)
+        server.call_all(ParameterServerShard.push, timeout=TIMEOUT, per_shard=pieces)
     assert not isinstance(caught.value, ShardLostError)
+
+
+def test_shard_methods_are_called_by_reference_and_must_belong_to_the_shards(server):
+    class Other:
+        def status(self) -> None: ...
+
+    with pytest.raises(TypeError, match="Other.status is not a method of these shards' class"):
+        server.call_all(Other.status, timeout=TIMEOUT)
 
 
 def test_typed_calls_on_every_shard(server):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -196,12 +197,18 @@ class ParameterServer:
         return server
 
     def call_all(
-        self, method: str, *args: Any, timeout: float, per_shard: list[tuple] | None = None
+        self,
+        method: Callable[..., Any],
+        *args: Any,
+        timeout: float,
+        per_shard: list[tuple] | None = None,
     ) -> list:
-        """Call actor method ``method`` on every shard at once (with ``per_shard[i]`` as shard
-        i's arguments, if given) and wait for all the replies.
+        """Call ``method`` on every shard at once (with ``per_shard[i]`` as shard i's arguments,
+        if given) and wait for all the replies.
 
-        The estimators' own shard classes (e.g. Sandblaster's) call their methods through this;
+        ``method`` is the method itself, e.g. ``SandblasterShard.run``, never its name: a
+        renamed or mistyped method fails where it is written, not on the workers.  The
+        estimators' own shard classes (e.g. Sandblaster's) call their methods through this;
         the methods every shard has are typed methods of this view (:meth:`pull`,
         :meth:`export_state`, :meth:`status`...).
 
@@ -212,16 +219,23 @@ class ParameterServer:
             (see :func:`~downpour_dask.ps.protocol.is_shard_lost`); any other error a shard
             method raises (a bug, bad arguments) is raised as it is.
         """
+        name = method.__name__
+        owner = method.__qualname__.rsplit(".", 1)[0]
+        if not any(cls.__qualname__ == owner for cls in self.shard_class.__mro__):
+            raise TypeError(
+                f"{method.__qualname__} is not a method of these shards' class "
+                f"{self.shard_class.__name__}"
+            )
         calls, replies = [], []
         try:
             for i, shard in enumerate(self.shards):
-                calls.append(getattr(shard, method)(*(args if per_shard is None else per_shard[i])))
+                calls.append(getattr(shard, name)(*(args if per_shard is None else per_shard[i])))
             for i, call in enumerate(calls):  # noqa: B007 (``i`` names a shard that fails)
                 replies.append(self._reply(i, call, timeout))
             return replies
         except Exception as err:
             if is_shard_lost(err):
-                raise self._lost(i, method, timeout, err) from err
+                raise self._lost(i, name, timeout, err) from err
             raise
 
     def _lost(self, i: int, method: str, timeout: float, error: Exception) -> ShardLostError:
@@ -314,7 +328,7 @@ class ParameterServer:
 
     def pull(self, timeout: float = 60.0) -> tuple[np.ndarray, list[int]]:
         """The full parameter vector assembled from every shard, and each shard's version."""
-        replies = self.call_all("pull", timeout=timeout)
+        replies = self.call_all(ParameterServerShard.pull, timeout=timeout)
         out = np.empty(self.size, dtype=DTYPE)
         for (lo, hi), reply in zip(self.ranges, replies):
             out[lo:hi] = reply.values
@@ -332,23 +346,23 @@ class ParameterServer:
             (grad[lo:hi], version, replica)
             for (lo, hi), version in zip(self.ranges, fetched_versions)
         ]
-        return self.call_all("push", timeout=timeout, per_shard=pieces)
+        return self.call_all(ParameterServerShard.push, timeout=timeout, per_shard=pieces)
 
     def versions(self, timeout: float = 60.0) -> list[int]:
         """Each shard's version (updates applied), without transferring any parameters."""
-        return self.call_all("current_version", timeout=timeout)
+        return self.call_all(ParameterServerShard.current_version, timeout=timeout)
 
     def release_warmstart(self, timeout: float = 60.0) -> None:
         """Let replicas waiting for replica 0's warmstart start, on every shard."""
-        self.call_all("release_warmstart", timeout=timeout)
+        self.call_all(ParameterServerShard.release_warmstart, timeout=timeout)
 
     def export_state(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Each shard's consistent state (see :meth:`ParameterServerShard.export_state`)."""
-        return self.call_all("export_state", timeout=timeout)
+        return self.call_all(ParameterServerShard.export_state, timeout=timeout)
 
     def request_stop(self, timeout: float = 60.0) -> None:
         """Tell every shard to report the stop flag to replicas."""
-        self.call_all("request_stop", timeout=timeout)
+        self.call_all(ParameterServerShard.request_stop, timeout=timeout)
 
     def shard_status(self, i: int, timeout: float = 60.0) -> dict[str, Any]:
         """Shard ``i``'s counters, as one row of :meth:`status` (without ``worker``)."""
@@ -361,14 +375,14 @@ class ParameterServer:
 
     def status(self, timeout: float = 60.0) -> pd.DataFrame:
         """One row per shard: range, worker, version, accepted/refused pushes, staleness."""
-        rows = self.call_all("status", timeout=timeout)
+        rows = self.call_all(ParameterServerShard.status, timeout=timeout)
         frame = pd.DataFrame(rows)
         frame.insert(3, "worker", self.workers)
         return frame
 
     def events(self, timeout: float = 60.0) -> list[tuple[float, str, str, dict[str, Any]]]:
         """All events the shards recorded -- ``(time, kind, detail, data)`` -- in time order."""
-        found = self.call_all("events", timeout=timeout)
+        found = self.call_all(ParameterServerShard.events, timeout=timeout)
         return sorted((e for shard_events in found for e in shard_events), key=lambda e: e[0])
 
     def close(self) -> None:

@@ -179,8 +179,8 @@ class Coordinator:
             "stop", f"{self.result.reason} after {self.result.n_iter} iteration(s)",
             reason=self.result.reason, iterations=self.result.n_iter,
         )  # fmt: skip
-        x = self.server.call_all("vector", "x", timeout=est.timeout)
-        g = self.server.call_all("vector", "g", timeout=est.timeout)
+        x = self.server.call_all(SandblasterShard.vector, "x", timeout=est.timeout)
+        g = self.server.call_all(SandblasterShard.vector, "g", timeout=est.timeout)
         self.params = np.concatenate(x).astype(DTYPE)
         self.gradient = np.concatenate(g)
         self._finish_eval()

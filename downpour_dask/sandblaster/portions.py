@@ -27,6 +27,7 @@ from ..core.lbfgs import Program, sum_replies
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
+from .shard import SandblasterShard
 from .tasks import PortionResult, run_portion
 
 
@@ -115,11 +116,12 @@ class Portions:
     # -- Space protocol -----------------------------------------------------------------------
     def run(self, program: Program) -> np.ndarray:
         """Run ``program`` on all shards concurrently (one round trip); sum the dot products."""
-        return sum_replies(self.server.call_all("run", program, timeout=self.timeout))
+        replies = self.server.call_all(SandblasterShard.run, program, timeout=self.timeout)
+        return sum_replies(replies)
 
     def evaluate(self, batch: int, prelude: Program) -> tuple[float, int]:
         """One distributed pass over ``batch`` at the point ``xt`` (after ``prelude``)."""
-        version = self.server.call_all("begin", prelude, timeout=self.timeout)[0]
+        version = self.server.call_all(SandblasterShard.begin, prelude, timeout=self.timeout)[0]
         self._refresh()
         t_start = last_progress = time.time()
         self.observer.event(
