@@ -14,22 +14,11 @@ import pytest
 
 from downpour_dask import optim
 from downpour_dask.ps import wire
-from downpour_dask.ps.channel import DaskShardChannel
+from downpour_dask.ps.channel import DaskShardChannel, Done
 from downpour_dask.ps.protocol import LOST_ACTOR, ShardLostError
 from downpour_dask.ps.shard import ParameterServerShard
 
 SIZE = 6
-
-
-class Answered:
-    def __init__(self, value):
-        self.value = value
-
-    def done(self):
-        return True
-
-    def result(self, timeout=None):
-        return self.value
 
 
 class Unanswered:
@@ -49,7 +38,7 @@ class ActorStub:
     def _answer(self, compute):
         if self.lost:  # what Dask's handle raises once the actor's task is gone
             raise RuntimeError(f"{LOST_ACTOR}.  Status: cancelled")
-        return Answered(compute())
+        return Done(compute())
 
     def open_wire(self):
         return self._answer(lambda: wire.serve(self.shard, "127.0.0.1"))

@@ -16,23 +16,11 @@ from downpour_dask import models, optim
 from downpour_dask.downpour.pushes import Push, PushLedger
 from downpour_dask.downpour.replica import ReplicaConfig, gradient_scale
 from downpour_dask.downpour.replica_loop import ReplicaLoop
+from downpour_dask.ps.channel import Done
 from downpour_dask.ps.protocol import PullReply, ShardLostError
 from downpour_dask.ps.shard import ParameterServerShard
 
 LR = 0.1
-
-
-class Now:
-    """A call answered when it was made."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def done(self):
-        return True
-
-    def result(self, timeout=None):
-        return self.value
 
 
 class Held:
@@ -89,7 +77,7 @@ class FakeChannel:
 
     # -- the calls -------------------------------------------------------------------------------
     def pull(self, avoid=None):
-        return Now(self.shard_object.snapshot(self.replica, self.session))
+        return Done(self.shard_object.snapshot(self.replica, self.session))
 
     def _apply(self, grad, version, seq, examples, loss):
         self.next_seq = seq + 1
@@ -110,7 +98,7 @@ class FakeChannel:
 
     def push(self, grad, fetched_version, seq, examples, loss):
         apply = self._apply(grad, fetched_version, seq, examples, loss)
-        return self._hold(apply) if self.hold_pushes else Now(apply())
+        return self._hold(apply) if self.hold_pushes else Done(apply())
 
     def exchange(self, grad, fetched_version, seq, examples, loss, avoid=None):
         apply = self._apply(grad, fetched_version, seq, examples, loss)
@@ -118,12 +106,12 @@ class FakeChannel:
         def both():
             return apply(), self.shard_object.snapshot(self.replica, self.session)
 
-        call = self._hold(both) if self.hold_pushes else Now(both())
+        call = self._hold(both) if self.hold_pushes else Done(both())
         return Half(call, 0), Half(call, 1)
 
     def poll_warmstart(self):
         self.polls += 1
-        return Now(self.shard_object.warmstart_state())
+        return Done(self.shard_object.warmstart_state())
 
     def includes(self, reply, seq):
         seq -= self.base
