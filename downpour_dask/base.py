@@ -17,7 +17,16 @@ import pandas as pd
 
 from .core.models import Model
 from .data.datasets import Dataset, as_dataset
-from .log import EVAL_COLUMNS, PUSH_COLUMNS, Event, Experiment, Progress, PushRow, events_frame
+from .log import (
+    EVAL_COLUMNS,
+    PUSH_COLUMNS,
+    Event,
+    Experiment,
+    Progress,
+    PushRow,
+    events_frame,
+    plain,
+)
 
 
 class ParamServerEstimator:
@@ -193,8 +202,8 @@ class RunRecorder:
     def to_json(self) -> dict[str, list]:
         """The log so far as JSON-able lists (what a checkpoint keeps to resume from)."""
         return {
-            "pushes": [[_plain(v) for v in row] for row in self.pushes],
-            "evals": [{k: _plain(v) for k, v in e.items()} for e in self.evals],
+            "pushes": [[plain(v) for v in row] for row in self.pushes],
+            "evals": [{k: plain(v) for k, v in e.items()} for e in self.evals],
             "events": [[e.time, e.kind, e.detail, dict(e.data or {})] for e in self.events],
         }
 
@@ -207,8 +216,3 @@ class RunRecorder:
         self.events = []
         self.add_events(meta.get("events", []))
         self.pushes = [PushRow(*row) for row in meta.get("pushes", [])]
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-friendly scalar (numpy scalars become Python numbers)."""
-    return value.item() if isinstance(value, np.generic) else value

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -71,9 +72,9 @@ class Event(NamedTuple):
 EVENT_COLUMNS = {"time": "float64", "kind": "object", "detail": "object", "data": "object"}
 
 
-def events_frame(events: list[Event] | list[tuple]) -> pd.DataFrame:
-    """The events table, in time order, from :class:`Event` tuples (or older 3-tuples)."""
-    rows = [Event(*e)._replace(data=dict((e[3] if len(e) > 3 else None) or {})) for e in events]
+def events_frame(events: Iterable[Event]) -> pd.DataFrame:
+    """The events table, in time order; each row gets its own copy of its event's data."""
+    rows = [e._replace(data=dict(e.data or {})) for e in events]
     frame = pd.DataFrame(sorted(rows, key=lambda e: e.time), columns=list(EVENT_COLUMNS))
     return frame.astype(EVENT_COLUMNS)
 
@@ -290,6 +291,11 @@ def directory_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o777 & ~umask
+
+
+def plain(value: Any) -> Any:
+    """A JSON- and msgpack-friendly scalar: numpy scalars become Python numbers."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _dump_data(data: Any) -> str:

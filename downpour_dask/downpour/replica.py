@@ -20,7 +20,7 @@ from distributed import get_worker, secede
 
 from ..core.models import Model
 from ..data.stream import StreamSpec, make_source
-from ..log import PushRow
+from ..log import PushRow, plain
 from ..ps.channel import open_channels
 from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
@@ -31,11 +31,6 @@ __all__ = ["ReplicaConfig", "WorkerSink", "gradient_scale", "run_loop", "run_rep
 
 #: The fields of a push row a replica logs on the run's event topic.
 METRIC_FIELDS = ("time", "replica", "step", "loss", "examples", "staleness", "version")
-
-
-def _plain(value: Any) -> Any:
-    """A msgpack-friendly scalar (numpy scalars become Python numbers)."""
-    return value.item() if isinstance(value, np.generic) else value
 
 
 class WorkerSink:
@@ -65,7 +60,7 @@ class WorkerSink:
     def _log_metrics(self, row: PushRow) -> None:
         """Log ``row`` on the run's topic; never fails the replica."""
         self.last_metrics = row.time
-        fields = {name: _plain(getattr(row, name)) for name in METRIC_FIELDS}
+        fields = {name: plain(getattr(row, name)) for name in METRIC_FIELDS}
         with contextlib.suppress(Exception):
             get_worker().log_event(
                 self.topic, {"kind": "replica", **fields, "partition": row.partition}
