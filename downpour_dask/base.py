@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ._version import __version__
 from .core.models import Model
 from .data.datasets import Dataset, as_dataset
 from .log import (
@@ -34,6 +35,7 @@ class ParamServerEstimator:
 
     model: Model
     params_: np.ndarray
+    security: Any  # TLS of the embedded cluster (see runtime.cluster.cluster_client)
 
     # -- scikit-learn parameter contract ---------------------------------------------------------
     @classmethod
@@ -83,6 +85,27 @@ class ParamServerEstimator:
         dataset = as_dataset(data, y, what="data")
         X, y = self.model.check_data(dataset.X, dataset.y)
         return self.model.score(params, X, y)
+
+    # -- what fit shares -------------------------------------------------------------------------
+    def _check_data(self, data: Any, y: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """In-memory ``data`` (and ``y``) checked against the model; errors name ``what``."""
+        dataset = as_dataset(data, y, what=what)
+        try:
+            return self.model.check_data(dataset.X, dataset.y)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{what}: {err}") from None
+
+    def _config(self) -> dict[str, Any]:
+        """The estimator's part of an experiment's config (JSON-able): its arguments, with the
+        model as its config and ``tls`` for the Security object."""
+        config = {k: v for k, v in self.get_params().items() if k not in ("model", "security")}
+        config.update(
+            tls=self.security is not None,  # the Security object itself is not JSON
+            model=self.model.get_config(),
+            estimator=type(self).__name__,
+            library_version=__version__,
+        )
+        return config
 
 
 # -- argument checks (scikit-learn style messages) ------------------------------------------------

@@ -16,13 +16,12 @@ import numpy as np
 from distributed import Client, Security
 
 from .. import live
-from .._version import __version__
 from ..base import ParamServerEstimator, check_int, check_positive
 from ..core import optim
 from ..core.models import Model
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
-from ..data.datasets import Dataset, ShardedDataset, as_dataset
+from ..data.datasets import Dataset, ShardedDataset
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from .checkpoints import read_resumable
@@ -232,13 +231,6 @@ class DownpourSGD(ParamServerEstimator):
             return split_range(self.model.layout.size, self.n_shards)
         return plan.shard_ranges(self.n_shards)
 
-    def _check_data(self, data: Any, y: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
-        dataset = as_dataset(data, y, what=what)
-        try:
-            return self.model.check_data(dataset.X, dataset.y)
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"{what}: {err}") from None
-
     def _check_sharded(self, data: ShardedDataset, y: Any) -> ShardedDataset:
         """Check files/Dask data against the model from metadata (rows are read by replicas)."""
         if y is not None:
@@ -352,17 +344,11 @@ class DownpourSGD(ParamServerEstimator):
         )
 
     def _config(self) -> dict[str, Any]:
-        """The estimator's part of the experiment's config (JSON-able)."""
-        skip = ("model", "optimizer", "security")
-        config = {k: v for k, v in self.get_params().items() if k not in skip}
+        """The estimator's part of the experiment's config (JSON-able): the shared part, with the
+        optimizer as its config and the checkpoint directory as a string."""
+        config = super()._config()
         if config.get("checkpoint_dir") is not None:
             config["checkpoint_dir"] = str(config["checkpoint_dir"])
-        config["tls"] = self.security is not None  # the Security object itself is not JSON
-        config["model"] = self.model.get_config()
-        config["optimizer"] = (
-            self.optimizer.get_config()
-            if isinstance(self.optimizer, optim.UpdateRule)
-            else self.optimizer
-        )
-        config.update(estimator=type(self).__name__, library_version=__version__)
+        if isinstance(self.optimizer, optim.UpdateRule):
+            config["optimizer"] = self.optimizer.get_config()
         return config

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 from distributed import Client, Future
 
-from .._version import __version__
 from ..base import ParamServerEstimator, RunRecorder
 from ..core import optim
 from ..core.lbfgs import LBFGS, LBFGSResult
@@ -237,12 +236,8 @@ class Coordinator:
 
     def _experiment(self, workers: list[str]) -> Experiment:
         est = self.est
-        config = {k: v for k, v in est.get_params().items() if k not in ("model", "security")}
+        config = est._config()
         config.update(
-            tls=est.security is not None,  # the Security object itself is not JSON
-            model=est.model.get_config(),
-            estimator=type(est).__name__,
-            library_version=__version__,
             n_rows=len(self.X),
             workers=workers,
             push_workers=list(self.worker_index),  # the worker behind each push row's replica

@@ -19,7 +19,7 @@ from distributed import Client, Security
 
 from ..base import ParamServerEstimator, check_int, check_positive
 from ..core.models import Model
-from ..data.datasets import Dataset, as_dataset
+from ..data.datasets import Dataset
 from ..data.shards import ShardedDataset
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
@@ -170,11 +170,7 @@ class SandblasterLBFGS(ParamServerEstimator):
                 f"have to gather it whole into the driver; for data that fits in memory, pass "
                 f"{what}.to_dataset()"
             )
-        dataset = as_dataset(data, y, what=what)
-        try:
-            return self.model.check_data(dataset.X, dataset.y)
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"{what}: {err}") from None
+        return super()._check_data(data, y, what)
 
     def fit(
         self,
