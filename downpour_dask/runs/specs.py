@@ -1,4 +1,8 @@
-"""Datasets and models from their names: ``--dataset mnist5k`` (or a path), ``--model mlp:128``."""
+"""Datasets and models from their names: ``--dataset mnist5k`` (or a path), ``--model mlp:128``.
+
+Models are built by :func:`downpour_dask.core.specs.make_model` (re-exported here), which the
+estimators share for their ``model="softmax"``-style specs.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from ..core import models
+from ..core.specs import make_model
 from ..data import datasets
+
+__all__ = ["describe_labels", "load_dataset", "make_model"]
 
 
 def load_dataset(spec: str, eval_spec: str | None = None) -> tuple[Any, Any]:
@@ -47,41 +53,6 @@ def _from_path(spec: str, what: str) -> Any:
     if spec.endswith(".csv"):
         return datasets.from_csv(spec, label="label")
     return datasets.from_parquet(spec, label="label")  # a file, a directory or a glob
-
-
-def make_model(spec: str, n_features: int, n_classes: int | None) -> models.Model:
-    """Build a model from ``mlp:128,64``, ``mlp``, ``softmax``, ``logistic`` or ``linear``.
-
-    ``n_classes`` is the number of class labels in the training data (``None`` for a regression
-    target); it sets the output width of ``mlp`` and ``softmax``.
-    """
-    kind, _, arg = spec.partition(":")
-    allowed = "mlp:H1,H2,... (hidden layer widths), mlp, softmax, logistic or linear"
-    if kind == "mlp":
-        try:
-            hidden = tuple(int(h) for h in arg.split(",")) if arg else (128,)
-        except ValueError:
-            raise ValueError(f"model {spec!r}: hidden widths must be integers; {allowed}") from None
-        if any(h < 1 for h in hidden):
-            raise ValueError(f"model {spec!r}: hidden widths must be >= 1")
-        return models.MLP(n_features, hidden, _classes(spec, n_classes))
-    if arg:
-        raise ValueError(f"model {spec!r}: only mlp takes arguments; {allowed}")
-    if kind == "softmax":
-        return models.SoftmaxRegression(n_features, _classes(spec, n_classes))
-    if kind == "logistic":
-        if n_classes != 2:
-            raise ValueError(f"model 'logistic' needs labels 0/1, the data has {n_classes} classes")
-        return models.LogisticRegression(n_features)
-    if kind == "linear":
-        return models.LinearRegression(n_features)
-    raise ValueError(f"unknown model {spec!r}; allowed: {allowed}")
-
-
-def _classes(spec: str, n_classes: int | None) -> int:
-    if n_classes is None or n_classes < 2:
-        raise ValueError(f"model {spec!r} is a classifier, but the labels are not classes 0..K-1")
-    return n_classes
 
 
 def describe_labels(train: Any) -> tuple[int, int | None]:
