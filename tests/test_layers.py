@@ -21,6 +21,7 @@ RANKS = {
     "log": 1,
     "checkpoint": 1,
     "progress": 2,
+    "liveplot": 2,
     "report": 2,
     "runtime": 2,
     "ps": 3,
@@ -34,7 +35,7 @@ RANKS = {
     "__main__": 9,
 }
 #: Layers that must run without Dask: plain numpy (and pyarrow/pandas for data files).
-NO_DASK = ("core", "data", "log", "checkpoint", "progress", "report")
+NO_DASK = ("core", "data", "log", "checkpoint", "progress", "liveplot", "report")
 #: Third-party imports that may be deferred into a function: optional extras.
 OPTIONAL = ("matplotlib",)
 MAX_LINES = 400
