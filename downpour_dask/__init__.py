@@ -15,19 +15,44 @@ The package is layered; imports only point down:
 * ``base``, ``log``, ``checkpoint``, ``live``, ``report``, ``progress``, ``runs``, ``cli``.
 """
 
+import importlib
 import sys
+from typing import Any
 
 from ._version import __version__
 from .core import models, optim
 from .core.params import ParamLayout
 from .data import datasets
 from .data.shards import ShardedDataset
-from .downpour.estimator import DownpourSGD
-from .live import LiveRun, attach
 from .log import Experiment, Progress
-from .ps.server import ParameterServer
-from .ps.shard import ParameterServerShard
-from .sandblaster.estimator import SandblasterLBFGS
+
+#: Public names whose modules import Dask, each loaded on first use (PEP 562 ``__getattr__``):
+#: ``downpour-dask --version``, ``downpour_dask.datasets`` or ``Experiment.load`` do not pay
+#: for importing Dask (about half a second), and ``from downpour_dask import DownpourSGD``
+#: works as ever.
+ON_FIRST_USE = {
+    "DownpourSGD": ".downpour.estimator",
+    "LivePlot": ".liveplot",
+    "LiveRun": ".live",
+    "ParameterServer": ".ps.server",
+    "ParameterServerShard": ".ps.shard",
+    "ProgressBar": ".progress",
+    "SandblasterLBFGS": ".sandblaster.estimator",
+    "attach": ".live",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(ON_FIRST_USE[name], __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(ON_FIRST_USE))
+
 
 # The public modules keep their short names: ``import downpour_dask.models`` (or ``.datasets``,
 # ``.optim``) is the very module that lives in its layer, not a copy of its names.
@@ -38,11 +63,13 @@ __all__ = [
     "__version__",
     "DownpourSGD",
     "Experiment",
+    "LivePlot",
     "LiveRun",
     "ParamLayout",
     "ParameterServer",
     "ParameterServerShard",
     "Progress",
+    "ProgressBar",
     "SandblasterLBFGS",
     "ShardedDataset",
     "attach",

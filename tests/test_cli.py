@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from downpour_dask import cli, runs
+from downpour_dask.cli import parser
 from downpour_dask.runtime.cluster import cluster_workers
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
@@ -169,7 +170,7 @@ def test_synthetic_writes_files_that_train_streams(tmp_path):
 
 
 def train_parser():
-    return cli.build_parser()._subparsers._group_actions[0].choices["train"]
+    return parser.build_parser()._subparsers._group_actions[0].choices["train"]
 
 
 def flag_help(dest: str) -> str:
@@ -180,11 +181,11 @@ def test_every_estimator_argument_has_a_flag():
     dests = {action.dest for action in train_parser()._actions}
     # Deliberately flag-less: ``security`` (a distributed.Security object, not a scalar) is set
     # by --tls (embedded TLS-only cluster) or given to the client by --tls-ca-file/-cert/-key.
-    assert set(cli.FLAGLESS_ARGUMENTS) == {"security"}
+    assert set(parser.FLAGLESS_ARGUMENTS) == {"security"}
     assert {"tls", "tls_ca_file", "tls_cert", "tls_key"} <= dests
     for algorithm in runs.ALGORITHMS:
         missing = set(runs.estimator_arguments(algorithm)) - dests
-        assert missing == set(cli.FLAGLESS_ARGUMENTS), f"{algorithm} arguments without a flag"
+        assert missing == set(parser.FLAGLESS_ARGUMENTS), f"{algorithm} arguments without a flag"
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,16 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+from ..checkpoint import has_checkpoint
 from ..data import datasets
-from ..live import attach, check_name, follow
+from ..live import attach, check_name, follow, is_published
 from ..progress import ProgressBar
 from ..report import format_table, report
-from ..runs import DEFAULTS, RunResult, misnamed_interval, prepare, resume, run
+from ..runs import DEFAULTS, Job, RunResult, misnamed_interval, prepare, resume, run
 from .connection import connect, tls_credentials_given
-from .errors import UsageError
+from .errors import Interrupted, UsageError
 from .flags import flag
+from .program import PROG
 
 #: Parsed arguments of ``train`` that are not job settings.
 NOT_SETTINGS = frozenset(
@@ -80,8 +83,42 @@ def train(args: argparse.Namespace) -> int:
             )
         job = resume(args.resume)  # a bad checkpoint is an error here, before any cluster
     else:
-        job = prepare(settings)  # all input errors surface here, before any cluster work
-    callback = None if args.quiet else ProgressBar(sys.stderr)
+        job = prepare_job(settings)  # all input errors surface here, before any cluster work
+    bar = None if args.quiet else ProgressBar(sys.stderr)
+    try:
+        result = train_on(job, scheduler, args, bar)
+    except KeyboardInterrupt:
+        raise Interrupted(kept(job)) from None
+    finally:
+        if bar is not None:
+            bar.close()  # a failed or interrupted fit sends no last snapshot
+    print_result(result)
+    return 0
+
+
+def prepare_job(settings: dict[str, Any]) -> Job:
+    """:func:`downpour_dask.runs.prepare`, with errors worded for the command line."""
+    try:
+        return prepare(settings)
+    except ValueError as err:  # the data layer speaks Python: datasets.from_parquet(label=)
+        raise UsageError(str(err).replace("(pass label=)", "(give --label COLUMN)")) from None
+
+
+def kept(job: Job) -> str:
+    """What an interrupted ``train`` job left: a checkpoint ``--resume`` continues, or nothing."""
+    checkpoints = getattr(job.estimator, "checkpoint_dir", None)
+    if job.partial is not None and checkpoints is not None and has_checkpoint(checkpoints):
+        return (
+            f"no run directory was written, but its latest checkpoint is kept: continue with "
+            f"`{PROG} train --resume {job.target}`"
+        )
+    return "no run directory was written (the job had not reached a checkpoint)"
+
+
+def train_on(
+    job: Job, scheduler: str | None, args: argparse.Namespace, bar: ProgressBar | None
+) -> RunResult:
+    """Run ``job`` on an embedded cluster, or on ``scheduler``'s."""
     if scheduler is None:
         if tls_credentials_given(args):
             raise UsageError(
@@ -90,17 +127,14 @@ def train(args: argparse.Namespace) -> int:
             )
         if args.tls:
             job.estimator.set_params(security=True)
-        result = run(job, None, callback)
-    else:
-        if args.tls:
-            raise UsageError(
-                "--tls starts a TLS-only embedded cluster; with --scheduler give "
-                "--tls-ca-file/--tls-cert/--tls-key (or Dask's distributed.comm.tls settings)"
-            )
-        with connect(scheduler, args) as client:
-            result = run(job, client, callback)
-    print_result(result)
-    return 0
+        return run(job, None, bar)
+    if args.tls:
+        raise UsageError(
+            "--tls starts a TLS-only embedded cluster; with --scheduler give "
+            "--tls-ca-file/--tls-cert/--tls-key (or Dask's distributed.comm.tls settings)"
+        )
+    with connect(scheduler, args, quiet=args.quiet) as client:
+        return run(job, client, bar)
 
 
 def print_result(result: RunResult) -> None:
@@ -131,7 +165,11 @@ def watch(args: argparse.Namespace) -> int:
     check_name(args.name)
     if not args.interval > 0:
         raise UsageError(f"--interval must be > 0, got {args.interval:g}")
+    if args.wait is not None and not args.wait >= 0:
+        raise UsageError(f"--wait must be a number of seconds >= 0, got {args.wait:g}")
     with connect(args.scheduler, args) as client:
+        if args.wait is not None:
+            wait_published(client, args.name, args.wait)
         view = attach(args.name, client)  # ValueError naming the published runs if absent
         info = view.info
         print(
@@ -145,6 +183,17 @@ def watch(args: argparse.Namespace) -> int:
         raise RuntimeError(f"run {args.name!r} ended without finishing (its fit failed)")
     print(f"run {args.name!r} finished", flush=True)
     return 0
+
+
+def wait_published(client: Any, name: str, seconds: float) -> None:
+    """Wait up to ``seconds`` for a run to be published as ``name`` (``watch --wait``); return
+    at once if it is, else let :func:`attach` say that it is not."""
+    if is_published(client, name):
+        return
+    print(f"waiting up to {seconds:g} s for a run published as {name!r}", file=sys.stderr)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not is_published(client, name):
+        time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
 
 def synthetic(args: argparse.Namespace) -> int:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from distributed import Client, Security
 
-from .errors import UsageError, one_line
+from .errors import Unreachable, UsageError, one_line
 
 #: The --tls-* flags, by the :class:`distributed.Security` argument each one gives.
 TLS_FLAGS = {
@@ -63,19 +64,26 @@ def client_security(args: argparse.Namespace) -> Security | None:
     return Security(require_encryption=True, **{k: v for k, v in given.items() if v is not None})
 
 
-def connect(scheduler: str, args: argparse.Namespace) -> Client:
+def connect(scheduler: str, args: argparse.Namespace, quiet: bool = False) -> Client:
     """A client of the scheduler at ``scheduler``, with the --tls-* credentials if given.
+
+    Says on stderr where it connects (unless ``quiet``): Dask keeps trying for
+    ``--connect-timeout`` seconds, silently.
 
     Raises
     ------
-    ConnectionError
-        If the scheduler cannot be reached within ``--connect-timeout`` seconds.
+    Unreachable
+        If the scheduler cannot be reached within ``--connect-timeout`` seconds (exit status 2).
     """
     security = client_security(args)
+    if not args.connect_timeout > 0:
+        raise UsageError(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout:g}")
+    if not quiet:
+        print(f"connecting to {scheduler} (timeout {args.connect_timeout:g} s)", file=sys.stderr)
     try:
         return Client(scheduler, timeout=args.connect_timeout, security=security)
     except (OSError, TimeoutError, ValueError, TypeError) as err:  # TypeError: TLS, no creds
-        raise ConnectionError(
+        raise Unreachable(
             f"cannot reach the Dask scheduler at {scheduler!r} within "
             f"{args.connect_timeout:g} s ({one_line(err)})"
         ) from None

@@ -28,6 +28,15 @@ FLAGLESS_ARGUMENTS = {
 #: Extra spellings of some flags.
 ALIASES = {"random_state": ("--seed",)}
 
+#: The help of flags whose estimator arguments share one numpydoc entry
+#: (``max_epochs, max_steps : int``): one line per flag, each saying its own unit.
+OWN_HELP = {
+    "max_epochs": "[downpour] Each replica stops after this many passes over its own data "
+    "(default 3 unless --max-steps or --max-seconds is given, then none)",
+    "max_steps": "[downpour] Each replica stops after this many steps (minibatches) "
+    "(default None)",
+}
+
 
 def flag(name: str) -> str:
     """The command-line spelling of an estimator argument or job setting: ``--n-replicas``."""
@@ -123,13 +132,14 @@ def add_estimator_flags(parser: argparse.ArgumentParser) -> None:
     for name, by_algorithm in estimator_flags().items():
         annotation = " | ".join(str(p.annotation) for p, _ in by_algorithm.values())
         spellings = [flag(name), *ALIASES.get(name, ())]
+        described = OWN_HELP.get(name) or _described(name, by_algorithm)
         if "bool" in annotation:
             group.add_argument(
                 *spellings,
                 dest=name,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
-                help=_described(name, by_algorithm),
+                help=described,
             )
         else:
             group.add_argument(
@@ -138,5 +148,5 @@ def add_estimator_flags(parser: argparse.ArgumentParser) -> None:
                 type=value_parser(annotation),
                 default=argparse.SUPPRESS,
                 metavar=name.upper(),
-                help=_described(name, by_algorithm),
+                help=described,
             )

@@ -12,17 +12,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .._version import __version__
 from ..runs import ALGORITHMS
 from .commands import compare, synthetic, train, watch
 from .connection import add_connection_flags
-from .flags import add_estimator_flags
+from .flags import FLAGLESS_ARGUMENTS, add_estimator_flags
+from .program import PROG, VERSION
 
-PROG = "downpour-dask"
+__all__ = ["FLAGLESS_ARGUMENTS", "PROG", "build_parser"]
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr (no usage dump) and exit 2."""
+    """An argument parser whose errors are one line on stderr (no usage dump) and exit 2, and
+    that takes no abbreviation (``--n-replica`` is an error, not ``--n-replicas``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -32,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``downpour-dask`` argument parser with its ``train``, ``watch``, ``synthetic`` and
     ``report`` commands."""
     parser = _Parser(prog=PROG, description="Downpour SGD on Dask: train and compare runs.")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action="version", version=VERSION)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (handler, help_text, description, add_arguments) in _COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=description)
@@ -54,14 +59,20 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset",
         default=argparse.SUPPRESS,
         metavar="NAME|PATH",
-        help="a shipped dataset (digits, mnist5k) or parquet/CSV file(s) with a 'label' column "
-        "(default mnist5k)",
+        help="a shipped dataset (digits, mnist5k) or parquet/CSV file(s) with a label column "
+        "(see --label; default mnist5k)",
     )
     job.add_argument(
         "--eval-dataset",
         default=argparse.SUPPRESS,
         metavar="NAME|PATH",
         help="evaluation data (default: the shipped dataset's test split)",
+    )
+    job.add_argument(
+        "--label",
+        default=argparse.SUPPRESS,
+        metavar="COLUMN",
+        help="the label column of --dataset/--eval-dataset files (default label)",
     )
     job.add_argument(
         "--model",
@@ -88,7 +99,9 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
         help="publish the running job on the cluster as NAME, for downpour-dask watch NAME and "
         "downpour_dask.attach (downpour only)",
     )  # fmt: skip
-    job.add_argument("--quiet", action="store_true", help="no progress line")
+    job.add_argument(
+        "--quiet", action="store_true", help="no progress bar and no 'connecting to' message"
+    )
     job.add_argument(
         "--resume",
         default=None,
@@ -119,6 +132,16 @@ def _watch_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         metavar="SECONDS",
         help="seconds between progress lines when the output is not a terminal (default 2)",
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        nargs="?",
+        const=600.0,
+        default=None,
+        metavar="SECONDS",
+        help="wait up to SECONDS (default 600) for a run to be published as NAME, e.g. by a "
+        "train --publish NAME just started",
     )
     add_connection_flags(parser)
 

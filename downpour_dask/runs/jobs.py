@@ -20,6 +20,7 @@ from .settings import (
     ALGORITHM_DEFAULTS,
     DEFAULTS,
     JOB_SETTINGS,
+    LIMITS,
     estimator_arguments,
     estimator_class,
     misnamed_interval,
@@ -56,7 +57,9 @@ def prepare(settings: dict[str, Any]) -> Job:
     ----------
     settings : dict
         Job settings (:data:`JOB_SETTINGS`) and estimator arguments; missing ones come from
-        :data:`DEFAULTS` and :data:`ALGORITHM_DEFAULTS`.  ``name`` defaults to
+        :data:`DEFAULTS` and :data:`ALGORITHM_DEFAULTS` (whose limits apply only when none of
+        :data:`LIMITS` is given).  ``label`` names the label column of data files (default
+        ``"label"``).  ``name`` defaults to
         ``<dataset>-<algorithm>-<date>-<time>``.
 
     Raises
@@ -71,7 +74,10 @@ def prepare(settings: dict[str, Any]) -> Job:
     wrong = misnamed_interval(algorithm, settings)
     if wrong is not None:
         raise ValueError(wrong)
-    job = {**DEFAULTS, **ALGORITHM_DEFAULTS[algorithm], **settings}
+    defaults = dict(ALGORITHM_DEFAULTS[algorithm])
+    if any(settings.get(limit) is not None for limit in LIMITS):  # the user's limits only
+        defaults = {k: v for k, v in defaults.items() if k not in LIMITS}
+    job = {**DEFAULTS, **defaults, **settings}
     unknown = sorted(set(job) - set(accepted) - set(JOB_SETTINGS))
     if unknown:
         raise ValueError(
@@ -79,7 +85,8 @@ def prepare(settings: dict[str, Any]) -> Job:
             f"{', '.join(sorted(set(accepted) | set(JOB_SETTINGS)))}"
         )
     arguments = {k: v for k, v in job.items() if k in accepted}
-    train_data, test_data = load_dataset(str(job["dataset"]), job.get("eval_dataset"))
+    label = str(job.get("label", "label"))
+    train_data, test_data = load_dataset(str(job["dataset"]), job.get("eval_dataset"), label)
     n_features, n_classes = describe_labels(train_data)
     model = make_model(str(job["model"]), n_features, n_classes)
     estimator = estimator_class(algorithm)(model, **arguments)

@@ -48,8 +48,13 @@ EVALUATION_INTERVALS: dict[str, tuple[str, str]] = {
 
 #: Settings of a job that are not estimator arguments.
 JOB_SETTINGS = (
-    "algorithm", "dataset", "eval_dataset", "model", "out", "name", "overwrite", "publish"
+    "algorithm", "dataset", "eval_dataset", "label", "model", "out", "name", "overwrite",
+    "publish",
 )  # fmt: skip
+
+#: The limits of a run.  A job given any of them gets none of :data:`ALGORITHM_DEFAULTS`'
+#: limits: ``max_seconds=30`` alone trains for 30 s, not for the default 3 epochs.
+LIMITS = ("max_epochs", "max_steps", "max_seconds")
 
 
 def estimator_arguments(algorithm: str) -> dict[str, inspect.Parameter]:

@@ -17,7 +17,9 @@ from ..data import datasets
 __all__ = ["describe_labels", "load_dataset", "make_model"]
 
 
-def load_dataset(spec: str, eval_spec: str | None = None) -> tuple[Any, Any]:
+def load_dataset(
+    spec: str, eval_spec: str | None = None, label: str = "label"
+) -> tuple[Any, Any]:
     """Resolve ``--dataset`` (and ``--eval-dataset``) to ``(train, test)``.
 
     Parameters
@@ -25,25 +27,27 @@ def load_dataset(spec: str, eval_spec: str | None = None) -> tuple[Any, Any]:
     spec : str
         The name of a shipped dataset (see :func:`downpour_dask.datasets.available`; its test
         split becomes the evaluation data) or a path: a parquet file, a directory or glob of
-        parquet files, or a ``.csv`` file, with the label in a column named ``label``.  Files
-        are streamed by the replicas, never loaded here.
+        parquet files, or a ``.csv`` file, with the label in column ``label``.  Files are
+        streamed by the replicas, never loaded here.
     eval_spec : str, optional
         Evaluation data as a path of the same kinds (read into memory), or a shipped name (its
         test split).  For a path ``spec`` without it, the run is not evaluated.
+    label : str, default "label"
+        The label column of the files (shipped datasets have their own).
     """
     if spec in datasets.available():
         train, test = datasets.load(spec)
     else:
-        train, test = _from_path(spec, "dataset"), None
+        train, test = _from_path(spec, "dataset", label), None
     if eval_spec is not None:
         if eval_spec in datasets.available():
             test = datasets.load(eval_spec)[1]
         else:
-            test = _from_path(eval_spec, "eval_dataset").to_dataset()
+            test = _from_path(eval_spec, "eval_dataset", label).to_dataset()
     return train, test
 
 
-def _from_path(spec: str, what: str) -> Any:
+def _from_path(spec: str, what: str, label: str) -> Any:
     looks_like_glob = any(c in spec for c in "*?[")
     if not looks_like_glob and not Path(spec).exists():
         raise ValueError(
@@ -51,8 +55,8 @@ def _from_path(spec: str, what: str) -> Any:
             f"nor an existing file or directory"
         )
     if spec.endswith(".csv"):
-        return datasets.from_csv(spec, label="label")
-    return datasets.from_parquet(spec, label="label")  # a file, a directory or a glob
+        return datasets.from_csv(spec, label=label)
+    return datasets.from_parquet(spec, label=label)  # a file, a directory or a glob
 
 
 def describe_labels(train: Any) -> tuple[int, int | None]:

@@ -1,0 +1,42 @@
+"""Running a ``downpour-dask`` command: parse the arguments, call the command, and turn what it
+raised into one line on stderr and an exit status.
+
+====== =====================================================================================
+status meaning
+====== =====================================================================================
+0      done
+1      the run failed on the cluster (a lost worker that could not be recovered, a failed
+       fit a ``watch`` followed); nothing is written
+2      bad input: a flag, a setting, a file, a run directory that exists, a scheduler that
+       cannot be reached; nothing is started or written
+130    interrupted (Ctrl-C); a ``train`` job says how ``--resume`` continues it
+====== =====================================================================================
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .errors import Interrupted, Unreachable, one_line
+from .parser import PROG, build_parser
+
+
+def run(argv: list[str]) -> int:
+    """Run the command ``argv`` (without the program name); return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    where = f"{PROG} {args.command}"
+    try:
+        return args.handler(args)
+    except (ValueError, TypeError, FileExistsError, FileNotFoundError, Unreachable) as err:
+        print(f"{where}: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except Interrupted as err:
+        print(f"{where}: interrupted; {err}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, OSError, TimeoutError) as err:
+        print(f"{where}: failed: {one_line(err)}", file=sys.stderr)
+        return 1
