@@ -2,15 +2,19 @@
 parser in-process."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from downpour_dask import cli, runs
-from downpour_dask.cli import parser
+import downpour_dask
+from downpour_dask import DownpourSGD, cli, models, runs
+from downpour_dask.cli import commands, parser
 from downpour_dask.runtime.cluster import cluster_workers
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
@@ -116,8 +120,11 @@ def test_bad_input_is_one_line_a_nonzero_status_and_no_run_directory(tmp_path, a
     args = [a.replace("{port}", str(free_port())) for a in args]
     out = tmp_path / "runs"
     done = run_cli("train", *SMALL[:2], *args, "--out", str(out), "--name", "bad", timeout=60)
-    assert done.returncode != 0
+    assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
+    if "--scheduler" in args:  # the wait for a scheduler is announced, then the error
+        assert lines[0] == f"connecting to {args[1]} (timeout 2 s)"
+        lines = lines[1:]
     assert len(lines) == 1, done.stderr
     assert message in lines[0] and "Traceback" not in done.stderr
     assert not (out / "bad").exists()
@@ -287,3 +294,156 @@ def test_a_config_file_with_the_other_algorithms_interval_names_the_setting_to_u
     error = capsys.readouterr().err
     assert error.endswith("for algorithm sandblaster use eval_every_iter (iterations)\n")
     assert not (tmp_path / "runs").exists()
+
+
+def test_version_answers_without_importing_dask():
+    probe = (
+        "import sys; from downpour_dask.cli import main; status = main(['--version']); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'dask', 'distributed'}), status)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stdout.splitlines() == [f"downpour-dask {downpour_dask.__version__}", "[] 0"]
+    # the package's Dask-backed names still load when used
+    import_all = "from downpour_dask import *; print(DownpourSGD.__module__, attach.__name__)"
+    done = subprocess.run(
+        [sys.executable, "-c", import_all], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stdout.split() == ["downpour_dask.downpour.estimator", "attach"], done.stderr
+    assert "DownpourSGD" in dir(downpour_dask)
+    with pytest.raises(AttributeError, match="has no attribute 'DownpourSGDD'"):
+        downpour_dask.DownpourSGDD  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--n-replica", "2"], "unrecognized arguments: --n-replica 2"),
+        (["train", "--max-sec", "2"], "unrecognized arguments: --max-sec 2"),
+        (["watch", "x", "--sched", "tcp://h:1"], "arguments are required: --scheduler"),
+        (["--vers"], "arguments are required: command"),  # not taken for --version
+    ],
+)
+def test_abbreviated_flags_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_each_flag_has_its_own_help_line():
+    helps = {}
+    for action in train_parser()._actions:
+        if action.help and action.option_strings:
+            helps.setdefault(action.help, []).append(action.dest)
+    shared = {text: dests for text, dests in helps.items() if len(dests) > 1}
+    assert not shared
+    assert "passes over its own data" in flag_help("max_epochs")
+    assert "steps" in flag_help("max_steps") and "passes" not in flag_help("max_steps")
+
+
+def parsed_job(*argv: str) -> runs.Job:
+    args = parser.build_parser().parse_args(["train", *argv])
+    settings, _ = commands.job_settings(args)
+    return commands.prepare_job(settings)
+
+
+def test_max_seconds_alone_bounds_the_run_by_time_only(tmp_path):
+    out = ["--out", str(tmp_path)]
+    alone = parsed_job("--max-seconds", "30", *out).estimator
+    assert (alone.max_epochs, alone.max_steps, alone.max_seconds) == (None, None, 30)
+    default = parsed_job(*out).estimator
+    assert (default.max_epochs, default.max_seconds) == (3, None)
+    both = parsed_job("--max-seconds", "30", "--max-epochs", "2", *out).estimator
+    assert (both.max_epochs, both.max_seconds) == (2, 30)
+    steps = parsed_job("--max-steps", "50", *out).estimator
+    assert (steps.max_epochs, steps.max_steps) == (None, 50)
+
+
+@pytest.mark.timeout(120)
+def test_a_max_seconds_job_is_stopped_by_its_time_limit(tmp_path, client):
+    job = parsed_job(
+        "--dataset", "digits", "--model", "softmax", "--n-replicas", "2", "--max-seconds", "1.5",
+        "--out", str(tmp_path), "--name", "timed",
+    )  # fmt: skip
+    result = runs.run(job, client)
+    kinds = list(result.estimator.experiment_.events["kind"])
+    assert "stop_requested" in kinds and kinds[-1] == "stop"  # the time limit ended it
+    assert config_of(tmp_path / "timed")["max_epochs"] is None
+
+
+def test_label_names_the_label_column_of_data_files(tmp_path, capsys):
+    train, _ = runs.load_dataset("digits")
+    frame = pd.DataFrame(train.X[:300], columns=[f"x{i}" for i in range(train.X.shape[1])])
+    frame["digit"] = train.y[:300]
+    path = tmp_path / "digits.parquet"
+    frame.to_parquet(path, index=False)
+    job = parsed_job("--dataset", str(path), "--label", "digit", "--out", str(tmp_path / "r"))
+    assert job.train.n_features == train.X.shape[1] and job.settings["label"] == "digit"
+    status = cli.main(["train", "--dataset", str(path), "--out", str(tmp_path / "r")])
+    assert status == 2
+    error = capsys.readouterr().err
+    assert "label column 'label' not found" in error and "(give --label COLUMN)" in error
+    assert error.count("\n") == 1 and not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_names_the_resume_command_that_continues_from_the_checkpoint(tmp_path):
+    out = tmp_path / "runs"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "downpour_dask", "train", "--quiet", *SMALL[:4],
+         "--max-epochs", "none", "--max-seconds", "60", "--checkpoint-every", "0.5",
+         "--out", str(out), "--name", "job"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / ".job.partial" / "checkpoints" / "LATEST").exists():
+            assert driver.poll() is None, driver.communicate()[1]
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.1)
+        driver.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        _, err = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 130, err
+    assert err.splitlines()[-1] == (
+        "downpour-dask train: interrupted; no run directory was written, but its latest "
+        f"checkpoint is kept: continue with `downpour-dask train --resume {out / 'job'}`"
+    )
+    assert not (out / "job").exists()
+    assert (out / ".job.partial" / "job.json").is_file()  # what --resume reads
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_watch_wait_follows_a_run_published_after_it_started(client, tmp_path):
+    train, test = runs.load_dataset("digits")
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "downpour_dask", "watch", "later", "--wait", "120",
+         "--scheduler", client.scheduler.address, "--interval", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting up to 120 s" not in (watcher.stderr.readline() or "eof"):
+            assert time.monotonic() < deadline and watcher.poll() is None
+        est = DownpourSGD(
+            models.SoftmaxRegression(64, 10), n_replicas=2, n_shards=1, max_seconds=3,
+            random_state=0,
+        )  # fmt: skip
+        est.fit(train, eval_data=test, client=client, publish="later")
+        out, err = watcher.communicate(timeout=60)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+    assert watcher.returncode == 0, err
+    assert out.splitlines()[0].startswith("watching 'later': DownpourSGD, 2 replicas")
+    assert out.splitlines()[-1] == "run 'later' finished"
+    late = run_cli("watch", "never", "--wait", "1", "--scheduler", client.scheduler.address)
+    assert late.returncode == 2
+    assert late.stderr.splitlines()[-1].endswith("no run is published as 'never' on "
+                                                 f"{client.scheduler.address}; published: none")

@@ -76,6 +76,47 @@ def wait_published(client: Client, name: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+class Watcher:
+    """``downpour-dask watch NAME --wait`` started before the run, so that the process's start
+    (seconds on a busy machine) is behind it when the run is published.  ``attached`` is set
+    when it printed its ``watching`` line: it holds the run's topic from then on."""
+
+    def __init__(self, address: str, name: str, *extra: str):
+        command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "downpour_dask"]
+        self.process = subprocess.Popen(
+            [*command, "watch", name, "--scheduler", address, "--wait", "120", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.waiting, self.attached = threading.Event(), threading.Event()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self.err: list[str] = []
+
+    def _read_stdout(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("watching"):
+                self.attached.set()
+
+    def _read_stderr(self) -> None:
+        for line in self.process.stderr:
+            self.err.append(line.rstrip("\n"))
+            if line.startswith("waiting up to"):
+                self.waiting.set()
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        """Until the command is connected and polling for the name."""
+        assert self.waiting.wait(timeout), f"watch never started waiting: {self.err}"
+
+    def finish(self, timeout: float = 90) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+
+
 def softmax_estimator(train, seconds: float) -> DownpourSGD:
     model = models.SoftmaxRegression(train.n_features, 10)
     return DownpourSGD(model, n_replicas=2, n_shards=2, max_seconds=seconds, random_state=0)
@@ -198,19 +239,19 @@ def test_a_taken_name_is_refused_and_left_alone(client, digits):
 def test_watch_prints_progress_until_the_run_ends(own_cluster, digits):
     train, test = digits
     est = softmax_estimator(train, seconds=6.0)
+    watcher = Watcher(own_cluster.scheduler_address, "live-w", "--interval", "1")
+    watcher.wait_ready()
+
+    def after_attach(progress) -> None:  # the driver goes on once the watcher follows it
+        assert watcher.attached.wait(90), "watch never attached"
+
     with Client(own_cluster, timeout=30) as client:
-        fit = Background(est, client, "live-w", train, test)
-        wait_published(client, "live-w")
-        done = run_cli(
-            "watch", "live-w", "--scheduler", own_cluster.scheduler_address, "--interval", "1",
-            timeout=120,
-        )  # fmt: skip
-        fit.join(timeout=60)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+        est.fit(train, eval_data=test, client=client, callback=after_attach, publish="live-w")
+    assert watcher.finish() == 0, watcher.err
+    lines = watcher.lines
     assert lines[0].startswith("watching 'live-w': DownpourSGD, 2 replicas, 2 shards")
     progress = [line for line in lines if "examples" in line and "loss" in line]
-    assert len(progress) >= 2, done.stdout  # a line about every second, then the final one
+    assert progress, lines  # lines at most every second, and the final one
     assert "100%" in progress[-1] and "test accuracy" in progress[-1]
     assert lines[-1] == "run 'live-w' finished"
 
@@ -220,14 +261,17 @@ def test_watch_prints_progress_until_the_run_ends(own_cluster, digits):
 def test_watch_errors_are_one_line(client):
     done = run_cli("watch", "nothing-here", "--scheduler", client.scheduler.address)
     assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
-    assert "no run is published as 'nothing-here'" in done.stderr
+    assert done.stderr.count("\n") == 2 and "Traceback" not in done.stderr  # connecting, error
+    assert "no run is published as 'nothing-here'" in done.stderr.splitlines()[-1]
     with socket.socket() as s:  # a port where no scheduler listens
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    done = run_cli("watch", "x", "--scheduler", f"tcp://127.0.0.1:{port}", "--connect-timeout", "2")
-    assert done.returncode == 1
-    assert done.stderr.count("\n") == 1 and "cannot reach the Dask scheduler" in done.stderr
+    address = f"tcp://127.0.0.1:{port}"
+    done = run_cli("watch", "x", "--scheduler", address, "--connect-timeout", "2")
+    assert done.returncode == 2  # an unreachable scheduler is bad input (README)
+    said, error = done.stderr.splitlines()  # where it connects, then the error
+    assert said == f"connecting to {address} (timeout 2 s)" and "Traceback" not in done.stderr
+    assert "cannot reach the Dask scheduler" in error
 
 
 @pytest.mark.slow
@@ -274,31 +318,21 @@ def test_a_view_follows_a_shard_recreated_after_its_worker_died(own_cluster):
 @pytest.mark.timeout(180)
 def test_watch_exits_non_zero_when_the_run_fails(own_cluster, digits):
     train, _ = digits
+    watcher = Watcher(own_cluster.scheduler_address, "live-f")
+    watcher.wait_ready()
 
-    def fail_late(progress) -> None:
-        if progress.time > 6.0:
-            raise KeyboardInterrupt("stopped by the test")
+    def fail_once_watched(progress) -> None:  # an ordering, not a time: fail after the attach
+        assert watcher.attached.wait(90), "watch never attached"
+        raise KeyboardInterrupt("stopped by the test")
 
     est = softmax_estimator(train, seconds=60.0)
     with Client(own_cluster, timeout=30) as client:
-        outcome: list[BaseException] = []
-
-        def target() -> None:
-            try:
-                est.fit(train, client=client, callback=fail_late, publish="live-f")
-            except BaseException as err:  # noqa: BLE001 - handed to the test thread
-                outcome.append(err)
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        wait_published(client, "live-f")
-        done = run_cli("watch", "live-f", "--scheduler", own_cluster.scheduler_address)
-        thread.join(60)
-        assert not thread.is_alive() and isinstance(outcome[0], KeyboardInterrupt)
+        with pytest.raises(KeyboardInterrupt):
+            est.fit(train, client=client, callback=fail_once_watched, publish="live-f")
         assert "live-f" not in client.list_datasets()
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stderr == "downpour-dask watch: failed: run 'live-f' ended without finishing " \
-        "(its fit failed)\n"  # fmt: skip
+    assert watcher.finish() == 1, watcher.lines + watcher.err
+    assert watcher.err[-1] == "downpour-dask watch: failed: run 'live-f' ended without " \
+        "finishing (its fit failed)"  # fmt: skip
 
 
 @pytest.mark.slow
@@ -308,6 +342,8 @@ def test_a_cli_training_job_published_by_name_is_watched_from_another_command(
 ):
     command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "downpour_dask"]
     address = own_cluster.scheduler_address
+    watcher = Watcher(address, "cli-job", "--interval", "1")  # waits for the job to publish
+    watcher.wait_ready()
     train = subprocess.Popen(
         command + ["train", "--dataset", "digits", "--model", "softmax", "--n-replicas", "2",
                    "--max-epochs", "none", "--max-seconds", "5", "--scheduler", address,
@@ -315,16 +351,13 @@ def test_a_cli_training_job_published_by_name_is_watched_from_another_command(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        with Client(own_cluster, timeout=30) as client:
-            wait_published(client, "cli-job")
-        watched = run_cli("watch", "cli-job", "--scheduler", address, "--interval", "1")
         out, err = train.communicate(timeout=120)
     finally:
         if train.poll() is None:
             train.kill()
     assert train.returncode == 0, err
-    assert watched.returncode == 0, watched.stderr
-    assert watched.stdout.splitlines()[-1] == "run 'cli-job' finished"
+    assert watcher.finish() == 0, watcher.err
+    assert watcher.lines[-1] == "run 'cli-job' finished"
     assert (tmp_path / "job" / "pushes.parquet").is_file()
     bad = run_cli("train", "--algorithm", "sandblaster", "--publish", "x", "--out", str(tmp_path))
     assert bad.returncode == 2 and "publish works with algorithm downpour only" in bad.stderr

@@ -29,8 +29,12 @@ FLAGLESS_ARGUMENTS = {
 ALIASES = {"random_state": ("--seed",)}
 
 #: The help of flags whose estimator arguments share one numpydoc entry
-#: (``max_epochs, max_steps : int``): one line per flag, each saying its own unit.
+#: (``max_epochs, max_steps : int``): one line per flag, each saying what it alone does.
 OWN_HELP = {
+    "n_fetch": "[downpour] A replica fetches fresh parameters from the shards every n_fetch "
+    "steps (the paper's experiments used 1) (default 1)",
+    "n_push": "[downpour] A replica pushes its accrued gradient to the shards every n_push "
+    "steps (the paper's experiments used 1) (default 1)",
     "max_epochs": "[downpour] Each replica stops after this many passes over its own data "
     "(default 3 unless --max-steps or --max-seconds is given, then none)",
     "max_steps": "[downpour] Each replica stops after this many steps (minibatches) "
