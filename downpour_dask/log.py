@@ -273,16 +273,40 @@ class Experiment:
         return cls(config, pushes, pd.read_parquet(src / "evals.parquet"), events)
 
     # -- plots -----------------------------------------------------------------------------------
-    def plot(self, ax: Any = None) -> Any:
-        """Plot the evaluation score against wall time (needs matplotlib, the ``plot`` extra)."""
+    def plot(self, ax: Any = None, label: str | None = None, target: float | None = None) -> Any:
+        """Plot the evaluation score against wall time (needs matplotlib, the ``plot`` extra).
+
+        Parameters
+        ----------
+        ax : matplotlib Axes, optional
+            Where to draw (default: a new figure); call once per run on the same ``ax`` to
+            compare runs.
+        label : str, optional
+            The line's name in the legend (default: the estimator's name from the config).
+        target : float, optional
+            A score to draw as a dashed horizontal line.
+
+        Returns
+        -------
+        matplotlib Axes
+        """
         import matplotlib.pyplot as plt
 
         if ax is None:
-            _, ax = plt.subplots(figsize=(6, 4))
-        if len(self.evals) and self.metric in self.evals:
-            ax.plot(self.evals["time"], self.evals[self.metric], marker=".")
+            _, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+        metric = self.metric
+        if label is None:
+            label = str(self.config.get("estimator") or "run")
+        if len(self.evals) and metric in self.evals:
+            scored = self.evals.dropna(subset=[metric])
+            ax.plot(scored["time"], scored[metric], marker=".", label=label)
+        if target is not None:
+            ax.axhline(target, color="0.4", linestyle="--", linewidth=1, label=f"target {target:g}")
+        ax.set_title(f"Test {metric} against time")
         ax.set_xlabel("seconds since fit started")
-        ax.set_ylabel(f"test {self.metric}")
+        ax.set_ylabel(f"test {metric}")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
+                  fontsize="small", frameon=False)  # beside the axes, not over the data
         return ax
 
 

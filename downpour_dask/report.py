@@ -1,8 +1,9 @@
 """Compare finished runs: one summary row per run and plots of them side by side.
 
 ``downpour-dask report RUN_DIR [RUN_DIR ...]`` prints :func:`summarize`'s table and writes
-:func:`plot_runs`' PNG files; both work on :class:`~downpour_dask.Experiment` objects too, so a
-notebook can compare runs it has just made without saving them.
+:func:`plot_runs`' PNG files (the target score drawn on the accuracy plot); both work on
+:class:`~downpour_dask.Experiment` objects too, and :func:`figures` returns the plots as
+figures, so a notebook can compare runs it has just made without saving them.
 
 Plots are drawn on :class:`matplotlib.figure.Figure` objects, never through ``pyplot``, so
 writing them neither needs a display nor disturbs a notebook's inline backend.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -106,46 +108,71 @@ def plot_runs(
     runs: Mapping[str, Experiment],
     out: str | os.PathLike[str],
     which: Iterable[str] = tuple(PLOTS),
+    target: float | None = None,
 ) -> list[Path]:
     """Write comparison plots of ``runs`` into directory ``out``; return the files written.
 
-    ``accuracy``: the evaluation score against wall time; ``loss``: training loss (pushes,
-    smoothed) and evaluation loss against wall time; ``staleness``: a histogram of push
-    staleness per run.  Needs matplotlib (the ``plot`` extra).
+    See :func:`figures` for what each plot shows.  Needs matplotlib (the ``plot`` extra).
     """
-    from matplotlib.figure import Figure  # optional dependency: imported only when plotting
-
-    unknown = set(which) - set(PLOTS)
-    if unknown:
-        raise ValueError(f"unknown plot(s) {sorted(unknown)}; allowed: {', '.join(PLOTS)}")
+    drawn = figures(runs, which, target)
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for kind in which:
-        fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-        ax = fig.add_subplot()
-        _DRAW[kind](ax, runs)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
+    for kind, fig in drawn.items():
         path = directory / PLOTS[kind]
         fig.savefig(path, dpi=110)
         written.append(path)
     return written
 
 
-def _draw_accuracy(ax, runs: Mapping[str, Experiment]) -> None:
+def figures(
+    runs: Mapping[str, Experiment],
+    which: Iterable[str] = tuple(PLOTS),
+    target: float | None = None,
+) -> dict[str, Any]:
+    """The comparison plots of ``runs`` as :class:`matplotlib.figure.Figure` objects, by kind.
+
+    ``accuracy``: the evaluation score against wall time, with ``target`` as a dashed line;
+    ``loss``: training loss (pushes, smoothed) and evaluation loss against wall time;
+    ``staleness``: a histogram of push staleness per run.  Every line is labelled with its run's
+    name (the keys of ``runs``), in a legend beside the axes, never over the data.
+    """
+    from matplotlib.figure import Figure  # optional dependency: imported only when plotting
+
+    which = list(which)
+    unknown = set(which) - set(PLOTS)
+    if unknown:
+        raise ValueError(f"unknown plot(s) {sorted(unknown)}; allowed: {', '.join(PLOTS)}")
+    drawn = {}
+    for kind in which:
+        fig = Figure(figsize=(7.6, 4.2), layout="constrained")
+        ax = fig.add_subplot()
+        _DRAW[kind](ax, runs, target)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
+                      fontsize="small", frameon=False)  # fmt: skip
+        drawn[kind] = fig
+    return drawn
+
+
+def _draw_accuracy(ax: Any, runs: Mapping[str, Experiment], target: float | None) -> None:
     metrics = set()
     for label, run in runs.items():
         e = run.evals
         if len(e) and run.metric in e:
-            ax.plot(e["time"], e[run.metric], marker=".", label=label)
+            scored = e.dropna(subset=[run.metric])
+            ax.plot(scored["time"], scored[run.metric], marker=".", label=label)
             metrics.add(run.metric)
+    metric = "/".join(sorted(metrics)) or "accuracy"
+    if target is not None:
+        ax.axhline(target, color="0.4", linestyle="--", linewidth=1, label=f"target {target:g}")
+    ax.set_title(f"Test {metric} against time")
     ax.set_xlabel("seconds since fit started")
-    ax.set_ylabel("test " + ("/".join(sorted(metrics)) or "accuracy"))
+    ax.set_ylabel(f"test {metric}")
     ax.grid(alpha=0.3)
 
 
-def _draw_loss(ax, runs: Mapping[str, Experiment]) -> None:
+def _draw_loss(ax: Any, runs: Mapping[str, Experiment], target: float | None) -> None:
     for i, (label, run) in enumerate(runs.items()):
         color = f"C{i}"
         p = run.pushes
@@ -156,19 +183,21 @@ def _draw_loss(ax, runs: Mapping[str, Experiment]) -> None:
         e = run.evals
         if len(e):
             ax.plot(e["time"], e["loss"], color=color, marker=".", label=f"{label} (test)")
+    ax.set_title("Training and test loss against time")
     ax.set_xlabel("seconds since fit started")
     ax.set_ylabel("loss")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
 
 
-def _draw_staleness(ax, runs: Mapping[str, Experiment]) -> None:
+def _draw_staleness(ax: Any, runs: Mapping[str, Experiment], target: float | None) -> None:
     stale = {label: run.pushes["staleness"].to_numpy() for label, run in runs.items()}
     top = max((int(s.max()) for s in stale.values() if len(s)), default=0)
     bins = np.arange(top + 2) - 0.5
     for label, values in stale.items():
         if len(values):
             ax.hist(values, bins=bins, histtype="step", linewidth=1.5, label=label, density=True)
+    ax.set_title("Staleness of pushes")
     ax.set_xlabel("staleness (updates applied between a replica's fetch and its push)")
     ax.set_ylabel("fraction of pushes")
     ax.grid(alpha=0.3)
@@ -197,7 +226,7 @@ def report(
     table.to_csv(directory / "summary.csv", index=False)
     written = [directory / "summary.csv"]
     try:
-        written += plot_runs(runs, directory)
+        written += plot_runs(runs, directory, target=target)
     except ImportError:
         pass
     return table, target, written

@@ -2,11 +2,16 @@
 
 import math
 
+import matplotlib
+import numpy as np
 import pandas as pd
 import pytest
 
 from downpour_dask import Experiment
-from downpour_dask.report import PLOTS, format_table, plot_runs, report, summarize
+from downpour_dask.report import PLOTS, figures, format_table, plot_runs, report, summarize
+from downpour_dask.runs.directory import save_run
+
+matplotlib.use("Agg")  # Experiment.plot draws through pyplot: no display in tests
 
 
 def run_with(accuracies, staleness, failures=0, duration=2.0):
@@ -81,3 +86,62 @@ def test_report_reads_run_directories_and_defaults_the_target_for_classifiers(tm
     assert pd.read_csv(tmp_path / "out" / "summary.csv")["run"].tolist() == ["x", "y"]
     with pytest.raises(ValueError, match="no run directories"):
         report([], tmp_path / "out")
+
+
+def legend_labels(ax) -> list[str]:
+    return [text.get_text() for text in ax.get_legend().get_texts()]
+
+
+def legend_beside_the_data(fig, ax) -> bool:
+    fig.draw_without_rendering()
+    return ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
+
+
+def test_plots_have_titles_run_names_the_target_and_legends_beside_the_data():
+    runs = {"adagrad-4": run_with([0.5, 0.92], [0, 1, 2]), "sgd-1": run_with([0.6, 0.8], [3])}
+    drawn = figures(runs, target=0.9)
+    accuracy = drawn["accuracy"].axes[0]
+    assert accuracy.get_title() == "Test accuracy against time"
+    assert legend_labels(accuracy) == ["adagrad-4", "sgd-1", "target 0.9"]
+    target = [line for line in accuracy.lines if line.get_label() == "target 0.9"]
+    assert len(target) == 1 and set(target[0].get_ydata()) == {0.9}  # a horizontal line
+    loss = drawn["loss"].axes[0]
+    assert loss.get_title() == "Training and test loss against time"
+    assert legend_labels(loss) == [
+        "adagrad-4 (training)", "adagrad-4 (test)", "sgd-1 (training)", "sgd-1 (test)",
+    ]  # fmt: skip
+    assert drawn["staleness"].axes[0].get_title() == "Staleness of pushes"
+    assert legend_labels(drawn["staleness"].axes[0]) == ["adagrad-4", "sgd-1"]
+    for kind, fig in drawn.items():
+        assert legend_beside_the_data(fig, fig.axes[0]), kind
+    untargeted = figures(runs, which=["accuracy"])["accuracy"].axes[0]
+    assert legend_labels(untargeted) == ["adagrad-4", "sgd-1"]  # no target, no line
+
+
+def test_report_draws_its_target_and_a_run_directory_names_its_run(tmp_path, monkeypatch):
+    from downpour_dask import report as report_module
+
+    run_with([0.5, 0.95], [0, 1]).save(tmp_path / "x")
+    seen = {}
+    real = report_module.figures
+
+    def spy(runs, which, target):
+        seen["figures"] = real(runs, which, target)
+        return seen["figures"]
+
+    monkeypatch.setattr(report_module, "figures", spy)
+    report([tmp_path / "x"], tmp_path / "out", target=0.93)
+    assert "target 0.93" in legend_labels(seen["figures"]["accuracy"].axes[0])
+    save_run(tmp_path / "my-run", run_with([0.5, 0.9], [0, 1]), np.zeros(3, np.float32))
+    assert legend_labels(seen["figures"]["accuracy"].axes[0]) == ["my-run"]  # not "run"
+    assert (tmp_path / "my-run" / "accuracy_vs_time.png").is_file()
+
+
+def test_experiment_plot_labels_its_line_and_draws_the_target():
+    ax = run_with([0.5, 0.9], [0]).plot(label="4 replicas", target=0.85)
+    assert ax.get_title() == "Test accuracy against time"
+    assert legend_labels(ax) == ["4 replicas", "target 0.85"]
+    assert legend_beside_the_data(ax.figure, ax)
+    again = run_with([0.6, 0.7], [0]).plot(ax=ax, label="1 replica")
+    assert again is ax and legend_labels(ax)[-1] == "1 replica"
+    assert legend_labels(run_with([0.5], [0]).plot()) == ["DownpourSGD"]

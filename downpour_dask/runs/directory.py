@@ -50,7 +50,7 @@ def save_run(
     try:
         inner = experiment.save(staging / "run")
         np.savez(inner / "params.npz", params=np.asarray(params))
-        _plot_run(experiment, inner)
+        _plot_run(experiment, inner, target.name)
         if target.exists():
             shutil.rmtree(target)
         os.replace(inner, target)
@@ -59,9 +59,9 @@ def save_run(
     return target
 
 
-def _plot_run(experiment: Experiment, directory: Path) -> None:
-    try:
-        plot_runs({"run": experiment}, directory, which=("accuracy", "loss"))
+def _plot_run(experiment: Experiment, directory: Path, name: str) -> None:
+    try:  # the lines are labelled with the run's name
+        plot_runs({name: experiment}, directory, which=("accuracy", "loss"))
     except ImportError:  # matplotlib is optional (the "plot" extra)
         pass
 
