@@ -6,17 +6,25 @@ events, evaluations and push rows into its :class:`~downpour_dask.log.Experiment
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from sklearn.base import BaseEstimator
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.metrics import accuracy_score, r2_score
+from sklearn.utils import ClassifierTags, RegressorTags, Tags
+from sklearn.utils.metaestimators import available_if
+from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ._version import __version__
 from .core.models import Model
+from .core.specs import ALLOWED, is_classifier_spec, parse_spec
+from .data import targets
 from .data.datasets import Dataset, as_dataset
 from .log import (
     EVAL_COLUMNS,
@@ -28,84 +36,152 @@ from .log import (
     events_frame,
     plain,
 )
+from .progress import ProgressBar
 
 
-class ParamServerEstimator:
-    """Base class: ``__init__`` stores arguments only; ``fit`` sets ``params_``, ``experiment_``."""
+class ParamServerEstimator(BaseEstimator):
+    """Base class: a scikit-learn estimator whose ``fit`` trains on a Dask cluster.
 
-    model: Model
-    params_: np.ndarray
+    ``__init__`` stores arguments only (scikit-learn's ``get_params``/``set_params``/``clone``
+    come from :class:`sklearn.base.BaseEstimator`); ``fit`` sets ``model_``, ``params_``,
+    ``experiment_``, ``n_features_in_`` and, for classifiers, ``classes_``.  Whether the
+    estimator is a classifier or a regressor is its model's kind, known before fitting from a
+    :class:`~downpour_dask.models.Model` or a model spec, so ``__sklearn_tags__`` (and with it
+    ``sklearn.base.is_classifier``, ``cross_val_score``'s stratified folds, ...) follows the
+    model: one class serves both, as the model decides everything else too.
+    """
+
+    #: The model spec ``model=None`` stands for (see :mod:`downpour_dask.core.specs`).
+    default_model = "mlp"
+
+    model: Model | str | None
     security: Any  # TLS of the embedded cluster (see runtime.cluster.cluster_client)
+    verbose: int
+    warm_start: bool
 
-    # -- scikit-learn parameter contract ---------------------------------------------------------
-    @classmethod
-    def _param_names(cls) -> list[str]:
-        signature = inspect.signature(cls.__init__)
-        return [p for p in signature.parameters if p != "self"]
+    # -- scikit-learn: tags and kind -------------------------------------------------------------
+    def _model_spec(self) -> Model | str:
+        """The ``model`` argument, with ``None`` replaced by :attr:`default_model`."""
+        return self.default_model if self.model is None else self.model
 
-    def get_params(self, deep: bool = True) -> dict[str, Any]:
-        """The constructor arguments, as scikit-learn's ``get_params``."""
-        return {name: getattr(self, name) for name in self._param_names()}
+    def _is_classifier(self) -> bool:
+        """Whether the model (fitted, given, or named by a spec) predicts class labels."""
+        model = getattr(self, "model_", None) or self._model_spec()
+        if isinstance(model, Model):
+            return model.is_classifier
+        try:
+            return is_classifier_spec(model)
+        except (TypeError, ValueError):  # a bad spec: fit says so; here, the common case
+            return True
 
-    def set_params(self, **params: Any) -> ParamServerEstimator:
-        """Set constructor arguments, as scikit-learn's ``set_params``; returns ``self``."""
-        valid = self._param_names()
-        for name, value in params.items():
-            if name not in valid:
-                raise ValueError(
-                    f"invalid parameter {name!r} for {type(self).__name__}; "
-                    f"valid parameters: {', '.join(valid)}"
-                )
-            setattr(self, name, value)
-        return self
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
-        return f"{type(self).__name__}({args})"
+    def __sklearn_tags__(self) -> Tags:
+        tags = super().__sklearn_tags__()
+        tags.target_tags.required = True
+        tags.non_deterministic = True  # asynchronous replicas; shard placement
+        if self._is_classifier():
+            tags.estimator_type, tags.classifier_tags = "classifier", ClassifierTags()
+        else:
+            tags.estimator_type, tags.regressor_tags = "regressor", RegressorTags()
+            tags.target_tags.multi_output = True
+        return tags
 
     # -- using the learned parameters ------------------------------------------------------------
-    def _fitted_params(self) -> np.ndarray:
-        if not hasattr(self, "params_"):
-            raise AttributeError(
-                f"this {type(self).__name__} is not fitted yet; call fit before predict or score"
-            )
-        return self.params_
-
-    def predict(self, X: np.ndarray | Dataset) -> np.ndarray:
-        """Class labels (classifiers) or predicted values (regression) for ``X``."""
-        params = self._fitted_params()
+    def _features(self, X: Any) -> np.ndarray:
+        """``X`` (or a Dataset's X) checked against the fit: feature count, names, values."""
+        check_is_fitted(self, "params_")
         if isinstance(X, Dataset):
             X = X.X
-        X, _ = self.model.check_data(X)
-        return self.model.predict(params, X)
+        X = validate_data(self, X, reset=False, dtype=np.float32)
+        return self.model_.check_data(X)[0]
 
-    def score(self, data: np.ndarray | Dataset | tuple, y: np.ndarray | None = None) -> float:
-        """Accuracy (classifiers) or R^2 (regression) on a Dataset, an ``(X, y)`` pair, or X, y."""
-        params = self._fitted_params()
-        dataset = as_dataset(data, y, what="data")
-        X, y = self.model.check_data(dataset.X, dataset.y)
-        return self.model.score(params, X, y)
+    def predict(self, X: Any) -> np.ndarray:
+        """Class labels (of ``classes_``) or predicted values (float64) for ``X``."""
+        X = self._features(X)
+        out = self.model_.predict(self.params_, X)
+        if self._is_classifier():
+            return targets.decode(out, self.classes_)
+        return out.astype(np.float64)
+
+    @available_if(_is_classifier)
+    def predict_proba(self, X: Any) -> np.ndarray:
+        """Class probabilities, shape (n_samples, n_classes), columns in ``classes_`` order
+        (the model's softmax or logistic outputs; classifiers only)."""
+        X = self._features(X)
+        return self.model_.predict_proba(self.params_, X).astype(np.float64)
+
+    def score(self, X: Any, y: Any = None, sample_weight: Any = None) -> float:
+        """Accuracy (classifiers) or R^2 (regression) on ``X, y``, a Dataset, or an ``(X, y)``
+        pair, as scikit-learn's ``accuracy_score``/``r2_score``."""
+        if isinstance(X, Dataset) or (isinstance(X, tuple) and y is None):
+            dataset = as_dataset(X, y, what="data")
+            X, y = dataset.X, dataset.y
+        if self._is_classifier():
+            return float(accuracy_score(y, self.predict(X), sample_weight=sample_weight))
+        return float(r2_score(y, self.predict(X), sample_weight=sample_weight))
 
     # -- what fit shares -------------------------------------------------------------------------
-    def _check_data(self, data: Any, y: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
-        """In-memory ``data`` (and ``y``) checked against the model; errors name ``what``."""
-        dataset = as_dataset(data, y, what=what)
-        try:
-            return self.model.check_data(dataset.X, dataset.y)
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"{what}: {err}") from None
+    def _check_fit_arguments(self, callback: Any) -> None:
+        """Check what every fit shares: the model (or spec), ``verbose``, ``warm_start``,
+        ``callback``."""
+        model = self._model_spec()
+        if isinstance(model, str):
+            parse_spec(model)
+        elif not isinstance(model, Model):
+            raise TypeError(
+                f"model must be a downpour_dask.models model (e.g. models.MLP), a model spec "
+                f"({ALLOWED}) or None (the default {self.default_model!r}), got "
+                f"{type(model).__name__}"
+            )
+        check_int("verbose", self.verbose, 0)
+        if not isinstance(self.warm_start, (bool, np.bool_)):
+            raise TypeError(f"warm_start must be True or False, got {self.warm_start!r}")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
 
-    def _config(self) -> dict[str, Any]:
+    def _check_model(self, model: Model) -> None:
+        """Raise if a model (given, or built at fit) cannot take the estimator's arguments."""
+
+    def _callback(self, callback: Callable[[Progress], None] | None) -> Callable | None:
+        """The callback a fit reports to: the one given, else a progress bar when verbose."""
+        if callback is None and self.verbose >= 1:
+            return ProgressBar()
+        return callback
+
+    def _warm(self) -> bool:
+        """Whether this fit continues from the previous one's ``params_`` (``warm_start``)."""
+        return bool(self.warm_start) and hasattr(self, "params_")
+
+    def _initial_params(self) -> np.ndarray | None:
+        """Where training starts: the last fit's parameters with ``warm_start``, else None."""
+        return self.params_.copy() if self._warm() else None
+
+    def _config(self, model: Model) -> dict[str, Any]:
         """The estimator's part of an experiment's config (JSON-able): its arguments, with the
         model as its config and ``tls`` for the Security object."""
         config = {k: v for k, v in self.get_params().items() if k not in ("model", "security")}
         config.update(
             tls=self.security is not None,  # the Security object itself is not JSON
-            model=self.model.get_config(),
+            model=model.get_config(),
             estimator=type(self).__name__,
             library_version=__version__,
         )
+        if self.model is None or isinstance(self.model, str):
+            config["model_spec"] = self._model_spec()
         return config
+
+    def _warn_stopped(self, updated: bool, timed_out: bool, limits: dict[str, Any]) -> None:
+        """Warn (:class:`sklearn.exceptions.ConvergenceWarning`) when the fit applied no update,
+        or ``max_seconds`` (``timed_out``) stopped it before the other ``limits`` it was given."""
+        name, budget = type(self).__name__, getattr(self, "max_seconds", None)
+        if not updated:
+            cause = f"max_seconds={budget} ran out first, so " if timed_out else ""
+            message = f"{name} applied no update: {cause}the model is untrained"
+        elif timed_out and limits:
+            asked = " and ".join(f"{k}={v}" for k, v in limits.items())
+            message = f"{name} was stopped by max_seconds={budget} before {asked}"
+        else:
+            return
+        warnings.warn(message, ConvergenceWarning, stacklevel=3)
 
 
 # -- argument checks (scikit-learn style messages) ------------------------------------------------

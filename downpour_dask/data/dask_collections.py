@@ -17,11 +17,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from .arrays import Dataset
 from .scan import check_columns
 from .schema import Schema, Shard
 from .shards import ShardedDataset
+from .targets import encode
 
 
 class DaskDataset(ShardedDataset):
@@ -75,6 +77,22 @@ class DaskDataset(ShardedDataset):
             Shard(self.kind, names[i], 0, int(n), part=i) for i, n in enumerate(rows) if n > 0
         ]
         return DaskDataset(self.schema, collection, self.name, self.shuffle_buffer, shards)
+
+    @property
+    def labels(self) -> Any:
+        """The label collection: the DataFrame's label column, or the ``y`` array."""
+        if self.kind == "frame":
+            return self.collection[self.schema.label]
+        return self.collection[1]
+
+    def with_labels(self, labels: Any) -> DaskDataset:
+        """A new dataset whose labels are ``labels`` (a lazy collection with the same rows, e.g.
+        from :func:`encode_labels`); this one is left as it is."""
+        if self.kind == "frame":
+            frame = self.collection.assign(**{self.schema.label: labels})
+            return _frame_dataset(frame, self.schema.label, list(self.schema.features),
+                                  self.name, self.shuffle_buffer)  # fmt: skip
+        return _array_dataset(self.collection[0], labels, self.name, self.shuffle_buffer)
 
     def to_dataset(self) -> Dataset:
         """Compute the collection into an in-memory Dataset, here (for data that fits in memory).
@@ -163,6 +181,54 @@ def _array_dataset(X: Any, y: Any, name: str | None, shuffle_buffer: int | None)
     y_width = y.shape[1] if y.ndim == 2 else 0
     schema = Schema("array", X.shape[1], X.dtype.name, y.dtype.name, y_width=y_width)
     return DaskDataset(schema, (X, y), name, shuffle_buffer)
+
+
+def distinct_labels(labels: Any) -> Any:
+    """A lazy collection of the distinct values of ``labels`` (a Dask Series or 1-D Array), each
+    block's own: compute it on the cluster and ``np.unique`` the small result."""
+    if hasattr(labels, "map_partitions"):
+        return labels.map_partitions(_unique_values, meta=(labels.name, labels.dtype))
+    blocks = ((np.nan,) * len(labels.chunks[0]),)
+    return labels.map_blocks(np.unique, chunks=blocks, dtype=labels.dtype)
+
+
+def encode_labels(labels: Any, classes: np.ndarray) -> Any:
+    """``labels`` (a Dask Series or 1-D Array) as int64 codes into ``classes``, lazily: each block
+    is encoded where it is computed (an unknown label fails that block with a clear error)."""
+    if hasattr(labels, "map_partitions"):
+        return labels.map_partitions(_encode_series, classes, meta=(labels.name, "int64"))
+    return labels.map_blocks(encode, classes, dtype=np.int64)
+
+
+def _unique_values(part: pd.Series) -> pd.Series:
+    return pd.Series(np.unique(part.to_numpy()), name=part.name)
+
+
+def _encode_series(part: pd.Series, classes: np.ndarray) -> pd.Series:
+    return pd.Series(encode(part.to_numpy(), classes), index=part.index, name=part.name)
+
+
+def fit_arguments_dataset(X: Any, y: Any, name: str | None = None) -> DaskDataset:
+    """``fit(X, y)`` with Dask collections: a DataFrame X with a Series y, or Array X with Array y.
+
+    The label joins the frame as column ``label`` (``__label__`` if X has a ``label`` column);
+    nothing is computed.  Raises TypeError for any other combination.
+    """
+    if is_dask_frame(X) and hasattr(y, "map_partitions") and getattr(y, "ndim", 0) == 1:
+        label = "__label__" if "label" in X.columns else "label"
+        features = [str(c) for c in X.columns]
+        return _frame_dataset(X.assign(**{label: y}), label, features, name, None)
+    if is_dask_array(X) and is_dask_array(y):
+        return _array_dataset(X, y, name, None)
+    raise TypeError(
+        "fit(X, y) with Dask collections takes a Dask DataFrame X with a Dask Series y, or a "
+        f"Dask Array X with a Dask Array y; got {type(X).__name__} and {type(y).__name__}"
+    )
+
+
+def is_dask_collection(obj: Any) -> bool:
+    """Whether ``obj`` is any Dask collection (Array, DataFrame, Series, ...)."""
+    return _is_collection(obj)
 
 
 def dask_dataset(

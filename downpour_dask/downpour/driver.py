@@ -182,7 +182,9 @@ class Driver:
         and time axis --, and the seed of the replicas' data order."""
         fit = self.fit
         rng = np.random.default_rng(fit.random_state)
-        initial = fit.model.init(rng)
+        initial = fit.model.init(rng)  # drawn in any case: the seed below stays the same
+        if fit.initial is not None:
+            initial = fit.initial
         if fit.plan is not None:
             initial = fit.plan.pack(initial)
         seed = int(rng.integers(2**31)) if fit.random_state is None else fit.random_state

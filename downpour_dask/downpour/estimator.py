@@ -22,6 +22,7 @@ from ..core.models import Model
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
 from ..data.datasets import Dataset, ShardedDataset
+from ..inputs import evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from .checkpoints import read_resumable
@@ -37,8 +38,12 @@ class DownpourSGD(ParamServerEstimator):
 
     Parameters
     ----------
-    model : Model
-        A :mod:`downpour_dask.models` model, e.g. ``models.MLP(784, (128,), 10)``.
+    model : Model, str or None, default None
+        A :mod:`downpour_dask.models` model, e.g. ``models.MLP(784, (128,), 10)``; or a model
+        spec (``"mlp:128,64"``, ``"mlp"``, ``"softmax"``, ``"logistic"``, ``"linear"``) built at
+        fit for the data's features and classes; None is ``"mlp"`` (one hidden layer of 128).
+        A classifier model makes this a scikit-learn classifier (labels of any kind, kept in
+        ``classes_``), ``"linear"`` or a regression model a regressor.
     n_replicas : int, default 4
         Model replicas; each trains on its own 1/n_replicas of the data.
     n_shards : int, default 2
@@ -99,11 +104,23 @@ class DownpourSGD(ParamServerEstimator):
         actor messages; it costs far less CPU per push and pull than an actor call, CPU that
         goes to the gradients instead.  ``"dask"``: actor messages only.  Shards on the
         replica's own worker are called in-process either way.
+    verbose : int, default 0
+        0 is silent.  1 or more: a progress bar while ``fit`` runs (unless it is given a
+        ``callback``), and the dashboard link of an embedded cluster it starts, on stderr.
+    warm_start : bool, default False
+        When True, ``fit`` continues from the previous fit's ``params_`` (same model, classes
+        and features) instead of starting afresh, as scikit-learn's ``warm_start``.
 
     Attributes
     ----------
+    model_ : Model
+        The model trained (``model`` itself, or built from its spec).
     params_ : ndarray
         The trained flat float32 parameter vector.
+    classes_ : ndarray
+        The class labels (classifiers); the model's output ``k`` is ``classes_[k]``.
+    n_features_in_ : int
+        Features seen in fit; ``feature_names_in_`` too when X had string column names.
     experiment_ : Experiment
         Pushes, evaluations and events of the run.  Each event's ``data`` holds its facts for
         code to read (its ``detail`` is a sentence for people): ``start`` {n_replicas,
@@ -115,11 +132,18 @@ class DownpourSGD(ParamServerEstimator):
         shards' own events (``gradient_refused`` ...) {shard, ...}.
     server_status_ : DataFrame
         Per-shard counters at the end of the run (versions, accepted/refused pushes, staleness).
+
+    Notes
+    -----
+    SGD has no convergence test here: ``max_epochs``/``max_steps`` say how long to train.  A
+    fit warns with :class:`sklearn.exceptions.ConvergenceWarning` when ``max_seconds`` stopped
+    it before the epochs or steps it was given, or when no update reached the shards at all
+    (the model is then untrained).
     """
 
     def __init__(
         self,
-        model: Model,
+        model: Model | str | None = None,
         n_replicas: int = 4,
         n_shards: int = 2,
         optimizer: str | optim.UpdateRule = "adagrad",
@@ -141,6 +165,8 @@ class DownpourSGD(ParamServerEstimator):
         checkpoint_every: float = 30.0,
         partitions: int = 1,
         transport: str = "auto",
+        verbose: int = 0,
+        warm_start: bool = False,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -164,19 +190,19 @@ class DownpourSGD(ParamServerEstimator):
         self.checkpoint_every = checkpoint_every
         self.partitions = partitions
         self.transport = transport
+        self.verbose = verbose
+        self.warm_start = warm_start
 
     # -- validation ------------------------------------------------------------------------------
-    def _check_arguments(self) -> optim.UpdateRule:
-        """Check every constructor argument; return the update rule. Raises before any Dask work."""
-        if not isinstance(self.model, Model):
-            raise TypeError(
-                f"model must be a downpour_dask.models model (e.g. models.MLP), "
-                f"got {type(self.model).__name__}"
-            )
+    def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
+        """Check every constructor argument (and a model given ready-built against them);
+        return the update rule.  Raises before any Dask work."""
+        self._check_fit_arguments(callback)
         check_int("n_replicas", self.n_replicas, 1)
-        check_int("n_shards", self.n_shards, 1, self.model.layout.size)
+        check_int("n_shards", self.n_shards, 1)
         check_int("partitions", self.partitions, 1)
-        self._shard_ranges()  # partitions the model cannot take, or too few shards, raise here
+        if isinstance(self.model, Model):
+            self._check_model(self.model)
         check_int("batch_size", self.batch_size, 1)
         check_int("n_fetch", self.n_fetch, 1)
         check_int("n_push", self.n_push, 1)
@@ -220,29 +246,33 @@ class DownpourSGD(ParamServerEstimator):
             )
         return optim.make(self.optimizer, self.learning_rate)
 
-    def _plan(self) -> PartitionPlan | None:
-        """How replicas are split (None without model parallelism)."""
-        return None if self.partitions == 1 else PartitionPlan(self.model, self.partitions)
+    def _check_model(self, model: Model) -> None:
+        """Raise if ``model`` cannot take ``n_shards`` or ``partitions``."""
+        check_int("n_shards", self.n_shards, 1, model.layout.size)
+        self._shard_ranges(model)  # partitions the model cannot take, or too few shards
 
-    def _shard_ranges(self) -> list[tuple[int, int]]:
+    def _plan(self, model: Model) -> PartitionPlan | None:
+        """How replicas are split (None without model parallelism)."""
+        return None if self.partitions == 1 else PartitionPlan(model, self.partitions)
+
+    def _shard_ranges(self, model: Model) -> list[tuple[int, int]]:
         """The shards' ranges of the server's vector: balanced, or aligned with partitions."""
-        plan = self._plan()
+        plan = self._plan(model)
         if plan is None:
-            return split_range(self.model.layout.size, self.n_shards)
+            return split_range(model.layout.size, self.n_shards)
         return plan.shard_ranges(self.n_shards)
 
-    def _check_sharded(self, data: ShardedDataset, y: Any) -> ShardedDataset:
-        """Check files/Dask data against the model from metadata (rows are read by replicas)."""
-        if y is not None:
-            raise TypeError("data is a ShardedDataset (it holds the targets), so y must be None")
-        data.check_model(self.model, "data")
-        n_rows = data.n_rows
+    def _subsets(self, model: Model, train: Any) -> Any:
+        """The replicas' data: contiguous in-memory subsets, or the ShardedDataset as it is."""
+        if not isinstance(train, ShardedDataset):
+            return Dataset(*train).partition(self.n_replicas)  # raises if a replica gets no rows
+        n_rows = train.n_rows
         if n_rows is not None and n_rows < self.n_replicas:  # Dask: checked once persisted
             raise ValueError(
                 f"cannot give each of {self.n_replicas} replicas its own data: the dataset has "
                 f"only {n_rows} rows; use n_replicas <= {n_rows}"
             )
-        return data
+        return train
 
     # -- fitting ---------------------------------------------------------------------------------
     def fit(
@@ -260,14 +290,20 @@ class DownpourSGD(ParamServerEstimator):
 
         Parameters
         ----------
-        data : Dataset, ShardedDataset, (X, y) tuple, or X
-            Training data; with ``X``, pass the targets as ``y``.  A ShardedDataset
-            (``datasets.from_parquet``, ``from_npy``, ``from_csv``, ``from_dask``) is streamed:
-            each replica reads only its own shards, on its worker.
+        data : array-like, DataFrame, Dask Array/DataFrame, Dataset, ShardedDataset or (X, y)
+            Training data; with ``X``, pass the targets as ``y`` (any labels for a classifier).
+            Dask collections (``fit(dask_X, dask_y)``, or ``datasets.from_dask``) and files
+            (``datasets.from_parquet``, ``from_npy``, ``from_csv``) stay distributed: each
+            replica streams only its own partitions or files, on its worker, and nothing is
+            gathered here (a classifier's classes come from one pass over the labels on the
+            cluster).
+        y : array-like, Dask Array or Series, optional
+            Targets for ``data`` given as ``X``.
         eval_data : Dataset or (X, y), optional
             Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``).
         client : distributed.Client, optional
-            The cluster to run on; by default an embedded local cluster is started and closed.
+            The cluster to run on; by default the current Dask client (the last ``Client()``
+            made), and when there is none an embedded local cluster, started and closed here.
         callback : callable, optional
             Called with a :class:`~downpour_dask.log.Progress` snapshot about four times a
             second while training (progress bars, live plots).  An exception it raises stops
@@ -284,47 +320,55 @@ class DownpourSGD(ParamServerEstimator):
             the old one's pushes, evaluations, events and time axis (up to the checkpoint).
             Checkpoints go on being written there unless ``checkpoint_dir`` is set.
         """
-        rule = self._check_arguments()
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        rule = self._check_arguments(callback)
+        callback = self._callback(callback)
         if publish is not None:
             live.check_name(publish)
-        if isinstance(data, ShardedDataset):
-            subsets = self._check_sharded(data, y)
-        else:
-            X, y = self._check_data(data, y, "data")
-            subsets = Dataset(X, y).partition(self.n_replicas)  # raises if a replica gets no rows
-        evaluation = None if eval_data is None else self._check_data(eval_data, None, "eval_data")
-        max_epochs = self.max_epochs
-        if max_epochs is None and self.max_steps is None and self.max_seconds is None:
-            max_epochs = 1
-        resumed = None
-        if resume_from is not None:  # a CheckpointError (a ValueError) names a damaged file
-            resumed = read_resumable(resume_from, self._shard_ranges(), self.partitions, self.model)
-        settings = self._settings(rule, max_epochs, self.checkpoint_dir or resume_from)
-        with cluster_client(client, self.security) as active:
-            driver = Driver(settings, active, subsets, evaluation, resumed, callback, publish)
+        model = train = None
+        if not is_distributed(data):  # in memory: every check before any cluster work
+            model, train = prepare_fit(self, data, y)
+        with cluster_client(client, self.security, announce=self.verbose >= 1) as active:
+            if model is None:  # files, Dask collections: Dask labels are read on the cluster
+                model, train = prepare_fit(self, data, y, active)
+            evaluation = evaluation_data(self, model, eval_data)
+            resumed = None
+            if resume_from is not None:  # a CheckpointError (a ValueError) names a damaged file
+                ranges = self._shard_ranges(model)
+                resumed = read_resumable(resume_from, ranges, self.partitions, model)
+            settings = self._settings(model, rule, self.checkpoint_dir or resume_from)
+            driver = Driver(
+                settings, active, self._subsets(model, train), evaluation, resumed, callback,
+                publish,
+            )  # fmt: skip
             driver.execute()
+        self.model_ = model
         self.params_ = driver.params
         self.experiment_ = driver.experiment
         self.server_status_ = driver.status
+        events = driver.experiment.events["kind"]
+        asked = {"max_epochs": self.max_epochs, "max_steps": self.max_steps}
+        self._warn_stopped(bool(len(driver.experiment.pushes)), (events == "stop_requested").any(),
+                           {k: v for k, v in asked.items() if v is not None})  # fmt: skip
         return self
 
     def _settings(
         self,
+        model: Model,
         rule: optim.UpdateRule,
-        max_epochs: int | None,
         checkpoint_dir: str | os.PathLike[str] | None,
     ) -> FitSettings:
         """What the driver needs of the checked arguments."""
         alpha = self.learning_rate if self.local_learning_rate is None else self.local_learning_rate
+        max_epochs = self.max_epochs
+        if max_epochs is None and self.max_steps is None and self.max_seconds is None:
+            max_epochs = 1
         return FitSettings(
-            model=self.model,
+            model=model,
             rule=rule,
             n_replicas=self.n_replicas,
             n_shards=self.n_shards,
-            ranges=self._shard_ranges(),
-            plan=self._plan(),
+            ranges=self._shard_ranges(model),
+            plan=self._plan(model),
             batch_size=self.batch_size,
             n_fetch=self.n_fetch,
             n_push=self.n_push,
@@ -340,13 +384,14 @@ class DownpourSGD(ParamServerEstimator):
             checkpoint_every=self.checkpoint_every,
             checkpoint_dir=checkpoint_dir,
             transport=self.transport,
-            config=self._config(),
+            config=self._config(model),
+            initial=self._initial_params(),
         )
 
-    def _config(self) -> dict[str, Any]:
+    def _config(self, model: Model) -> dict[str, Any]:
         """The estimator's part of the experiment's config (JSON-able): the shared part, with the
         optimizer as its config and the checkpoint directory as a string."""
-        config = super()._config()
+        config = super()._config(model)
         if config.get("checkpoint_dir") is not None:
             config["checkpoint_dir"] = str(config["checkpoint_dir"])
         if isinstance(self.optimizer, optim.UpdateRule):

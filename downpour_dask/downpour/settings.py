@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..core.models import Model
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
@@ -43,6 +45,7 @@ class FitSettings:
     checkpoint_dir: str | os.PathLike[str] | None
     transport: str
     config: dict[str, Any]  # the estimator's part of the experiment's config
+    initial: np.ndarray | None = None  # where to start (warm_start), in the model's layout
 
     @property
     def partitions(self) -> int:

@@ -1,7 +1,8 @@
 """The Dask cluster a fit runs on: the embedded local cluster, TLS settings, the worker list.
 
-A fit given no client starts an embedded :class:`~distributed.LocalCluster` of single-threaded
-worker processes and closes it afterwards; a fit given a client uses that cluster as it is.
+A fit given a client uses that cluster as it is; given none, it uses the current default Dask
+client if there is one (as Dask and dask-ml do), and otherwise starts an embedded
+:class:`~distributed.LocalCluster` of single-threaded worker processes and closes it afterwards.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
-from distributed import Client, LocalCluster, Security
+from distributed import Client, LocalCluster, Security, default_client
 
 from .dask_internals import scheduler_workers
 
@@ -33,16 +35,44 @@ def check_security(value: Any) -> None:
     )
 
 
+def current_client() -> Client | None:
+    """The current default Dask client (the last ``Client`` made, or one set with
+    ``client.as_current()``), as ``distributed.default_client`` finds it; None when there is none
+    or it is closed."""
+    try:
+        client = default_client()
+    except ValueError:  # no client
+        return None
+    return client if client.status == "running" else None
+
+
+def dashboard_line(cluster: Any) -> str:
+    """One line naming the embedded cluster and where its dashboard is (or how to get one)."""
+    workers = len(cluster.workers)
+    link = cluster.dashboard_link if importlib.util.find_spec("bokeh") else None
+    where = (
+        f"dashboard at {link}"
+        if link
+        else "no dashboard (it needs bokeh: pip install 'downpour-dask[notebooks]')"
+    )
+    return f"downpour-dask: started a local Dask cluster of {workers} workers; {where}"
+
+
 @contextlib.contextmanager
 def cluster_client(
-    client: Client | None, security: Security | bool | None = None
+    client: Client | None, security: Security | bool | None = None, announce: bool = False
 ) -> Iterator[Client]:
-    """Yield ``client``, or start an embedded local cluster (worker processes) and close it after.
+    """Yield the cluster to run on: ``client``, else the current default client, else an embedded
+    local cluster (worker processes) that is closed afterwards.
 
-    The embedded cluster has one single-threaded worker process per core (at least two), so
-    parameter-server shards and replicas run in separate processes as they would on a real cluster.
-    With ``security`` (``True`` for ``Security.temporary()``, or a ``distributed.Security`` with
-    certificates for every role) it listens on TLS only and refuses clients without credentials.
+    As in Dask and dask-ml, ``client=None`` means "the current client" (the last ``Client()``
+    made in this process, or the one made current with ``client.as_current()``); only when there
+    is none is an embedded cluster started.  It has one single-threaded worker process per core
+    (at least two), so parameter-server shards and replicas run in separate processes as they
+    would on a real cluster.  With ``security`` (``True`` for ``Security.temporary()``, or a
+    ``distributed.Security`` with certificates for every role) the embedded cluster is always
+    started, listening on TLS only and refusing clients without credentials.  With ``announce``,
+    a started cluster's dashboard link is printed to stderr (one line).
 
     Raises
     ------
@@ -57,6 +87,10 @@ def cluster_client(
                 "the client given already has its own security (Client(..., security=...))"
             )
         yield client
+        return
+    current = current_client() if security is None else None
+    if current is not None:
+        yield current
         return
     n_workers = max(2, min(os.cpu_count() or 2, 8))
     tls: dict[str, Any] = {}
@@ -75,7 +109,10 @@ def cluster_client(
         ) as cluster,
         Client(cluster, security=cluster.security) as embedded,
     ):
+        if announce:
+            print(dashboard_line(cluster), file=sys.stderr, flush=True)
         yield embedded
+
 
 def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
     """The cluster's current workers (address -> info such as ``nthreads``), asked afresh.

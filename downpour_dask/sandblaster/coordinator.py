@@ -22,7 +22,7 @@ from distributed import Client, Future
 from ..base import ParamServerEstimator, RunRecorder
 from ..core import optim
 from ..core.lbfgs import LBFGS, LBFGSResult
-from ..core.models import from_config
+from ..core.models import Model, from_config
 from ..core.params import DTYPE, split_range
 from ..log import Experiment, Progress, PushRow
 from ..ps.server import ParameterServer
@@ -52,6 +52,10 @@ class Coordinator:
         Fault injection for straggling workers (see ``fit``'s ``portion_delay``).
     callback : callable, optional
         Gets a :class:`~downpour_dask.log.Progress` after every iteration and at the end.
+    model : Model, optional
+        The model built for this fit (default: ``est.model``).
+    initial : ndarray, optional
+        The starting parameters (``warm_start``); default: the model's seeded initialisation.
 
     Attributes
     ----------
@@ -70,12 +74,16 @@ class Coordinator:
         evaluation: tuple[np.ndarray, np.ndarray] | None,
         delay: dict[str, float],
         callback: Callable[[Progress], None] | None = None,
+        model: Model | None = None,
+        initial: np.ndarray | None = None,
     ):
         self.est, self.client, self.X, self.y = est, client, X, y
+        self.model = est.model if model is None else model  # the model built at fit
+        self.start = initial  # warm start: the previous fit's parameters
         self.evaluation, self.delay, self.callback = evaluation, delay, callback
         self.token = uuid.uuid4().hex[:12]
         self.worker_index: dict[str, int] = {}
-        self.metric = "accuracy" if est.model.is_classifier else "r2"
+        self.metric = "accuracy" if self.model.is_classifier else "r2"
         self._pending_eval: tuple[dict[str, Any], Future] | None = None
 
     # -- what the passes report (the PassObserver of portions.py) ---------------------------------
@@ -101,7 +109,9 @@ class Coordinator:
         else index arrays of a seeded permutation cut into disjoint batches."""
         est, n = self.est, len(self.X)
         rng = np.random.default_rng(est.random_state)
-        self.initial = est.model.init(rng)
+        self.initial = self.model.init(rng)  # drawn in any case: the batches stay the same
+        if self.start is not None:
+            self.initial = self.start
         size = n if est.batch_size is None else min(est.batch_size, n)
         order = None if size == n else rng.permutation(n)
         threads = sum(info.get("nthreads", 1) for info in workers.values())
@@ -119,7 +129,7 @@ class Coordinator:
 
     def execute(self) -> None:
         """Run the fit: start the shards, optimise, gather the result, build the experiment."""
-        est, client, model = self.est, self.client, self.est.model
+        est, client, model = self.est, self.client, self.model
         workers = cluster_workers(client)
         if not workers:
             raise RuntimeError("the Dask cluster has no workers")
@@ -147,7 +157,7 @@ class Coordinator:
     def _optimise(self, rows: list[list], workers: dict) -> None:
         est, client = self.est, self.client
         flat = [idx for batch in rows for idx in batch]
-        data_model = from_config({**est.model.get_config(), "l2": 0.0})
+        data_model = from_config({**self.model.get_config(), "l2": 0.0})
         [model_future] = client.scatter([data_model], broadcast=True, hash=False)
         self._eval_future = None
         if self.evaluation is not None:
@@ -222,7 +232,7 @@ class Coordinator:
         """Score a snapshot of ``x`` on a worker while the coordinator goes on iterating."""
         self.portions.run([("copy", "x", "xe")])  # the next iterations may move x
         future = self.client.submit(
-            evaluate_task, self.server.portable(), self.est.model, self._eval_future,
+            evaluate_task, self.server.portable(), self.model, self._eval_future,
             self.est.timeout, pure=False,
         )  # fmt: skip
         self._pending_eval = (row, future)
@@ -236,7 +246,7 @@ class Coordinator:
 
     def _experiment(self, workers: list[str]) -> Experiment:
         est = self.est
-        config = est._config()
+        config = est._config(self.model)
         config.update(
             n_rows=len(self.X),
             workers=workers,

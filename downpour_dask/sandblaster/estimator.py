@@ -11,16 +11,18 @@ of stragglers, and accumulated on the shards, never through the driver.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 from distributed import Client, Security
+from sklearn.exceptions import ConvergenceWarning
 
 from ..base import ParamServerEstimator, check_int, check_positive
 from ..core.models import Model
 from ..data.datasets import Dataset
-from ..data.shards import ShardedDataset
+from ..inputs import evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from .coordinator import Coordinator
@@ -35,8 +37,11 @@ class SandblasterLBFGS(ParamServerEstimator):
 
     Parameters
     ----------
-    model : Model
-        A :mod:`downpour_dask.models` model.
+    model : Model, str or None, default None
+        A :mod:`downpour_dask.models` model, or a model spec (``"softmax"``, ``"logistic"``,
+        ``"mlp:64"``, ``"linear"``, ...) built at fit for the data's features and classes; None
+        is ``"softmax"``.  A classifier model makes this a scikit-learn classifier (labels of
+        any kind, kept in ``classes_``), ``"linear"`` or a regression model a regressor.
     n_shards : int, default 2
         Parameter-server shards (Dask actors); shard i is placed on the i-th worker by sorted
         address (modulo the number of workers).
@@ -73,9 +78,20 @@ class SandblasterLBFGS(ParamServerEstimator):
         TLS for the embedded local cluster started when ``fit`` gets no client: ``True`` for
         temporary self-signed certificates (``Security.temporary()``), or a ``Security`` with
         certificates for every role.  Give a client of an existing cluster its own ``security``.
+    verbose : int, default 0
+        0 is silent.  1 or more: a progress bar while ``fit`` runs (unless it is given a
+        ``callback``), and the dashboard link of an embedded cluster it starts, on stderr.
+    warm_start : bool, default False
+        When True, ``fit`` continues from the previous fit's ``params_`` (same model, classes
+        and features) instead of starting afresh; the L-BFGS history starts empty.
 
     Attributes
     ----------
+    model_ : Model
+        The model trained (``model`` itself, or built from its spec).
+    classes_ : ndarray
+        The class labels (classifiers); ``n_features_in_`` (``feature_names_in_``) as in
+        scikit-learn.
     params_ : ndarray
         The optimised flat float32 parameter vector.
     gradient_ : ndarray
@@ -100,11 +116,17 @@ class SandblasterLBFGS(ParamServerEstimator):
     driver re-scatters the data blocks it held, and the shards count every portion once.  Shards
     themselves are not recovered (a lost shard fails the run), so on small clusters keep them on
     workers you expect to live; they go to the first ``n_shards`` workers by sorted address.
+
+    A fit that ends at ``max_iter`` or ``max_seconds`` without meeting ``tol``, or whose line
+    search fails, warns with :class:`sklearn.exceptions.ConvergenceWarning`, as scikit-learn's
+    L-BFGS solvers do; one stopped before its first iteration says the model is untrained.
     """
+
+    default_model = "softmax"
 
     def __init__(
         self,
-        model: Model,
+        model: Model | str | None = None,
         n_shards: int = 2,
         batch_size: int | None = None,
         portions_per_batch: int | None = None,
@@ -119,6 +141,8 @@ class SandblasterLBFGS(ParamServerEstimator):
         random_state: int | None = None,
         timeout: float = 120.0,
         security: Security | bool | None = None,
+        verbose: int = 0,
+        warm_start: bool = False,
     ):
         self.model = model
         self.n_shards = n_shards
@@ -135,15 +159,15 @@ class SandblasterLBFGS(ParamServerEstimator):
         self.random_state = random_state
         self.timeout = timeout
         self.security = security
+        self.verbose = verbose
+        self.warm_start = warm_start
 
-    def _check_arguments(self) -> None:
+    def _check_arguments(self, callback: Any = None) -> None:
         """Check every constructor argument; raises before any cluster work."""
-        if not isinstance(self.model, Model):
-            raise TypeError(
-                f"model must be a downpour_dask.models model (e.g. models.MLP), "
-                f"got {type(self.model).__name__}"
-            )
-        check_int("n_shards", self.n_shards, 1, self.model.layout.size)
+        self._check_fit_arguments(callback)
+        check_int("n_shards", self.n_shards, 1)
+        if isinstance(self.model, Model):
+            self._check_model(self.model)
         check_int("batch_size", self.batch_size, 1, allow_none=True)
         check_int("portions_per_batch", self.portions_per_batch, 1, allow_none=True)
         check_int("history", self.history, 1)
@@ -162,15 +186,9 @@ class SandblasterLBFGS(ParamServerEstimator):
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
 
-    def _check_data(self, data: Any, y: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
-        if isinstance(data, ShardedDataset):
-            raise TypeError(
-                f"{what} is a {type(data).__name__} (files or a Dask collection), but "
-                f"{type(self).__name__} scatters in-memory arrays to the workers and would "
-                f"have to gather it whole into the driver; for data that fits in memory, pass "
-                f"{what}.to_dataset()"
-            )
-        return super()._check_data(data, y, what)
+    def _check_model(self, model: Model) -> None:
+        """Raise if ``model`` has fewer parameters than ``n_shards``."""
+        check_int("n_shards", self.n_shards, 1, model.layout.size)
 
     def fit(
         self,
@@ -203,15 +221,42 @@ class SandblasterLBFGS(ParamServerEstimator):
             Fault injection for tests and benchmarks: every portion running on that worker
             sleeps this long first, making the worker a straggler.
         """
-        self._check_arguments()
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
-        X, y = self._check_data(data, y, "data")
-        evaluation = None if eval_data is None else self._check_data(eval_data, None, "eval_data")
-        with cluster_client(client, self.security) as active:
-            run = Coordinator(self, active, X, y, evaluation, dict(portion_delay or {}), callback)
+        self._check_arguments(callback)
+        if is_distributed(data):
+            raise TypeError(
+                f"data is {type(data).__name__} (files or a Dask collection), but "
+                f"{type(self).__name__} scatters in-memory arrays to the workers and would "
+                f"have to gather it whole into the driver; for data that fits in memory, pass "
+                f"data.to_dataset() (or compute the collection)"
+            )
+        model, (X, y) = prepare_fit(self, data, y)
+        evaluation = evaluation_data(self, model, eval_data)
+        callback, delay = self._callback(callback), dict(portion_delay or {})
+        with cluster_client(client, self.security, announce=self.verbose >= 1) as active:
+            run = Coordinator(
+                self, active, X, y, evaluation, delay, callback, model, self._initial_params()
+            )
             run.execute()
+        self.model_ = model
         self.params_, self.gradient_ = run.params, run.gradient
         self.objective_, self.n_iter_ = run.result.objective, run.result.n_iter
         self.experiment_ = run.experiment
+        self._warn_stopped(
+            run.result.n_iter > 0 or self.max_iter == 0,
+            run.result.reason == "max_seconds",
+            {"max_iter": self.max_iter},
+        )
+        reason = run.result.reason
+        if reason in ("max_iter", "line_search_failed") and self.max_iter > 0:
+            why = (
+                "its line search failed to decrease the objective"
+                if reason == "line_search_failed"
+                else f"max_iter={self.max_iter} reached before tol={self.tol}; increase max_iter"
+            )
+            warnings.warn(
+                f"{type(self).__name__} did not converge: {why} "
+                f"(objective {run.result.objective:.6g})",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
         return self

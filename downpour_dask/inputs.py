@@ -1,0 +1,160 @@
+"""What ``fit(X, y)`` accepts, checked and made ready for a model: :func:`prepare_fit`.
+
+Both estimators take data as scikit-learn does (arrays, DataFrames, any labels) and as this
+library does (a :class:`~downpour_dask.datasets.Dataset`, files, Dask collections).  Here each
+form is checked once, the fitted facts scikit-learn defines are set on the estimator
+(``n_features_in_``, ``feature_names_in_``, ``classes_``), labels become the codes 0..K-1 the
+model trains on (:mod:`downpour_dask.data.targets`), and the model is built from its spec for
+the data's shape.  Dask collections stay distributed: their classes come from one pass over the
+labels on the cluster, and their labels are encoded lazily, block by block, where the replicas
+compute them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import column_or_1d, validate_data
+
+from .core.models import Model
+from .core.specs import make_model
+from .data import targets
+from .data.dask_collections import (
+    DaskDataset,
+    distinct_labels,
+    encode_labels,
+    fit_arguments_dataset,
+    is_dask_collection,
+)
+from .data.datasets import Dataset, as_dataset
+from .data.shards import ShardedDataset
+
+
+def is_distributed(data: Any) -> bool:
+    """Whether ``data`` stays where it is (files or Dask collections): :func:`prepare_fit`
+    then needs the cluster's client."""
+    return isinstance(data, ShardedDataset) or is_dask_collection(data)
+
+
+def prepare_fit(est: Any, data: Any, y: Any, client: Any = None) -> tuple[Model, Any]:
+    """Check ``data``/``y`` for ``est.fit``; set ``n_features_in_`` (``feature_names_in_``) and
+    ``classes_`` on ``est`` and build the model.  Returns ``(model, training data)``.
+
+    In-memory data gives checked ``(X, codes)`` arrays.  Files or Dask collections give a
+    :class:`~downpour_dask.datasets.ShardedDataset`; for Dask labels, ``client`` computes their
+    distinct values on its cluster (a small result) and the codes are computed lazily there.
+    With ``est.warm_start`` and a previous fit, the model, features and classes are that fit's.
+    """
+    if is_distributed(data):
+        return _prepare_distributed(est, data, y, client)
+    if isinstance(data, Dataset):
+        if y is not None:
+            raise TypeError("data is a Dataset, so y must not be given separately")
+        data, y = data.X, data.y
+    elif isinstance(data, tuple) and len(data) == 2 and y is None:
+        data, y = data
+    warm, classifier = est._warm(), est._is_classifier()
+    X, y = validate_data(
+        est, data, y, reset=not warm, dtype=np.float32, multi_output=True,
+        y_numeric=not classifier,
+    )  # fmt: skip
+    n_classes = n_outputs = None
+    if classifier:
+        check_classification_targets(y)
+        y = column_or_1d(y, warn=True)
+        if warm:
+            y = targets.encode(y, est.classes_)
+        else:
+            est.classes_, y = targets.fit_classes(y, _fixed_classes(est))
+        n_classes = len(est.classes_)
+    else:
+        n_outputs = 1 if y.ndim == 1 else y.shape[1]
+    model = build_model(est, X.shape[1], n_classes, n_outputs)
+    try:
+        return model, model.check_data(X, y)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"data: {err}") from None
+
+
+def _prepare_distributed(est: Any, data: Any, y: Any, client: Any) -> tuple[Model, Any]:
+    if isinstance(data, ShardedDataset):
+        if y is not None:
+            raise TypeError("data is a ShardedDataset (it holds the targets), so y must be None")
+    elif y is None:
+        raise ValueError(
+            f"{type(est).__name__}.fit(X, y) with a Dask X needs y (a Dask Series or Array); or "
+            f"pass datasets.from_dask(frame, label=...)"
+        )
+    classifier, warm = est._is_classifier(), est._warm()
+    labels = data.labels if isinstance(data, DaskDataset) else y  # None: files
+    encoded = False
+    if classifier:
+        if warm:
+            classes = est.classes_
+        elif labels is None:  # files: the model's classes, or 0..max label from metadata
+            n_classes = _fixed_classes(est) or data.n_classes
+            if n_classes is None:
+                raise ValueError(
+                    "data: the files' label range is unknown (written without statistics); "
+                    "give a model with its number of classes, e.g. models.SoftmaxRegression(n, k)"
+                )
+            classes = np.arange(n_classes)
+        else:
+            distinct = client.compute(distinct_labels(labels)).result(timeout=est.timeout)
+            classes = targets.fit_classes(np.unique(np.asarray(distinct)), _fixed_classes(est))[0]
+        if labels is not None and not np.array_equal(classes, np.arange(len(classes))):
+            labels, encoded = encode_labels(labels, classes), True
+        est.classes_ = classes
+    if not isinstance(data, ShardedDataset):
+        data = fit_arguments_dataset(data, labels)
+    elif encoded:
+        data = data.with_labels(labels)
+    if not warm:
+        est.n_features_in_ = data.n_features
+        if data.kind == "frame":
+            est.feature_names_in_ = np.asarray(data.schema.features, dtype=object)
+    elif data.n_features != est.n_features_in_:
+        raise ValueError(
+            f"X has {data.n_features} features, but {type(est).__name__} is expecting "
+            f"{est.n_features_in_} features as input"
+        )
+    n_classes = len(est.classes_) if classifier else None
+    model = build_model(est, data.n_features, n_classes, max(data.schema.y_width, 1))
+    data.check_model(model, "data")
+    return model, data
+
+
+def _fixed_classes(est: Any) -> int | None:
+    """The class count of a model given ready-built, or None for a spec."""
+    spec = est._model_spec()
+    return spec.n_classes if isinstance(spec, Model) and spec.is_classifier else None
+
+
+def build_model(est: Any, n_features: int, n_classes: int | None, n_outputs: int | None) -> Model:
+    """The model ``est`` trains: the previous fit's (``warm_start``), the one given, or one
+    built from its spec for this data's features and classes (or target columns)."""
+    if est._warm():
+        return est.model_
+    spec = est._model_spec()
+    model = (
+        spec if isinstance(spec, Model) else make_model(spec, n_features, n_classes, n_outputs or 1)
+    )
+    est._check_model(model)  # e.g. more shards than parameters
+    return model
+
+
+def evaluation_data(est: Any, model: Model, eval_data: Any) -> tuple | None:
+    """``eval_data`` (a Dataset or ``(X, y)``, in memory) checked against the fitted features
+    and ``model``, its labels encoded as the training's; None if not given."""
+    if eval_data is None:
+        return None
+    dataset = as_dataset(eval_data, None, what="eval_data")
+    y = dataset.y
+    try:
+        if est._is_classifier():
+            y = targets.encode(column_or_1d(y), est.classes_)
+        return model.check_data(validate_data(est, dataset.X, reset=False), y)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"eval_data: {err}") from None
