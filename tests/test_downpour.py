@@ -191,9 +191,14 @@ def test_max_seconds_stops_replicas_cooperatively(client, digits):
         eval_every=0.1,
     ).fit(train, client=client)
     run = est.experiment_
-    assert "stop_requested" in set(run.events["kind"])
-    assert run.summary()["duration"] < 10
-    assert len(run.pushes) > 10
+    kinds = list(run.events["kind"])
+    # Stopped by the time limit, through the shards (the replicas stop on their own when they
+    # read the flag; the shared cluster's fixture then checks that none is left running).  No
+    # bound on how long it took: on a busy machine the stop may take a while to be seen.
+    assert kinds.index("stop_requested") < kinds.index("stop") == len(kinds) - 1
+    requested = run.events.loc[run.events["kind"] == "stop_requested"]
+    assert requested["data"].iloc[0] == {"max_seconds": 1.0}
+    assert requested["time"].iloc[0] >= 1.0  # (no push count: a busy machine may make none)
 
 
 def test_the_sklearn_parameter_contract_holds_and_an_unfitted_estimator_says_so(digits):
@@ -201,7 +206,7 @@ def test_the_sklearn_parameter_contract_holds_and_an_unfitted_estimator_says_so(
     est = DownpourSGD(models.SoftmaxRegression(64, 10), n_replicas=2, n_shards=2)
     assert est.get_params()["n_replicas"] == 2
     assert est.set_params(n_replicas=3) is est and est.n_replicas == 3
-    with pytest.raises(ValueError, match="invalid parameter 'replicas'"):
+    with pytest.raises(ValueError, match="Invalid parameter 'replicas'"):
         est.set_params(replicas=3)
     with pytest.raises(AttributeError, match="not fitted"):
         est.predict(test.X)
@@ -273,15 +278,15 @@ _Y = np.zeros(10, np.int64)
         ({"batch_size": 0}, (_X, _Y), ValueError, "batch_size must be >= 1"),
         ({"max_seconds": 0}, (_X, _Y), ValueError, "max_seconds must be a finite number > 0"),
         ({"n_replicas": 11}, (_X, _Y), ValueError, "only 10 rows"),
-        ({}, (_X, _Y[:9]), ValueError, "same number of rows, got 10 and 9"),
+        ({}, (_X, _Y[:9]), ValueError, r"inconsistent numbers of samples: \[10, 9\]"),
         ({}, (np.zeros((10, 3), np.float32), _Y), ValueError, "3 features.*expects 4"),
-        ({}, (np.full((10, 4), np.nan, np.float32), _Y), ValueError, "NaN or inf"),
+        ({}, (np.full((10, 4), np.nan, np.float32), _Y), ValueError, "contains NaN"),
         ({}, (_X, np.full(10, 3)), ValueError, "outside"),
         (
             {},
             (np.zeros((0, 4), np.float32), np.zeros(0)),
             ValueError,
-            "data: .*(empty|0 rows|zero)",
+            "0 sample",
         ),
     ],
 )

@@ -56,12 +56,19 @@ def _estimator(**kw) -> DownpourSGD:
     return DownpourSGD(models.MLP(784, (64,), 10), **settings)
 
 
+def _executing(dask_worker) -> list[str]:
+    """Keys of the tasks running in a worker's threads right now (asked of the worker itself)."""
+    return [str(key) for key in dask_worker.active_threads.values()]
+
+
 class _KillAt:
     """A fit callback that SIGKILLs one worker process once the server applied ``pushes``.
 
-    Just before the kill it asks the scheduler which replica tasks the worker is running
-    (``running``): the driver is inside this callback then, so it cannot gather their results
-    before the worker dies, and must restart them.
+    Just before the kill it asks the worker itself which replica tasks are executing in its
+    threads (``running``): those die mid-loop, and the driver -- inside this callback, so it
+    cannot gather anything first -- must restart them.  (The scheduler's ``processing`` view
+    would also list a task that just finished and whose result is still on its way: whether
+    that one is restarted or its result read depends on timing, so it is not asserted.)
     """
 
     def __init__(self, client: Client, address: str, pushes: int):
@@ -72,7 +79,7 @@ class _KillAt:
 
     def __call__(self, progress) -> None:
         if self.killed_at is None and progress.pushes >= self.pushes:
-            keys = self.client.processing(workers=[self.address])[self.address]
+            keys = self.client.run(_executing, workers=[self.address])[self.address]
             # task keys are "replica-<r>-<run>-<n>" (see downpour/tasks.py)
             self.running = {int(k.split("-")[1]) for k in map(str, keys) if k.startswith("replica")}
             os.kill(self.pid, signal.SIGKILL)

@@ -250,11 +250,16 @@ def test_accumulated_gradient_equals_the_serial_full_data_gradient(client, backu
     assert est.experiment_.pushes["examples"].sum() == train.n_rows
 
 
-def _batch_seconds(run: Experiment) -> np.ndarray:
-    events = run.events
-    start = events.loc[events["kind"] == "batch_start", "time"].to_numpy()
-    done = events.loc[events["kind"] == "batch_done", "time"].to_numpy()
-    return done - start
+def _running(dask_worker) -> list[str]:
+    return [str(key) for key in dask_worker.active_threads.values()]
+
+
+def _wait_idle(client: Client, workers: list[str] | None = None, timeout: float = 90) -> None:
+    """Until no task runs in the workers' threads (a condition, not a guessed sleep)."""
+    deadline = time.monotonic() + timeout
+    while any(client.run(_running, workers=workers).values()):
+        assert time.monotonic() < deadline, "the workers never became idle"
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(120)
@@ -263,14 +268,13 @@ def test_backup_tasks_beat_a_straggler_and_the_gradient_stays_exact(client, digi
     slow = sorted(cluster_workers(client))[1]
     model = models.LogisticRegression(64, l2=1e-2)
     reference = None
-    batch_time, straggler_portions = {}, {}
+    straggler_portions = {}
     for backup in (False, True):
         est = SandblasterLBFGS(
             model, portions_per_batch=10, max_iter=2, backup_tasks=backup, random_state=0
         ).fit(X, y, client=client, portion_delay={slow: 0.5})
         events = est.experiment_.events
         kinds = events["kind"]
-        batch_time[backup] = float(np.median(_batch_seconds(est.experiment_)))
         pushed_by = est.experiment_.config["push_workers"]  # a push row's replica -> worker
         counted = [pushed_by[r] for r in est.experiment_.pushes["replica"]]
         straggler_portions[backup] = counted.count(slow)
@@ -284,11 +288,11 @@ def test_backup_tasks_beat_a_straggler_and_the_gradient_stays_exact(client, digi
             reference = est.params_
         else:  # backup copies change the timing, never the result
             np.testing.assert_allclose(est.params_, reference, rtol=1e-5, atol=1e-6)
-        time.sleep(1.1)  # let the straggler's leftover copies drain before the next run
-    print(f"median batch: {batch_time[False]:.3f}s without backups, {batch_time[True]:.3f}s with")
+        _wait_idle(client)  # the straggler's leftover copies drain before the next run
     print(f"portions counted from the straggler: {straggler_portions}")
-    assert batch_time[False] >= 0.5  # a batch waits for the straggler's 0.5 s portions
+    assert straggler_portions[False] > 0  # without backups, its portions count: batches wait
     # with backups, copies on healthy workers are counted in place of the straggler's portions
+    # (the speed-up itself is measured by benchmarks/bench_backup_tasks.py)
     assert straggler_portions[True] < straggler_portions[False]
 
 
@@ -319,8 +323,10 @@ def test_a_worker_killed_mid_batch_loses_nothing(digits_binary):
 
         fit = threading.Thread(target=run_fit)
         fit.start()
-        time.sleep(1.5)
-        assert fit.is_alive()
+        deadline = time.monotonic() + 90  # kill once a portion runs there: inside the batch
+        while not any("portion" in key for key in client.run(_running, workers=[victim])[victim]):
+            assert fit.is_alive() and time.monotonic() < deadline, done.get("error")
+            time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
         fit.join(timeout=120)
         assert not fit.is_alive() and "est" in done, done.get("error")
@@ -380,7 +386,10 @@ def test_embedded_cluster_and_max_seconds(digits_binary):
         models.LogisticRegression(64, l2=1e-3), max_iter=1000, tol=0.0, max_seconds=1.0
     ).fit(X, y)  # client=None: an embedded local cluster is started and closed
     run = est.experiment_
-    assert run.config["reason"] == "max_seconds" and 0 < est.n_iter_ < 1000
+    # On a busy machine the first pass may take the whole second: 0 iterations is a correct
+    # outcome of a time limit too, so the test counts what the log says, not how much was done.
+    assert run.config["reason"] == "max_seconds" and 0 <= est.n_iter_ < 1000
+    assert len(run.evals) == est.n_iter_ + 1  # the start, then one row per iteration
     assert run.events["kind"].iloc[-1] == "stop" and run.events["time"].iloc[-1] >= 1.0
 
 
