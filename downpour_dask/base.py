@@ -89,8 +89,8 @@ class ParamServerEstimator(BaseEstimator):
     def _features(self, X: Any) -> np.ndarray:
         """``X`` (or a Dataset's X) checked against the fit: feature count, names, values."""
         check_is_fitted(self, "params_")
-        if isinstance(X, Dataset):
-            X = X.X
+        if isinstance(X, Dataset):  # arrays without column names: checked by the model
+            return self.model_.check_data(X.X)[0]
         X = validate_data(self, X, reset=False, dtype=np.float32)
         return self.model_.check_data(X)[0]
 

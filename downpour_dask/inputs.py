@@ -155,6 +155,6 @@ def evaluation_data(est: Any, model: Model, eval_data: Any) -> tuple | None:
     try:
         if est._is_classifier():
             y = targets.encode(column_or_1d(y), est.classes_)
-        return model.check_data(validate_data(est, dataset.X, reset=False), y)
+        return model.check_data(dataset.X, y)  # a Dataset's arrays have no column names
     except (ValueError, TypeError) as err:
         raise type(err)(f"eval_data: {err}") from None

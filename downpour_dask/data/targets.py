@@ -42,9 +42,10 @@ def fit_classes(
         if integral and len(classes) and classes[0] >= 0 and classes[-1] < n_model_classes:
             return np.arange(n_model_classes, dtype=classes.dtype), y.astype(np.int64)
         if len(classes) != n_model_classes:
+            outside = "labels outside its classes, " if integral else ""
             raise ValueError(
                 f"the model has {n_model_classes} classes (output units), but y has "
-                f"{len(classes)} distinct labels {_show(classes)}; give labels "
+                f"{outside}{len(classes)} distinct labels {_show(classes)}; give labels "
                 f"0..{n_model_classes - 1}, or a model with as many classes as labels (or a "
                 f"model spec such as model='softmax', sized from the data)"
             )

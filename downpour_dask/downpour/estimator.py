@@ -199,10 +199,10 @@ class DownpourSGD(ParamServerEstimator):
         return the update rule.  Raises before any Dask work."""
         self._check_fit_arguments(callback)
         check_int("n_replicas", self.n_replicas, 1)
-        check_int("n_shards", self.n_shards, 1)
         check_int("partitions", self.partitions, 1)
         if isinstance(self.model, Model):
             self._check_model(self.model)
+        check_int("n_shards", self.n_shards, 1)
         check_int("batch_size", self.batch_size, 1)
         check_int("n_fetch", self.n_fetch, 1)
         check_int("n_push", self.n_push, 1)

@@ -165,9 +165,9 @@ class SandblasterLBFGS(ParamServerEstimator):
     def _check_arguments(self, callback: Any = None) -> None:
         """Check every constructor argument; raises before any cluster work."""
         self._check_fit_arguments(callback)
-        check_int("n_shards", self.n_shards, 1)
         if isinstance(self.model, Model):
             self._check_model(self.model)
+        check_int("n_shards", self.n_shards, 1)
         check_int("batch_size", self.batch_size, 1, allow_none=True)
         check_int("portions_per_batch", self.portions_per_batch, 1, allow_none=True)
         check_int("history", self.history, 1)
@@ -222,13 +222,14 @@ class SandblasterLBFGS(ParamServerEstimator):
             sleeps this long first, making the worker a straggler.
         """
         self._check_arguments(callback)
-        if is_distributed(data):
-            raise TypeError(
-                f"data is {type(data).__name__} (files or a Dask collection), but "
-                f"{type(self).__name__} scatters in-memory arrays to the workers and would "
-                f"have to gather it whole into the driver; for data that fits in memory, pass "
-                f"data.to_dataset() (or compute the collection)"
-            )
+        for what, value in (("data", data), ("eval_data", eval_data)):
+            if is_distributed(value):
+                raise TypeError(
+                    f"{what} is a {type(value).__name__} (files or a Dask collection), but "
+                    f"{type(self).__name__} scatters in-memory arrays to the workers and would "
+                    f"have to gather it whole into the driver; for data that fits in memory, "
+                    f"pass {what}.to_dataset() (or compute the collection)"
+                )
         model, (X, y) = prepare_fit(self, data, y)
         evaluation = evaluation_data(self, model, eval_data)
         callback, delay = self._callback(callback), dict(portion_delay or {})
