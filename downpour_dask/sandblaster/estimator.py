@@ -83,7 +83,7 @@ class SandblasterLBFGS(ParamServerEstimator):
         ``callback``), and the dashboard link of an embedded cluster it starts, on stderr.
     warm_start : bool, default False
         When True, ``fit`` continues from the previous fit's ``params_`` (same model, classes
-        and features) instead of starting afresh; the L-BFGS history starts empty.
+        and features) instead of starting afresh, as scikit-learn's ``warm_start``.
 
     Attributes
     ----------
@@ -120,6 +120,7 @@ class SandblasterLBFGS(ParamServerEstimator):
     A fit that ends at ``max_iter`` or ``max_seconds`` without meeting ``tol``, or whose line
     search fails, warns with :class:`sklearn.exceptions.ConvergenceWarning`, as scikit-learn's
     L-BFGS solvers do; one stopped before its first iteration says the model is untrained.
+    A warm start continues from the last ``params_`` with an empty L-BFGS history.
     """
 
     default_model = "softmax"
