@@ -50,12 +50,14 @@ def own_cluster() -> Iterator[LocalCluster]:
 class Background:
     """A fit running in a thread; ``join`` re-raises what it raised."""
 
-    def __init__(self, est: DownpourSGD, client: Client, name: str, data, eval_data=None):
+    def __init__(
+        self, est: DownpourSGD, client: Client, name: str, data, eval_data=None, callback=None
+    ):
         self.error: BaseException | None = None
 
         def target() -> None:
             try:
-                est.fit(data, eval_data=eval_data, client=client, publish=name)
+                est.fit(data, eval_data=eval_data, client=client, publish=name, callback=callback)
             except BaseException as err:  # noqa: BLE001 - handed to the test thread
                 self.error = err
 
@@ -152,17 +154,27 @@ ATTACH_SCRIPT = textwrap.dedent(
 @pytest.mark.timeout(120)
 def test_second_process_attaches_by_name_and_sees_versions_advance(own_cluster, digits):
     train, test = digits
-    est = softmax_estimator(train, seconds=12.0)  # outlives a slow start of the subprocess
+    est = softmax_estimator(train, seconds=4.0)
+    looked = threading.Event()
+
+    def until_looked(progress) -> None:
+        # The driver waits here (the replicas train on) until the other process has looked:
+        # the run outlives the subprocess's start however slow the machine is.
+        looked.wait(90)
+
     with Client(own_cluster, timeout=30) as client:
-        fit = Background(est, client, "live-x", train, test)
+        fit = Background(est, client, "live-x", train, test, callback=until_looked)
         wait_published(client, "live-x")
-        done = subprocess.run(
-            [sys.executable, "-c", ATTACH_SCRIPT, own_cluster.scheduler_address, "live-x"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", ATTACH_SCRIPT, own_cluster.scheduler_address, "live-x"],
+                capture_output=True,
+                text=True,
+                timeout=90,
+                check=False,
+            )
+        finally:
+            looked.set()
         assert done.returncode == 0, done.stderr
         seen = json.loads(done.stdout.strip().splitlines()[-1])
         assert len(seen["first"]) == 2
