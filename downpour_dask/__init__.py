@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from ._version import __version__
+from .base import expected_failed_checks
 from .core import models, optim
 from .core.params import ParamLayout
 from .data import datasets
@@ -74,6 +75,7 @@ __all__ = [
     "ShardedDataset",
     "attach",
     "datasets",
+    "expected_failed_checks",
     "models",
     "optim",
 ]
