@@ -150,6 +150,13 @@ def evaluation_data(est: Any, model: Model, eval_data: Any) -> tuple | None:
     and ``model``, its labels encoded as the training's; None if not given."""
     if eval_data is None:
         return None
+    parts = eval_data if isinstance(eval_data, tuple) else (eval_data,)
+    if any(is_dask_collection(part) for part in parts):  # never gathered behind the user's back
+        raise TypeError(
+            "eval_data is scored in memory, so it must be a Dataset or (X, y) arrays, not Dask "
+            "collections, which are never gathered implicitly; compute them first (e.g. "
+            "dask.compute(X, y)) if they fit in memory"
+        )
     dataset = as_dataset(eval_data, None, what="eval_data")
     y = dataset.y
     try:

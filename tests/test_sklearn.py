@@ -193,6 +193,8 @@ def test_dask_collections_stay_on_the_workers(iris, client):
                                                                          frame["t"])  # fmt: skip
     assert list(est.classes_) == [0, 2, 4] and list(est.feature_names_in_) == list("abcd")
     assert est.score(pd.DataFrame(X, columns=list("abcd")), y * 2) > 0.8
+    with pytest.raises(TypeError, match="never gathered implicitly"):
+        est.fit(dX, dy, eval_data=(dX, dy))
 
 
 def test_a_fit_cut_short_warns(iris, client):
