@@ -296,10 +296,11 @@ def test_a_config_file_with_the_other_algorithms_interval_names_the_setting_to_u
     assert not (tmp_path / "runs").exists()
 
 
-def test_version_answers_without_importing_dask():
+def test_version_answers_without_importing_dask_or_scikit_learn():
     probe = (
         "import sys; from downpour_dask.cli import main; status = main(['--version']); "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'dask', 'distributed'}), status)"
+        "heavy = {'dask', 'distributed', 'sklearn'}; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & heavy), status)"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
