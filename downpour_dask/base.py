@@ -6,6 +6,7 @@ events, evaluations and push rows into its :class:`~downpour_dask.log.Experiment
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -25,6 +26,7 @@ from ._version import __version__
 from .core.models import Model
 from .core.specs import ALLOWED, is_classifier_spec, parse_spec
 from .data import targets
+from .data.dask_collections import is_dask_collection, map_rows
 from .data.datasets import Dataset, as_dataset
 from .log import (
     EVAL_COLUMNS,
@@ -94,20 +96,38 @@ class ParamServerEstimator(BaseEstimator):
         X = validate_data(self, X, reset=False, dtype=np.float32)
         return self.model_.check_data(X)[0]
 
-    def predict(self, X: Any) -> np.ndarray:
-        """Class labels (of ``classes_``) or predicted values (float64) for ``X``."""
-        X = self._features(X)
-        out = self.model_.predict(self.params_, X)
-        if self._is_classifier():
-            return targets.decode(out, self.classes_)
-        return out.astype(np.float64)
+    def predict(self, X: Any) -> Any:
+        """Class labels (of ``classes_``) or predicted values (float64) for ``X``.
+
+        A Dask Array or DataFrame gives a lazy Dask Array or Series, computed block by block
+        where its data is (as dask-ml's estimators do); anything else, an ndarray.
+        """
+        check_is_fitted(self, "params_")
+        classes = self.classes_ if self._is_classifier() else None
+        block = functools.partial(predict_block, self.model_, self.params_, classes)
+        if is_dask_collection(X):
+            self._check_dask_features(X)
+            return map_rows(X, block, np.float64 if classes is None else classes.dtype)
+        return block(self._features(X))
 
     @available_if(_is_classifier)
-    def predict_proba(self, X: Any) -> np.ndarray:
+    def predict_proba(self, X: Any) -> Any:
         """Class probabilities, shape (n_samples, n_classes), columns in ``classes_`` order
-        (the model's softmax or logistic outputs; classifiers only)."""
-        X = self._features(X)
-        return self.model_.predict_proba(self.params_, X).astype(np.float64)
+        (the model's softmax or logistic outputs; classifiers only).  Lazy for Dask input,
+        as :meth:`predict`."""
+        check_is_fitted(self, "params_")
+        block = functools.partial(proba_block, self.model_, self.params_)
+        if is_dask_collection(X):
+            self._check_dask_features(X)
+            return map_rows(X, block, np.float64, columns=list(self.classes_))
+        return block(self._features(X))
+
+    def _check_dask_features(self, X: Any) -> None:
+        if X.ndim != 2 or X.shape[1] != self.n_features_in_:
+            raise ValueError(
+                f"X has {X.shape[1] if X.ndim == 2 else X.shape} features, but "
+                f"{type(self).__name__} is expecting {self.n_features_in_} features as input"
+            )
 
     def score(self, X: Any, y: Any = None, sample_weight: Any = None) -> float:
         """Accuracy (classifiers) or R^2 (regression) on ``X, y``, a Dataset, or an ``(X, y)``
@@ -211,6 +231,17 @@ def expected_failed_checks(estimator: ParamServerEstimator) -> dict[str, str]:
     if hasattr(estimator, "n_replicas") and one_epoch and not estimator._is_classifier():
         failed["check_regressors_train"] = "one epoch (no limit given) is too short for its R^2"
     return failed
+
+
+def predict_block(model: Model, params: np.ndarray, classes: Any, X: np.ndarray) -> np.ndarray:
+    """Predictions for one block of rows: labels of ``classes`` (None: float64 values)."""
+    out = model.predict(params, model.check_data(X)[0])
+    return out.astype(np.float64) if classes is None else targets.decode(out, classes)
+
+
+def proba_block(model: Model, params: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """Class probabilities (float64) for one block of rows."""
+    return model.predict_proba(params, model.check_data(X)[0]).astype(np.float64)
 
 
 # -- argument checks (scikit-learn style messages) ------------------------------------------------

@@ -193,6 +193,11 @@ def test_dask_collections_stay_on_the_workers(iris, client):
                                                                          frame["t"])  # fmt: skip
     assert list(est.classes_) == [0, 2, 4] and list(est.feature_names_in_) == list("abcd")
     assert est.score(pd.DataFrame(X, columns=list("abcd")), y * 2) > 0.8
+    lazy = est.predict(frame[list("abcd")])  # Dask in, Dask out: computed on the workers
+    in_memory = est.predict(pd.DataFrame(X, columns=list("abcd")))
+    assert hasattr(lazy, "dask") and list(lazy.compute()) == list(in_memory)
+    proba = est.predict_proba(dX).compute()
+    assert proba.shape == (len(X), 3) and np.allclose(proba.sum(axis=1), 1)
     with pytest.raises(TypeError, match="never gathered implicitly"):
         est.fit(dX, dy, eval_data=(dX, dy))
 

@@ -226,6 +226,35 @@ def fit_arguments_dataset(X: Any, y: Any, name: str | None = None) -> DaskDatase
     )
 
 
+def map_rows(collection: Any, func: Any, dtype: Any, columns: Sequence | None = None) -> Any:
+    """Apply ``func`` (a 2-D float block -> (n,) or (n, len(columns)) values) lazily to each
+    row block of a Dask Array or partition of a Dask DataFrame, where they are.
+
+    Returns a Dask Array (1-D, or 2-D with ``columns``) for an Array, a Dask Series (or
+    DataFrame with ``columns``, keeping the index) for a DataFrame; nothing is computed.
+    """
+    dtype = np.dtype(dtype)
+    if is_dask_frame(collection):
+        if columns is None:
+            meta: Any = pd.Series([], dtype=dtype if dtype.kind != "U" else object)
+            return collection.map_partitions(_series_of, func, meta=meta)
+        meta = pd.DataFrame({c: pd.Series([], dtype=dtype) for c in columns})
+        return collection.map_partitions(_frame_of, func, list(columns), meta=meta)
+    X = collection.rechunk({1: -1})
+    if columns is None:
+        return X.map_blocks(func, dtype=dtype, drop_axis=1, meta=np.empty((0,), dtype))
+    chunks = (X.chunks[0], (len(columns),))
+    return X.map_blocks(func, dtype=dtype, chunks=chunks, meta=np.empty((0, 0), dtype))
+
+
+def _series_of(part: pd.DataFrame, func: Any) -> pd.Series:
+    return pd.Series(func(part.to_numpy(np.float32)), index=part.index)
+
+
+def _frame_of(part: pd.DataFrame, func: Any, columns: list) -> pd.DataFrame:
+    return pd.DataFrame(func(part.to_numpy(np.float32)), index=part.index, columns=columns)
+
+
 def is_dask_collection(obj: Any) -> bool:
     """Whether ``obj`` is any Dask collection (Array, DataFrame, Series, ...)."""
     return _is_collection(obj)
