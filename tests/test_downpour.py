@@ -7,6 +7,7 @@ from downpour_dask import DownpourSGD, Experiment, datasets, models, optim
 from downpour_dask.checkpoint import ShardState, write_checkpoint
 from downpour_dask.core.params import split_range
 from downpour_dask.data.datasets import minibatches
+from downpour_dask.runtime import cluster
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +215,19 @@ def test_the_sklearn_parameter_contract_holds_and_an_unfitted_estimator_says_so(
 
 @pytest.mark.slow  # starts (and closes) its own embedded cluster
 def test_without_a_client_fit_runs_on_an_embedded_cluster_and_the_experiment_round_trips(
-    tmp_path, digits
+    tmp_path, digits, monkeypatch
 ):
+    # The suite's shared client would be the current one: pretend there is none, so fit starts
+    # (and closes) its embedded cluster as it does for a user with no client open.
+    monkeypatch.setattr(cluster, "current_client", lambda: None)
+    started = []
+
+    class RecordedLocalCluster(cluster.LocalCluster):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(cluster, "LocalCluster", RecordedLocalCluster)
     train, test = digits
     est = DownpourSGD(
         models.SoftmaxRegression(64, 10),
@@ -226,6 +238,7 @@ def test_without_a_client_fit_runs_on_an_embedded_cluster_and_the_experiment_rou
         random_state=0,
     )
     assert est.fit(train.X, train.y, eval_data=(test.X, test.y)) is est  # client=None
+    assert len(started) == 1 and started[0].status.name == "closed"
     assert est.score(test.X, test.y) > 0.8
     saved = Experiment.load(est.experiment_.save(tmp_path / "run"))
     assert saved.config["model"]["type"] == "SoftmaxRegression"

@@ -130,11 +130,12 @@ def test_cli_trains_on_a_tls_scheduler_with_credential_files(tls_cluster, tmp_pa
     done = run_cli("train", *SMALL, *out, "--name", "tls", "--scheduler", address, *flags)
     assert done.returncode == 0, done.stderr
     assert "test accuracy" in done.stdout and (tmp_path / "runs" / "tls").is_dir()
-    # without the credentials: one line, exit 1, no run directory
+    # without the credentials: exit 2 (a scheduler that cannot be reached), one line, no run
+    # directory (--quiet leaves out the "connecting to" line)
     done = run_cli(
         "train", *SMALL, *out, "--name", "no", "--scheduler", address, "--connect-timeout", "5"
     )
-    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "cannot reach the Dask scheduler" in done.stderr
     assert not (tmp_path / "runs" / "no").exists()
 

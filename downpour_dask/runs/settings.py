@@ -57,11 +57,17 @@ JOB_SETTINGS = (
 LIMITS = ("max_epochs", "max_steps", "max_seconds")
 
 
+#: Constructor arguments a job does not set: the job builds the model from its spec, shows its
+#: own progress (``--quiet`` turns it off) and always starts a new fit (``--resume`` continues one).
+NOT_JOB_SETTINGS = ("self", "model", "verbose", "warm_start")
+
+
 def estimator_arguments(algorithm: str) -> dict[str, inspect.Parameter]:
-    """The constructor arguments of an algorithm's estimator, except ``model``."""
+    """The constructor arguments of an algorithm's estimator a job can set (all but
+    :data:`NOT_JOB_SETTINGS`)."""
     cls = estimator_class(algorithm)
     parameters = inspect.signature(cls.__init__).parameters
-    return {name: p for name, p in parameters.items() if name not in ("self", "model")}
+    return {name: p for name, p in parameters.items() if name not in NOT_JOB_SETTINGS}
 
 
 def misnamed_interval(
