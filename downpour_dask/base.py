@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ._version import __version__
-from .core.models import Model
+from .core import protocol
 from .data.datasets import Dataset, as_dataset
 from .log import (
     EVAL_COLUMNS,
@@ -33,7 +33,7 @@ from .log import (
 class ParamServerEstimator:
     """Base class: ``__init__`` stores arguments only; ``fit`` sets ``params_``, ``experiment_``."""
 
-    model: Model
+    model: protocol.TrainableModel
     params_: np.ndarray
     security: Any  # TLS of the embedded cluster (see runtime.cluster.cluster_client)
 
@@ -76,14 +76,14 @@ class ParamServerEstimator:
         params = self._fitted_params()
         if isinstance(X, Dataset):
             X = X.X
-        X, _ = self.model.check_data(X)
+        X, _ = protocol.check_data(self.model, X)
         return self.model.predict(params, X)
 
     def score(self, data: np.ndarray | Dataset | tuple, y: np.ndarray | None = None) -> float:
         """Accuracy (classifiers) or R^2 (regression) on a Dataset, an ``(X, y)`` pair, or X, y."""
         params = self._fitted_params()
         dataset = as_dataset(data, y, what="data")
-        X, y = self.model.check_data(dataset.X, dataset.y)
+        X, y = protocol.check_data(self.model, dataset.X, dataset.y)
         return self.model.score(params, X, y)
 
     # -- what fit shares -------------------------------------------------------------------------
@@ -91,7 +91,7 @@ class ParamServerEstimator:
         """In-memory ``data`` (and ``y``) checked against the model; errors name ``what``."""
         dataset = as_dataset(data, y, what=what)
         try:
-            return self.model.check_data(dataset.X, dataset.y)
+            return protocol.check_data(self.model, dataset.X, dataset.y)
         except (ValueError, TypeError) as err:
             raise type(err)(f"{what}: {err}") from None
 
@@ -101,7 +101,7 @@ class ParamServerEstimator:
         config = {k: v for k, v in self.get_params().items() if k not in ("model", "security")}
         config.update(
             tls=self.security is not None,  # the Security object itself is not JSON
-            model=self.model.get_config(),
+            model=protocol.config(self.model),
             estimator=type(self).__name__,
             library_version=__version__,
         )

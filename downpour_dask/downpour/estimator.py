@@ -18,9 +18,9 @@ from distributed import Client, Security
 from .. import live
 from ..base import ParamServerEstimator, check_int, check_positive
 from ..core import optim
-from ..core.models import Model
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
+from ..core.protocol import TrainableModel, check_model
 from ..data.datasets import Dataset, ShardedDataset
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
@@ -37,8 +37,10 @@ class DownpourSGD(ParamServerEstimator):
 
     Parameters
     ----------
-    model : Model
-        A :mod:`downpour_dask.models` model, e.g. ``models.MLP(784, (128,), 10)``.
+    model : model
+        A :mod:`downpour_dask.models` model, e.g. ``models.MLP(784, (128,), 10)``, a JAX model
+        (``models.from_jax``, ``models.cnn``) or any object with the members of the model
+        protocol (:mod:`downpour_dask.core.protocol`).
     n_replicas : int, default 4
         Model replicas; each trains on its own 1/n_replicas of the data.
     n_shards : int, default 2
@@ -119,7 +121,7 @@ class DownpourSGD(ParamServerEstimator):
 
     def __init__(
         self,
-        model: Model,
+        model: TrainableModel,
         n_replicas: int = 4,
         n_shards: int = 2,
         optimizer: str | optim.UpdateRule = "adagrad",
@@ -168,13 +170,9 @@ class DownpourSGD(ParamServerEstimator):
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self) -> optim.UpdateRule:
         """Check every constructor argument; return the update rule. Raises before any Dask work."""
-        if not isinstance(self.model, Model):
-            raise TypeError(
-                f"model must be a downpour_dask.models model (e.g. models.MLP), "
-                f"got {type(self.model).__name__}"
-            )
+        check_model(self.model)
         check_int("n_replicas", self.n_replicas, 1)
-        check_int("n_shards", self.n_shards, 1, self.model.layout.size)
+        check_int("n_shards", self.n_shards, 1, self.model.n_params)
         check_int("partitions", self.partitions, 1)
         self._shard_ranges()  # partitions the model cannot take, or too few shards, raise here
         check_int("batch_size", self.batch_size, 1)
@@ -228,7 +226,7 @@ class DownpourSGD(ParamServerEstimator):
         """The shards' ranges of the server's vector: balanced, or aligned with partitions."""
         plan = self._plan()
         if plan is None:
-            return split_range(self.model.layout.size, self.n_shards)
+            return split_range(self.model.n_params, self.n_shards)
         return plan.shard_ranges(self.n_shards)
 
     def _check_sharded(self, data: ShardedDataset, y: Any) -> ShardedDataset:

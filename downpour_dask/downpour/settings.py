@@ -12,16 +12,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.models import Model
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
+from ..core.protocol import TrainableModel
 
 
 @dataclass(frozen=True)
 class FitSettings:
     """The settings of one fit (see :class:`~downpour_dask.DownpourSGD` for their meaning)."""
 
-    model: Model
+    model: TrainableModel
     rule: UpdateRule
     n_replicas: int
     n_shards: int

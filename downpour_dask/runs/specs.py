@@ -1,13 +1,17 @@
-"""Datasets and models from their names: ``--dataset mnist5k`` (or a path), ``--model mlp:128``."""
+"""Datasets and models from their names: ``--dataset mnist5k`` (or a path), ``--model mlp:128``
+(or ``cnn``, or a user's factory ``package.module:function``)."""
 
 from __future__ import annotations
 
+import importlib
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..core import models
+from ..core.protocol import TrainableModel, check_model
 from ..data import datasets
 
 
@@ -49,14 +53,27 @@ def _from_path(spec: str, what: str) -> Any:
     return datasets.from_parquet(spec, label="label")  # a file, a directory or a glob
 
 
-def make_model(spec: str, n_features: int, n_classes: int | None) -> models.Model:
-    """Build a model from ``mlp:128,64``, ``mlp``, ``softmax``, ``logistic`` or ``linear``.
+#: The ``--model`` names built in (``mlp`` also takes hidden widths: ``mlp:256,128``).
+BUILT_IN = ("mlp", "softmax", "logistic", "linear", "cnn")
+
+
+def make_model(spec: str, n_features: int, n_classes: int | None) -> TrainableModel:
+    """Build a model from ``mlp:128,64``, ``mlp``, ``softmax``, ``logistic``, ``linear``,
+    ``cnn`` (needs JAX; square images, e.g. mnist5k's 28x28) or ``package.module:factory``.
 
     ``n_classes`` is the number of class labels in the training data (``None`` for a regression
-    target); it sets the output width of ``mlp`` and ``softmax``.
+    target); it sets the output width of ``mlp``, ``softmax`` and ``cnn``.  A factory is
+    imported and called as ``factory(n_features=..., n_classes=...)`` and must return a model
+    of the protocol (:mod:`downpour_dask.core.protocol`); its module must be importable here
+    and on the workers (installed, or on ``PYTHONPATH``).
     """
     kind, _, arg = spec.partition(":")
-    allowed = "mlp:H1,H2,... (hidden layer widths), mlp, softmax, logistic or linear"
+    allowed = (
+        "mlp:H1,H2,... (hidden layer widths), mlp, softmax, logistic, linear, cnn, or "
+        "package.module:factory"
+    )
+    if kind not in BUILT_IN and arg:
+        return _from_factory(spec, kind, arg, n_features, n_classes)
     if kind == "mlp":
         try:
             hidden = tuple(int(h) for h in arg.split(",")) if arg else (128,)
@@ -75,7 +92,34 @@ def make_model(spec: str, n_features: int, n_classes: int | None) -> models.Mode
         return models.LogisticRegression(n_features)
     if kind == "linear":
         return models.LinearRegression(n_features)
+    if kind == "cnn":
+        side = math.isqrt(n_features)
+        if side * side != n_features:
+            raise ValueError(
+                f"model 'cnn' needs square images (n_features a square), got {n_features} features"
+            )
+        return models.cnn(image_shape=(side, side), n_classes=_classes(spec, n_classes))
     raise ValueError(f"unknown model {spec!r}; allowed: {allowed}")
+
+
+def _from_factory(
+    spec: str, module_name: str, attr: str, n_features: int, n_classes: int | None
+) -> TrainableModel:
+    """``module_name:attr`` imported and called with the dataset's shape."""
+    try:
+        factory: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"model {spec!r}: cannot import module {module_name!r} ({err}); a factory must be "
+            f"importable (installed, or its directory on PYTHONPATH)"
+        ) from None
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+    if not callable(factory):
+        raise ValueError(f"model {spec!r}: {module_name} has no function {attr!r}")
+    model = factory(n_features=n_features, n_classes=n_classes)
+    check_model(model, what=f"the model from {spec!r}")
+    return model
 
 
 def _classes(spec: str, n_classes: int | None) -> int:

@@ -22,7 +22,7 @@ from distributed import Client, Future
 from ..base import ParamServerEstimator, RunRecorder
 from ..core import optim
 from ..core.lbfgs import LBFGS, LBFGSResult
-from ..core.models import from_config
+from ..core.models import Model, from_config
 from ..core.params import DTYPE, split_range
 from ..log import Experiment, Progress, PushRow
 from ..ps.server import ParameterServer
@@ -125,8 +125,8 @@ class Coordinator:
             raise RuntimeError("the Dask cluster has no workers")
         self.recorder = RunRecorder(self.metric, ITERATION_COLUMNS)  # the clock starts here
         rows = self._batches(workers)
-        mask = np.zeros(model.layout.size)
-        for name, shape in model.layout.shapes.items():  # weight matrices, not biases
+        mask = np.zeros(model.n_params)  # other models keep any penalty in their own loss
+        for name, shape in model.layout.shapes.items() if isinstance(model, Model) else ():
             if len(shape) == 2:
                 lo, hi = model.layout.offsets[name]
                 mask[lo:hi] = model.l2
@@ -147,7 +147,12 @@ class Coordinator:
     def _optimise(self, rows: list[list], workers: dict) -> None:
         est, client = self.est, self.client
         flat = [idx for batch in rows for idx in batch]
-        data_model = from_config({**est.model.get_config(), "l2": 0.0})
+        # A built-in model's L2 penalty is added once, on the shards (``l2mask``).
+        data_model = (
+            from_config({**est.model.get_config(), "l2": 0.0})
+            if isinstance(est.model, Model)
+            else est.model
+        )
         [model_future] = client.scatter([data_model], broadcast=True, hash=False)
         self._eval_future = None
         if self.evaluation is not None:

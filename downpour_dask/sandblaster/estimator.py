@@ -18,7 +18,7 @@ import numpy as np
 from distributed import Client, Security
 
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..core.models import Model
+from ..core.protocol import TrainableModel, check_model
 from ..data.datasets import Dataset
 from ..data.shards import ShardedDataset
 from ..log import Progress
@@ -35,8 +35,9 @@ class SandblasterLBFGS(ParamServerEstimator):
 
     Parameters
     ----------
-    model : Model
-        A :mod:`downpour_dask.models` model.
+    model : model
+        A :mod:`downpour_dask.models` model, a JAX model, or any model of the protocol
+        (:mod:`downpour_dask.core.protocol`); L-BFGS wants a smooth objective.
     n_shards : int, default 2
         Parameter-server shards (Dask actors); shard i is placed on the i-th worker by sorted
         address (modulo the number of workers).
@@ -104,7 +105,7 @@ class SandblasterLBFGS(ParamServerEstimator):
 
     def __init__(
         self,
-        model: Model,
+        model: TrainableModel,
         n_shards: int = 2,
         batch_size: int | None = None,
         portions_per_batch: int | None = None,
@@ -138,12 +139,8 @@ class SandblasterLBFGS(ParamServerEstimator):
 
     def _check_arguments(self) -> None:
         """Check every constructor argument; raises before any cluster work."""
-        if not isinstance(self.model, Model):
-            raise TypeError(
-                f"model must be a downpour_dask.models model (e.g. models.MLP), "
-                f"got {type(self.model).__name__}"
-            )
-        check_int("n_shards", self.n_shards, 1, self.model.layout.size)
+        check_model(self.model)
+        check_int("n_shards", self.n_shards, 1, self.model.n_params)
         check_int("batch_size", self.batch_size, 1, allow_none=True)
         check_int("portions_per_batch", self.portions_per_batch, 1, allow_none=True)
         check_int("history", self.history, 1)
