@@ -35,6 +35,7 @@ from .protocol import CUSTOM, default_check_data, score_predictions
 LOSSES = ("cross_entropy", "squared_error")
 _CHUNK = 2048  # rows per forward pass in predict and loss
 _COMPILED: dict[str, tuple[Callable, Callable, Callable]] = {}  # token -> jitted, per process
+_INITS: dict[str, Callable] = {}  # token -> jitted init(key)
 _LOCK = threading.Lock()
 
 
@@ -66,7 +67,8 @@ class JaxModel:
         n_classes: int | None = None,
         n_outputs: int | None = None,
         loss: str | Callable[[Any, jax.Array, jax.Array], jax.Array] = "cross_entropy",
-        init: Callable[[jax.Array], Any] | None = None,
+        init: Callable[[Any], Any] | None = None,
+        init_from: str = "key",
         config: dict[str, Any] | None = None,
     ):
         if not callable(apply):
@@ -75,6 +77,8 @@ class JaxModel:
             raise ValueError(f"loss must be one of {LOSSES} or a function, got {loss!r}")
         if init is not None and not callable(init):
             raise TypeError(f"init must be a function init(key) -> params pytree, got {init!r}")
+        if init_from not in ("key", "numpy"):
+            raise ValueError(f"init_from must be 'key' or 'numpy', got {init_from!r}")
         if isinstance(n_inputs, bool) or not isinstance(n_inputs, (int, np.integer)):
             raise TypeError(f"n_inputs must be an int, got {n_inputs!r}")
         self.is_classifier = loss == "cross_entropy" or (callable(loss) and n_classes is not None)
@@ -88,15 +92,13 @@ class JaxModel:
         else:
             self.n_outputs = 1 if n_outputs is None else int(n_outputs)
         leaves = jax.tree_util.tree_leaves(params)
-        if not leaves or not all(
-            jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) for v in leaves
-        ):
+        if not leaves or not all(np.issubdtype(np.asarray(v).dtype, np.floating) for v in leaves):
             raise TypeError("params must be a pytree of floating-point arrays (at least one)")
         # Pickled to the workers: numpy leaves, never device arrays or compiled functions.
         self._template = jax.tree_util.tree_map(lambda v: np.asarray(v, DTYPE), params)
         self.n_params = int(sum(np.size(v) for v in jax.tree_util.tree_leaves(self._template)))
         self.n_inputs = int(n_inputs)
-        self.apply, self.objective, self._init = apply, loss, init
+        self.apply, self.objective, self._init, self._init_from = apply, loss, init, init_from
         self._config = None if config is None else dict(config)
         self._token = uuid.uuid4().hex
 
@@ -155,12 +157,19 @@ class JaxModel:
 
     def init(self, rng: np.random.Generator | int | None) -> np.ndarray:
         """Initial float32 vector: ``init(key)`` of a key drawn from ``rng`` when the model has
-        an ``init`` function, else the ``params`` it was built with (the same for every rng)."""
+        an ``init`` function (``init(rng)`` itself with ``init_from="numpy"``), else the
+        ``params`` it was built with (the same for every rng)."""
         if self._init is None:
             tree = self._template
+        elif self._init_from == "numpy":
+            tree = self._init(np.random.default_rng(rng))
         else:
             seed = int(np.random.default_rng(rng).integers(2**31 - 1))
-            tree = self._init(jax.random.PRNGKey(seed))
+            with _LOCK:  # compiled once per process too: eager, each op would compile alone
+                init = _INITS.get(self._token) or _INITS.setdefault(
+                    self._token, jax.jit(self._init)
+                )
+            tree = init(jax.random.PRNGKey(seed))
         flat, _ = ravel_pytree(tree)
         if flat.size != self.n_params:
             raise ValueError(

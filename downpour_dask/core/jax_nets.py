@@ -19,22 +19,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .jax_model import JaxModel
+from .params import DTYPE
 from .validation import require_int
 
 _DIMENSIONS = ("NHWC", "HWIO", "NHWC")
 
 
-def _dense_init(key: jax.Array, fan_in: int, fan_out: int, relu: bool) -> tuple:
-    """He-normal weights before a ReLU, Glorot-uniform before the output; zero biases."""
+def _dense_init(rng: np.random.Generator, fan_in: int, fan_out: int, relu: bool) -> tuple:
+    """He-normal weights before a ReLU, Glorot-uniform before the output (as the numpy
+    models); zero biases.  In numpy: JAX would compile every random op on its own."""
     if relu:
-        w = jax.random.normal(key, (fan_in, fan_out)) * math.sqrt(2.0 / fan_in)
+        w = rng.standard_normal((fan_in, fan_out), dtype=DTYPE) * np.float32(math.sqrt(2 / fan_in))
     else:
         limit = math.sqrt(6.0 / (fan_in + fan_out))
-        w = jax.random.uniform(key, (fan_in, fan_out), minval=-limit, maxval=limit)
-    return w, jnp.zeros(fan_out)
+        w = rng.uniform(-limit, limit, (fan_in, fan_out)).astype(DTYPE)
+    return w, np.zeros(fan_out, DTYPE)
 
 
 def _dense_apply(layers: Sequence[tuple], h: jax.Array) -> jax.Array:
@@ -45,11 +48,11 @@ def _dense_apply(layers: Sequence[tuple], h: jax.Array) -> jax.Array:
     return h
 
 
-def _mlp_init(sizes: tuple[int, ...], key: jax.Array) -> list:
-    keys = jax.random.split(key, len(sizes) - 1)
+def _mlp_init(sizes: tuple[int, ...], rng: np.random.Generator) -> list:
+    last = len(sizes) - 2
     return [
-        _dense_init(k, a, b, relu=i < len(sizes) - 2)
-        for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True))
+        _dense_init(rng, a, b, relu=i < last)
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
     ]
 
 
@@ -77,29 +80,30 @@ def jax_mlp(
     }
     return JaxModel(
         _mlp_apply,
-        init(jax.random.PRNGKey(seed)),
+        init(np.random.default_rng(seed)),
         n_inputs=n_inputs,
         n_classes=n_classes,
         init=init,
+        init_from="numpy",
         config=config,
     )
 
 
 def _cnn_init(
-    shape: tuple, channels: tuple, kernel: int, dense: tuple, n_classes: int, key: jax.Array
-) -> dict[str, Any]:
-    keys = jax.random.split(key, len(channels) + len(dense) + 1)
+    shape: tuple, channels: tuple, kernel: int, dense: tuple, n_classes: int,
+    rng: np.random.Generator,
+) -> dict[str, Any]:  # fmt: skip
     conv, c_in = [], shape[2]
-    for k, c_out in zip(keys, channels, strict=False):
-        fan_in = kernel * kernel * c_in
-        w = jax.random.normal(k, (kernel, kernel, c_in, c_out)) * math.sqrt(2.0 / fan_in)
-        conv.append((w, jnp.zeros(c_out)))
+    for c_out in channels:
+        scale = np.float32(math.sqrt(2.0 / (kernel * kernel * c_in)))
+        w = rng.standard_normal((kernel, kernel, c_in, c_out), dtype=DTYPE) * scale
+        conv.append((w, np.zeros(c_out, DTYPE)))
         c_in = c_out
     h, w = shape[0], shape[1]
     for _ in channels:  # each 2x2 max pool halves the image (rounding down)
         h, w = h // 2, w // 2
     sizes = (h * w * c_in, *dense, n_classes)
-    return {"conv": conv, "dense": _mlp_init(sizes, keys[-1])}
+    return {"conv": conv, "dense": _mlp_init(sizes, rng)}
 
 
 def _cnn_apply(shape: tuple, params: dict[str, Any], X: jax.Array) -> jax.Array:
@@ -153,10 +157,11 @@ def cnn(
     }
     return JaxModel(
         functools.partial(_cnn_apply, shape),
-        init(jax.random.PRNGKey(seed)),
+        init(np.random.default_rng(seed)),
         n_inputs=math.prod(shape),
         n_classes=n_classes,
         init=init,
+        init_from="numpy",
         config=config,
     )
 

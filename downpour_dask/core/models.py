@@ -148,6 +148,9 @@ def from_jax(apply: Any, params: Any, **kwargs: Any) -> Any:
     init : callable, optional
         ``init(key) -> params pytree``; ``model.init(rng)`` then draws a key from ``rng``.
         Without it every ``init`` returns ``params``.
+    init_from : {"key", "numpy"}, default "key"
+        ``"numpy"``: ``init`` takes the numpy Generator itself (numpy initialisers compile
+        nothing; each eager ``jax.random`` call compiles on its own).
     config : dict, optional
         What ``get_config`` returns (``from_config`` rebuilds only the types it knows).
 
