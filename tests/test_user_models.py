@@ -2,10 +2,14 @@
 estimators on the shared local cluster: the reference test, Sandblaster, checkpoints and resume,
 run directories; and the protocol's errors."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
+from distributed import Client
 
-from downpour_dask import DownpourSGD, SandblasterLBFGS, datasets, models
+from downpour_dask import DownpourSGD, SandblasterLBFGS, attach, datasets, models
 from downpour_dask.core import protocol
 from downpour_dask.data.datasets import minibatches
 from downpour_dask.runs import load_run, save_run
@@ -145,6 +149,30 @@ def test_checkpoint_resume_and_run_directory_with_a_user_model(client, ratings, 
     assert model.score(params, X, y) == pytest.approx(est.score(test))
     with pytest.raises(ValueError, match="n_params=126"):
         load_run(run_dir, model=Factorization(20, 5, rank=4))
+
+
+def test_a_published_run_of_a_user_model_is_attached_with_the_model(cluster, client, ratings):
+    """Its config only describes the model: the view pulls parameters without it, and evaluates
+    with the model given to attach."""
+    train, test = ratings
+    est = DownpourSGD(Factorization(30, 20), n_replicas=2, n_shards=2, learning_rate=0.5,
+                      max_seconds=3.0, max_epochs=1000, random_state=0, timeout=60)  # fmt: skip
+    fit = threading.Thread(target=est.fit, args=(train,), kwargs=dict(client=client,
+                           publish="user-model"), daemon=True)  # fmt: skip
+    fit.start()
+    with Client(cluster, timeout=30) as other:
+        deadline = time.monotonic() + 60
+        while "user-model" not in other.list_datasets():
+            assert time.monotonic() < deadline and fit.is_alive()
+            time.sleep(0.05)
+        bare = attach("user-model", other)
+        assert bare.model is None and bare.params().shape == (Factorization(30, 20).n_params,)
+        with pytest.raises(ValueError, match=r"attach\(name, client, model=\.\.\.\)"):
+            bare.evaluate(test)
+        view = attach("user-model", other, model=Factorization(30, 20))
+        assert set(view.evaluate(test)) == {"version", "loss", "r2"}
+    fit.join(timeout=60)
+    assert not fit.is_alive() and hasattr(est, "params_")
 
 
 class NotAModel:
