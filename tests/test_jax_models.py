@@ -197,4 +197,5 @@ def test_a_jax_model_survives_the_sigkill_of_a_worker_with_a_shard_and_a_replica
     assert [d["replica"] for d in failed] in ([], [1])  # replica 1 had perhaps finished
     restarted = events.loc[events["kind"] == "replica_restarted", "data"]
     assert [d["replica"] for d in restarted] == [d["replica"] for d in failed]
+    print(f"failed {failed}, restored {restored}, score {est.score(test):.3f}")
     assert est.score(test) >= 0.88
