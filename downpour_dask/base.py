@@ -23,7 +23,7 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ._version import __version__
-from .core.models import Model
+from .core import protocol
 from .core.specs import ALLOWED, is_classifier_spec, parse_spec
 from .data import targets
 from .data.dask_collections import is_dask_collection, map_rows
@@ -48,7 +48,7 @@ class ParamServerEstimator(BaseEstimator):
     come from :class:`sklearn.base.BaseEstimator`); ``fit`` sets ``model_``, ``params_``,
     ``experiment_``, ``n_features_in_`` and, for classifiers, ``classes_``.  Whether the
     estimator is a classifier or a regressor is its model's kind, known before fitting from a
-    :class:`~downpour_dask.models.Model` or a model spec, so ``__sklearn_tags__`` (and with it
+    model object (its ``is_classifier``) or a model spec, so ``__sklearn_tags__`` (and with it
     ``sklearn.base.is_classifier``, ``cross_val_score``'s stratified folds, ...) follows the
     model: one class serves both, as the model decides everything else too.
     """
@@ -56,21 +56,21 @@ class ParamServerEstimator(BaseEstimator):
     #: The model spec ``model=None`` stands for (see :mod:`downpour_dask.core.specs`).
     default_model = "mlp"
 
-    model: Model | str | None
+    model: protocol.TrainableModel | str | None
     security: Any  # TLS of the embedded cluster (see runtime.cluster.cluster_client)
     verbose: int
     warm_start: bool
 
     # -- scikit-learn: tags and kind -------------------------------------------------------------
-    def _model_spec(self) -> Model | str:
+    def _model_spec(self) -> protocol.TrainableModel | str:
         """The ``model`` argument, with ``None`` replaced by :attr:`default_model`."""
         return self.default_model if self.model is None else self.model
 
     def _is_classifier(self) -> bool:
         """Whether the model (fitted, given, or named by a spec) predicts class labels."""
         model = getattr(self, "model_", None) or self._model_spec()
-        if isinstance(model, Model):
-            return model.is_classifier
+        if not isinstance(model, str):
+            return bool(model.is_classifier)
         try:
             return is_classifier_spec(model)
         except (TypeError, ValueError):  # a bad spec: fit says so; here, the common case
@@ -92,9 +92,9 @@ class ParamServerEstimator(BaseEstimator):
         """``X`` (or a Dataset's X) checked against the fit: feature count, names, values."""
         check_is_fitted(self, "params_")
         if isinstance(X, Dataset):  # arrays without column names: checked by the model
-            return self.model_.check_data(X.X)[0]
+            return protocol.check_data(self.model_, X.X)[0]
         X = validate_data(self, X, reset=False, dtype=np.float32)
-        return self.model_.check_data(X)[0]
+        return protocol.check_data(self.model_, X)[0]
 
     def predict(self, X: Any) -> Any:
         """Class labels (of ``classes_``) or predicted values (float64) for ``X``.
@@ -110,7 +110,13 @@ class ParamServerEstimator(BaseEstimator):
             return map_rows(X, block, np.float64 if classes is None else classes.dtype)
         return block(self._features(X))
 
-    @available_if(_is_classifier)
+    def _has_proba(self) -> bool:
+        """Classifiers whose model gives probabilities (built-in models and specs do; a user's
+        model may not have ``predict_proba``)."""
+        model = getattr(self, "model_", None) or self._model_spec()
+        return self._is_classifier() and (isinstance(model, str) or hasattr(model, "predict_proba"))
+
+    @available_if(_has_proba)
     def predict_proba(self, X: Any) -> Any:
         """Class probabilities, shape (n_samples, n_classes), columns in ``classes_`` order
         (the model's softmax or logistic outputs; classifiers only).  Lazy for Dask input,
@@ -146,19 +152,22 @@ class ParamServerEstimator(BaseEstimator):
         model = self._model_spec()
         if isinstance(model, str):
             parse_spec(model)
-        elif not isinstance(model, Model):
-            raise TypeError(
-                f"model must be a downpour_dask.models model (e.g. models.MLP), a model spec "
-                f"({ALLOWED}) or None (the default {self.default_model!r}), got "
-                f"{type(model).__name__}"
-            )
+        else:
+            try:
+                protocol.check_model(model)
+            except TypeError as err:
+                raise TypeError(
+                    f"model must be a model spec ({ALLOWED}), None (the default "
+                    f"{self.default_model!r}), or a model object of the protocol in "
+                    f"downpour_dask.core.protocol (e.g. models.MLP): {err}"
+                ) from None
         check_int("verbose", self.verbose, 0)
         if not isinstance(self.warm_start, (bool, np.bool_)):
             raise TypeError(f"warm_start must be True or False, got {self.warm_start!r}")
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
 
-    def _check_model(self, model: Model) -> None:
+    def _check_model(self, model: protocol.TrainableModel) -> None:
         """Raise if a model (given, or built at fit) cannot take the estimator's arguments."""
 
     def _callback(self, callback: Callable[[Progress], None] | None) -> Callable | None:
@@ -175,13 +184,13 @@ class ParamServerEstimator(BaseEstimator):
         """Where training starts: the last fit's parameters with ``warm_start``, else None."""
         return self.params_.copy() if self._warm() else None
 
-    def _config(self, model: Model) -> dict[str, Any]:
+    def _config(self, model: protocol.TrainableModel) -> dict[str, Any]:
         """The estimator's part of an experiment's config (JSON-able): its arguments, with the
         model as its config and ``tls`` for the Security object."""
         config = {k: v for k, v in self.get_params().items() if k not in ("model", "security")}
         config.update(
             tls=self.security is not None,  # the Security object itself is not JSON
-            model=model.get_config(),
+            model=protocol.config(model),
             estimator=type(self).__name__,
             library_version=__version__,
         )
@@ -233,15 +242,17 @@ def expected_failed_checks(estimator: ParamServerEstimator) -> dict[str, str]:
     return failed
 
 
-def predict_block(model: Model, params: np.ndarray, classes: Any, X: np.ndarray) -> np.ndarray:
+def predict_block(
+    model: protocol.TrainableModel, params: np.ndarray, classes: Any, X: np.ndarray
+) -> np.ndarray:
     """Predictions for one block of rows: labels of ``classes`` (None: float64 values)."""
-    out = model.predict(params, model.check_data(X)[0])
+    out = model.predict(params, protocol.check_data(model, X)[0])
     return out.astype(np.float64) if classes is None else targets.decode(out, classes)
 
 
-def proba_block(model: Model, params: np.ndarray, X: np.ndarray) -> np.ndarray:
+def proba_block(model: protocol.TrainableModel, params: np.ndarray, X: np.ndarray) -> np.ndarray:
     """Class probabilities (float64) for one block of rows."""
-    return model.predict_proba(params, model.check_data(X)[0]).astype(np.float64)
+    return model.predict_proba(params, protocol.check_data(model, X)[0]).astype(np.float64)
 
 
 # -- argument checks (scikit-learn style messages) ------------------------------------------------

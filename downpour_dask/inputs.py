@@ -18,7 +18,8 @@ import numpy as np
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import column_or_1d, validate_data
 
-from .core.models import Model
+from .core import protocol
+from .core.protocol import TrainableModel
 from .core.specs import make_model
 from .data import targets
 from .data.dask_collections import (
@@ -38,7 +39,7 @@ def is_distributed(data: Any) -> bool:
     return isinstance(data, ShardedDataset) or is_dask_collection(data)
 
 
-def prepare_fit(est: Any, data: Any, y: Any, client: Any = None) -> tuple[Model, Any]:
+def prepare_fit(est: Any, data: Any, y: Any, client: Any = None) -> tuple[TrainableModel, Any]:
     """Check ``data``/``y`` for ``est.fit``; set ``n_features_in_`` (``feature_names_in_``) and
     ``classes_`` on ``est`` and build the model.  Returns ``(model, training data)``.
 
@@ -73,12 +74,12 @@ def prepare_fit(est: Any, data: Any, y: Any, client: Any = None) -> tuple[Model,
         n_outputs = 1 if y.ndim == 1 else y.shape[1]
     model = build_model(est, X.shape[1], n_classes, n_outputs)
     try:
-        return model, model.check_data(X, y)
+        return model, protocol.check_data(model, X, y)
     except (ValueError, TypeError) as err:
         raise type(err)(f"data: {err}") from None
 
 
-def _prepare_distributed(est: Any, data: Any, y: Any, client: Any) -> tuple[Model, Any]:
+def _prepare_distributed(est: Any, data: Any, y: Any, client: Any) -> tuple[TrainableModel, Any]:
     if isinstance(data, ShardedDataset):
         if y is not None:
             raise TypeError("data is a ShardedDataset (it holds the targets), so y must be None")
@@ -129,23 +130,24 @@ def _prepare_distributed(est: Any, data: Any, y: Any, client: Any) -> tuple[Mode
 def _fixed_classes(est: Any) -> int | None:
     """The class count of a model given ready-built, or None for a spec."""
     spec = est._model_spec()
-    return spec.n_classes if isinstance(spec, Model) and spec.is_classifier else None
+    return spec.n_classes if not isinstance(spec, str) and spec.is_classifier else None
 
 
-def build_model(est: Any, n_features: int, n_classes: int | None, n_outputs: int | None) -> Model:
+def build_model(
+    est: Any, n_features: int, n_classes: int | None, n_outputs: int | None
+) -> TrainableModel:
     """The model ``est`` trains: the previous fit's (``warm_start``), the one given, or one
     built from its spec for this data's features and classes (or target columns)."""
     if est._warm():
         return est.model_
-    spec = est._model_spec()
-    model = (
-        spec if isinstance(spec, Model) else make_model(spec, n_features, n_classes, n_outputs or 1)
-    )
+    model = est._model_spec()
+    if isinstance(model, str):
+        model = make_model(model, n_features, n_classes, n_outputs or 1)
     est._check_model(model)  # e.g. more shards than parameters
     return model
 
 
-def evaluation_data(est: Any, model: Model, eval_data: Any) -> tuple | None:
+def evaluation_data(est: Any, model: TrainableModel, eval_data: Any) -> tuple | None:
     """``eval_data`` (a Dataset or ``(X, y)``, in memory) checked against the fitted features
     and ``model``, its labels encoded as the training's; None if not given."""
     if eval_data is None:
@@ -162,6 +164,6 @@ def evaluation_data(est: Any, model: Model, eval_data: Any) -> tuple | None:
     try:
         if est._is_classifier():
             y = targets.encode(column_or_1d(y), est.classes_)
-        return model.check_data(dataset.X, y)  # a Dataset's arrays have no column names
+        return protocol.check_data(model, dataset.X, y)  # a Dataset's arrays have no column names
     except (ValueError, TypeError) as err:
         raise type(err)(f"eval_data: {err}") from None

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 from distributed import Client
 
-from .core import models
+from .core import models, protocol
 from .core.partition import PartitionPlan
 from .data.datasets import Dataset, as_dataset
 from .log import Progress
@@ -141,7 +141,9 @@ def is_published(client: Client, name: str) -> bool:
     return name in client.list_datasets()
 
 
-def attach(name: str, client: Client, timeout: float = 30.0) -> LiveRun:
+def attach(
+    name: str, client: Client, timeout: float = 30.0, model: Any = None
+) -> LiveRun:
     """A read-only view of the run another process published as ``name``.
 
     Parameters
@@ -152,6 +154,9 @@ def attach(name: str, client: Client, timeout: float = 30.0) -> LiveRun:
         A client of the cluster the run is on.
     timeout : float, default 30
         Seconds any call into a shard may take.
+    model : model, optional
+        The run's model, for :meth:`LiveRun.evaluate` of a model its config cannot rebuild (a
+        user's own model); by default it is rebuilt from the published config.
 
     Returns
     -------
@@ -170,7 +175,7 @@ def attach(name: str, client: Client, timeout: float = 30.0) -> LiveRun:
             f"{', '.join(sorted(published)) or 'none'}"
         )
     server, info = _load(client, name, timeout)
-    return LiveRun(name, server, info, client, timeout)
+    return LiveRun(name, server, info, client, timeout, model)
 
 
 def _load(client: Client, name: str, timeout: float) -> tuple[ParameterServer, dict[str, Any]]:
@@ -196,8 +201,9 @@ class LiveRun:
     info : dict
         What the run published about itself: ``model`` config, ``t0``, ``estimator``,
         ``n_replicas``, ``n_shards``...
-    model : Model
-        The run's model, rebuilt from its configuration.
+    model : model or None
+        The run's model: the one given to :func:`attach`, else rebuilt from its configuration
+        (None when the config cannot rebuild it: a user's own model).
     """
 
     def __init__(
@@ -207,10 +213,16 @@ class LiveRun:
         info: dict[str, Any],
         client: Client,
         timeout: float,
+        model: Any = None,
     ):
         self.name, self.info, self._client, self._timeout = name, info, client, timeout
         self._server: ParameterServer | None = server
-        self.model = models.from_config(info["model"])
+        self.model, self._no_model = model, ""
+        if model is None:
+            try:
+                self.model = models.from_config(info["model"])
+            except ValueError as err:  # a user's model: only its description was published
+                self._no_model = f"{err}; give it to attach(name, client, model=...)"
         self._last: tuple[float, int] | None = None
 
     def __repr__(self) -> str:
@@ -298,13 +310,15 @@ class LiveRun:
         dict
             ``version`` (minimum over shards), ``loss`` and ``accuracy`` or ``r2``.
         """
+        if self.model is None:
+            raise ValueError(f"cannot evaluate run {self.name!r}: {self._no_model}")
         dataset = as_dataset(data, y, what="data")
-        X, y = self.model.check_data(dataset.X, dataset.y)
+        X, y = protocol.check_data(self.model, dataset.X, dataset.y)
         values, versions = self._pull()
         metric = "accuracy" if self.model.is_classifier else "r2"
         return {
             "version": min(versions),
-            "loss": float(self.model.loss(values, X, y)),
+            "loss": float(protocol.loss(self.model, values, X, y)),
             metric: float(self.model.score(values, X, y)),
         }
 

@@ -37,8 +37,11 @@ RANKS = {
 }
 #: Layers that must run without Dask: plain numpy (and pyarrow/pandas for data files).
 NO_DASK = ("core", "data", "log", "checkpoint", "progress", "liveplot", "report")
-#: Third-party imports that may be deferred into a function: optional extras.
-OPTIONAL = ("matplotlib",)
+#: Third-party imports that may be deferred into a function: optional extras.  matplotlib draws
+#: plots; the two JAX modules of core import jax at their top, and ``models.from_jax`` / ``cnn`` /
+#: ``jax_mlp`` / ``from_config`` reach them only when a JAX model is built, so that
+#: ``import downpour_dask`` works without the optional ``jax`` extra.
+OPTIONAL = ("matplotlib", "downpour_dask.core.jax_model", "downpour_dask.core.jax_nets")
 #: The package's own imports deferred on purpose, by the module that defers them: the command
 #: answers ``downpour-dask --version`` before importing the estimators, and with them Dask.
 DEFERRED = {"downpour_dask.cli": ("downpour_dask.cli.app",)}

@@ -10,7 +10,11 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
 def test_the_notebooks_are_there():
-    assert [p.name for p in NOTEBOOKS] == ["01-quickstart.ipynb", "02-paper-comparison.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == [
+        "01-quickstart.ipynb",
+        "02-paper-comparison.ipynb",
+        "03-your-own-model.ipynb",
+    ]
 
 
 @pytest.mark.slow

@@ -78,7 +78,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=argparse.SUPPRESS,
         metavar="SPEC",
-        help="mlp:128,64 | mlp | softmax | logistic | linear (default mlp:128)",
+        help="mlp:128,64 | mlp | softmax | logistic | linear | cnn (JAX) | "
+        "package.module:factory, called as factory(n_features=, n_classes=) (default mlp:128)",
     )
     job.add_argument("--out", default=argparse.SUPPRESS, help="parent of run directories (runs)")
     job.add_argument("--name", default=argparse.SUPPRESS, help="run directory name")

@@ -26,13 +26,7 @@ import numpy as np
 
 from .dense import Workspace, backward, forward, output_loss, penalty
 from .params import DTYPE, ParamLayout
-from .validation import (
-    as_numeric,
-    check_class_labels,
-    check_features,
-    check_regression_targets,
-    check_same_rows,
-)
+from .protocol import default_check_data, score_predictions
 
 _CHUNK = 2048  # rows per forward pass in loss/predict/score: bounds the workspace size
 
@@ -82,6 +76,11 @@ class Model:
         if self.is_classifier:
             self.n_classes = 2 if kind == "sigmoid" else n_outputs
         self._ws: dict[tuple[int, str], Workspace] = {}
+
+    @property
+    def n_params(self) -> int:
+        """Length of the flat parameter vector (``layout.size``)."""
+        return self.layout.size
 
     @property
     def is_classifier(self) -> bool:
@@ -261,16 +260,7 @@ class Model:
 
     def score(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
         """Accuracy for classifiers; R^2 averaged over outputs (as sklearn's r2_score) else."""
-        pred = self.predict(params, X)
-        if self.is_classifier:
-            return float(np.mean(pred == np.asarray(y).reshape(pred.shape)))
-        truth = np.asarray(y, np.float64).reshape(len(pred), -1)
-        pred = pred.astype(np.float64).reshape(truth.shape)
-        sse = ((truth - pred) ** 2).sum(axis=0)
-        sst = ((truth - truth.mean(axis=0)) ** 2).sum(axis=0)
-        # constant targets: a perfect fit scores 1, anything else 0 (sklearn's force_finite)
-        r2 = np.where(sst > 0, 1 - sse / np.where(sst > 0, sst, 1), np.where(sse == 0, 1.0, 0.0))
-        return float(r2.mean())
+        return score_predictions(self.predict(params, X), y, self.is_classifier)
 
     def check_data(self, X: Any, y: Any = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Validate user data once and convert it to what the hot path expects.
@@ -290,14 +280,4 @@ class Model:
         ValueError
             Wrong shapes, empty X, NaN/inf, or labels outside ``0..n_classes-1``.
         """
-        name = type(self).__name__
-        X = check_features(X, self.n_inputs, name)
-        if y is None:
-            return X, None
-        y = as_numeric("y", y)
-        check_same_rows(X, y)
-        if y.ndim == 2 and y.shape[1] == 1 and (self.is_classifier or self.n_outputs == 1):
-            y = y[:, 0]
-        if self.is_classifier:
-            return X, check_class_labels(y, self.n_classes)
-        return X, check_regression_targets(y, self.n_outputs, name)
+        return default_check_data(self, X, y)

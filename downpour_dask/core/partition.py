@@ -92,10 +92,12 @@ class PartitionPlan:
 
     def __init__(self, model: Model, partitions: int):
         if not isinstance(model, MLP) or not model.hidden:
-            hint = "" if isinstance(model, MLP) else f" {type(model).__name__} has no hidden layer;"
+            name = type(model).__name__
+            hint = f"{name} has no hidden layer" if isinstance(model, Model) else f"{name} is not"
             raise TypeError(
-                f"partitions > 1 splits the hidden units of an MLP with at least one hidden "
-                f"layer:{hint} got {model!r}; use partitions=1 for this model"
+                f"model parallelism (partitions > 1) is supported only for models.MLP with at "
+                f"least one hidden layer (it splits the hidden units); {hint}: use partitions=1 "
+                f"for this model"
             )
         if isinstance(partitions, bool) or not isinstance(partitions, (int, np.integer)):
             raise TypeError(f"partitions must be an int, got {type(partitions).__name__}")

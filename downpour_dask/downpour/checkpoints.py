@@ -20,8 +20,8 @@ import numpy as np
 
 from ..base import RunRecorder
 from ..checkpoint import Checkpoint, ShardState, read_checkpoint, write_checkpoint
-from ..core.models import Model
 from ..core.optim import UpdateRule
+from ..core.protocol import TrainableModel, config
 from .protocols import Server
 
 
@@ -29,7 +29,7 @@ def read_resumable(
     path: str | os.PathLike[str],
     ranges: list[tuple[int, int]],
     partitions: int,
-    model: Model,
+    model: TrainableModel,
 ) -> Checkpoint:
     """The latest checkpoint in ``path``, checked to fit a fit with these shard ``ranges``,
     ``partitions`` and ``model`` (before any cluster work).
@@ -52,13 +52,13 @@ def read_resumable(
             f"resume_from={str(path)!r}: the checkpoint holds {len(found)} shard(s) covering "
             f"{found[-1][1]} parameters of a model in {saved_partitions} partition(s), but "
             f"this estimator has n_shards={len(ranges)}, partitions={partitions} and a model "
-            f"of {model.layout.size} parameters; use the interrupted run's settings"
+            f"of {model.n_params} parameters; use the interrupted run's settings"
         )
     saved_model = checkpoint.meta.get("model")
-    if saved_model is not None and saved_model != model.get_config():
+    if saved_model is not None and saved_model != config(model):
         raise ValueError(
             f"resume_from={str(path)!r}: the checkpoint was written for model {saved_model}, "
-            f"not {model.get_config()}"
+            f"not {config(model)}"
         )
     return checkpoint
 

@@ -25,6 +25,7 @@ from distributed import Client
 from .. import live
 from ..base import RunRecorder
 from ..checkpoint import Checkpoint
+from ..core import protocol
 from ..data.datasets import ShardedDataset
 from ..log import Experiment, Progress
 from ..ps.server import ParameterServer
@@ -124,7 +125,7 @@ class Driver:
                 fit.checkpoint_every,
                 fit.timeout,
                 fit.checkpoint_dir,
-                meta={"model": fit.model.get_config(), "partitions": fit.partitions},
+                meta={"model": protocol.config(fit.model), "partitions": fit.partitions},
                 before_write=functools.partial(take_rows, self.cluster, recorder),
             )
             self._record_start(recorder, len(workers))
@@ -296,7 +297,10 @@ class Driver:
             return None
         X, y = self.evaluation
         model, metric = self.fit.model, self.metric
-        return lambda params: {"loss": model.loss(params, X, y), metric: model.score(params, X, y)}
+        return lambda params: {
+            "loss": protocol.loss(model, params, X, y),
+            metric: model.score(params, X, y),
+        }
 
     def _reporter(self, publication: Publication | None) -> Callable[[Progress], None] | None:
         """Where progress snapshots go: watchers of a published run, and the callback."""
@@ -316,7 +320,7 @@ class Driver:
         fit = self.fit
         return {
             "estimator": "DownpourSGD",
-            "model": fit.model.get_config(),
+            "model": protocol.config(fit.model),
             "t0": recorder.t0,
             "n_replicas": fit.n_replicas,
             "n_shards": fit.n_shards,

@@ -18,9 +18,9 @@ from distributed import Client, Security
 from .. import live
 from ..base import ParamServerEstimator, check_int, check_positive
 from ..core import optim
-from ..core.models import Model
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
+from ..core.protocol import TrainableModel
 from ..data.datasets import Dataset, ShardedDataset
 from ..inputs import evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
@@ -38,12 +38,12 @@ class DownpourSGD(ParamServerEstimator):
 
     Parameters
     ----------
-    model : Model, str or None, default None
-        A :mod:`downpour_dask.models` model, e.g. ``models.MLP(784, (128,), 10)``; or a model
-        spec (``"mlp:128,64"``, ``"mlp"``, ``"softmax"``, ``"logistic"``, ``"linear"``) built at
-        fit for the data's features and classes; None is ``"mlp"`` (one hidden layer of 128).
-        A classifier model makes this a scikit-learn classifier (labels of any kind, kept in
-        ``classes_``), ``"linear"`` or a regression model a regressor.
+    model : model, str or None, default None
+        A model (``models.MLP(784, (128,), 10)``, ``models.from_jax(...)``, any object of the
+        protocol in :mod:`downpour_dask.core.protocol`) or a spec (``"mlp:128,64"``, ``"mlp"``,
+        ``"softmax"``, ``"logistic"``, ``"linear"``, ``"cnn"``) built at fit for the data; None
+        is ``"mlp"``.  A classifier model makes this a scikit-learn classifier (labels of any
+        kind, kept in ``classes_``), ``"linear"`` or a regression model a regressor.
     n_replicas : int, default 4
         Model replicas; each trains on its own 1/n_replicas of the data.
     n_shards : int, default 2
@@ -113,7 +113,7 @@ class DownpourSGD(ParamServerEstimator):
 
     Attributes
     ----------
-    model_ : Model
+    model_ : model
         The model trained (``model`` itself, or built from its spec).
     params_ : ndarray
         The trained flat float32 parameter vector.
@@ -143,7 +143,7 @@ class DownpourSGD(ParamServerEstimator):
 
     def __init__(
         self,
-        model: Model | str | None = None,
+        model: TrainableModel | str | None = None,
         n_replicas: int = 4,
         n_shards: int = 2,
         optimizer: str | optim.UpdateRule = "adagrad",
@@ -200,8 +200,8 @@ class DownpourSGD(ParamServerEstimator):
         self._check_fit_arguments(callback)
         check_int("n_replicas", self.n_replicas, 1)
         check_int("partitions", self.partitions, 1)
-        if isinstance(self.model, Model):
-            self._check_model(self.model)
+        if self.model is not None and not isinstance(self.model, str):
+            self._check_model(self.model)  # a spec is built, and checked, at fit
         check_int("n_shards", self.n_shards, 1)
         check_int("batch_size", self.batch_size, 1)
         check_int("n_fetch", self.n_fetch, 1)
@@ -246,23 +246,23 @@ class DownpourSGD(ParamServerEstimator):
             )
         return optim.make(self.optimizer, self.learning_rate)
 
-    def _check_model(self, model: Model) -> None:
+    def _check_model(self, model: TrainableModel) -> None:
         """Raise if ``model`` cannot take ``n_shards`` or ``partitions``."""
-        check_int("n_shards", self.n_shards, 1, model.layout.size)
+        check_int("n_shards", self.n_shards, 1, model.n_params)
         self._shard_ranges(model)  # partitions the model cannot take, or too few shards
 
-    def _plan(self, model: Model) -> PartitionPlan | None:
+    def _plan(self, model: TrainableModel) -> PartitionPlan | None:
         """How replicas are split (None without model parallelism)."""
         return None if self.partitions == 1 else PartitionPlan(model, self.partitions)
 
-    def _shard_ranges(self, model: Model) -> list[tuple[int, int]]:
+    def _shard_ranges(self, model: TrainableModel) -> list[tuple[int, int]]:
         """The shards' ranges of the server's vector: balanced, or aligned with partitions."""
         plan = self._plan(model)
         if plan is None:
-            return split_range(model.layout.size, self.n_shards)
+            return split_range(model.n_params, self.n_shards)
         return plan.shard_ranges(self.n_shards)
 
-    def _subsets(self, model: Model, train: Any) -> Any:
+    def _subsets(self, model: TrainableModel, train: Any) -> Any:
         """The replicas' data: contiguous in-memory subsets, or the ShardedDataset as it is."""
         if not isinstance(train, ShardedDataset):
             return Dataset(*train).partition(self.n_replicas)  # raises if a replica gets no rows
@@ -353,7 +353,7 @@ class DownpourSGD(ParamServerEstimator):
 
     def _settings(
         self,
-        model: Model,
+        model: TrainableModel,
         rule: optim.UpdateRule,
         checkpoint_dir: str | os.PathLike[str] | None,
     ) -> FitSettings:
@@ -388,7 +388,7 @@ class DownpourSGD(ParamServerEstimator):
             initial=self._initial_params(),
         )
 
-    def _config(self, model: Model) -> dict[str, Any]:
+    def _config(self, model: TrainableModel) -> dict[str, Any]:
         """The estimator's part of the experiment's config (JSON-able): the shared part, with the
         optimizer as its config and the checkpoint directory as a string."""
         config = super()._config(model)

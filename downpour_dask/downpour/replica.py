@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from distributed import get_worker, secede
 
-from ..core.models import Model
+from ..core.protocol import TrainableModel
 from ..data.stream import StreamSpec, make_source
 from ..log import PushRow, plain
 from ..ps.channel import open_channels
@@ -69,7 +69,7 @@ class WorkerSink:
 
 def run_loop(
     server: ParameterServer,
-    model: Model,
+    model: TrainableModel,
     config: ReplicaConfig,
     source: Any,
     loop_class: type[ReplicaLoop] = ReplicaLoop,
@@ -100,7 +100,7 @@ def run_loop(
 
 def run_replica(
     server: ParameterServer,
-    model: Model,
+    model: TrainableModel,
     data: tuple[np.ndarray, np.ndarray] | StreamSpec,
     config: ReplicaConfig,
     parts: list | tuple = (),

@@ -14,16 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from ..core.models import Model
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
+from ..core.protocol import TrainableModel
 
 
 @dataclass(frozen=True)
 class FitSettings:
     """The settings of one fit (see :class:`~downpour_dask.DownpourSGD` for their meaning)."""
 
-    model: Model
+    model: TrainableModel
     rule: UpdateRule
     n_replicas: int
     n_shards: int

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.models import Model
 from ..core.partition import PartitionPlan
+from ..core.protocol import TrainableModel
 from .model_parallel import Mailbox, Peers, run_partition
 from .protocols import Cluster, Server, Task
 from .replica import ReplicaConfig, run_replica
@@ -31,7 +31,7 @@ class ReplicaTasks:
     ----------
     cluster, server : Cluster, Server
         Where tasks run, and the parameter server they train against.
-    model : Model
+    model : TrainableModel
         The model every replica trains.
     run : str
         The fit's token; task and mailbox keys carry it.
@@ -51,7 +51,7 @@ class ReplicaTasks:
         self,
         cluster: Cluster,
         server: Server,
-        model: Model,
+        model: TrainableModel,
         run: str,
         timeout: float,
         plan: PartitionPlan | None = None,

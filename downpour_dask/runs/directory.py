@@ -2,8 +2,10 @@
 
 A run directory holds what :meth:`Experiment.save` writes (``config.json`` and the pushes, evals
 and events tables) plus ``params.npz`` (the trained flat parameter vector) and, when matplotlib
-is installed, ``accuracy_vs_time.png`` and ``loss_vs_time.png``.  While a Downpour job runs, its
-settings and checkpoints live in a partial directory next to it (:func:`partial_directory`).
+is installed, ``accuracy_vs_time.png`` and ``loss_vs_time.png``.  The config holds the model's
+``get_config()`` (or, for a model without one, a description: :func:`load_run` then needs the
+model).  While a Downpour job runs, its settings and checkpoints live in a partial directory
+next to it (:func:`partial_directory`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..core import models
+from ..core.protocol import check_model
 from ..log import Experiment
 from ..report import plot_runs
 
@@ -66,9 +69,42 @@ def _plot_run(experiment: Experiment, directory: Path, name: str) -> None:
         pass
 
 
-def load_run(path: str | os.PathLike[str]) -> tuple[Experiment, models.Model, np.ndarray]:
-    """Read a run directory back: its experiment, its model and the trained parameters."""
+def load_run(
+    path: str | os.PathLike[str], model: Any = None
+) -> tuple[Experiment, Any, np.ndarray]:
+    """Read a run directory back: its experiment, its model and the trained parameters.
+
+    Parameters
+    ----------
+    path : path
+        The run directory.
+    model : model, optional
+        The run's model.  By default it is rebuilt from the config the run stored (built-in and
+        JAX-network models); a user's own model is described there but cannot be rebuilt
+        without running code, so pass it here.
+
+    Raises
+    ------
+    ValueError
+        If the model cannot be rebuilt from the config and none is given, or the given model's
+        parameter count differs from the stored parameters'.
+    """
     experiment = Experiment.load(path)
     with np.load(Path(path) / "params.npz", allow_pickle=False) as f:
         params = f["params"]
-    return experiment, models.from_config(experiment.config["model"]), params
+    if model is None:
+        try:
+            model = models.from_config(experiment.config["model"])
+        except ValueError as err:
+            raise ValueError(
+                f"run directory {str(path)!r}: its model cannot be rebuilt from the config it "
+                f"stored ({err}); pass it: load_run(path, model=...)"
+            ) from None
+    else:
+        check_model(model)
+    if model.n_params != params.size:
+        raise ValueError(
+            f"run directory {str(path)!r} holds {params.size} parameters, but the model given "
+            f"has n_params={model.n_params}; pass the model the run trained"
+        )
+    return experiment, model, params

@@ -135,8 +135,8 @@ class Coordinator:
             raise RuntimeError("the Dask cluster has no workers")
         self.recorder = RunRecorder(self.metric, ITERATION_COLUMNS)  # the clock starts here
         rows = self._batches(workers)
-        mask = np.zeros(model.layout.size)
-        for name, shape in model.layout.shapes.items():  # weight matrices, not biases
+        mask = np.zeros(model.n_params)  # other models keep any penalty in their own loss
+        for name, shape in model.layout.shapes.items() if isinstance(model, Model) else ():
             if len(shape) == 2:
                 lo, hi = model.layout.offsets[name]
                 mask[lo:hi] = model.l2
@@ -157,7 +157,12 @@ class Coordinator:
     def _optimise(self, rows: list[list], workers: dict) -> None:
         est, client = self.est, self.client
         flat = [idx for batch in rows for idx in batch]
-        data_model = from_config({**self.model.get_config(), "l2": 0.0})
+        # A built-in model's L2 penalty is added once, on the shards (``l2mask``).
+        data_model = (
+            from_config({**self.model.get_config(), "l2": 0.0})
+            if isinstance(self.model, Model)
+            else self.model
+        )
         [model_future] = client.scatter([data_model], broadcast=True, hash=False)
         self._eval_future = None
         if self.evaluation is not None:

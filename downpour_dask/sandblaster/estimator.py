@@ -20,7 +20,7 @@ from distributed import Client, Security
 from sklearn.exceptions import ConvergenceWarning
 
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..core.models import Model
+from ..core.protocol import TrainableModel
 from ..data.datasets import Dataset
 from ..inputs import evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
@@ -37,11 +37,13 @@ class SandblasterLBFGS(ParamServerEstimator):
 
     Parameters
     ----------
-    model : Model, str or None, default None
-        A :mod:`downpour_dask.models` model, or a model spec (``"softmax"``, ``"logistic"``,
-        ``"mlp:64"``, ``"linear"``, ...) built at fit for the data's features and classes; None
-        is ``"softmax"``.  A classifier model makes this a scikit-learn classifier (labels of
-        any kind, kept in ``classes_``), ``"linear"`` or a regression model a regressor.
+    model : model, str or None, default None
+        A :mod:`downpour_dask.models` model, a JAX model, or any model of the protocol
+        (:mod:`downpour_dask.core.protocol`); L-BFGS wants a smooth objective.  Or a model spec
+        (``"softmax"``, ``"logistic"``, ``"mlp:64"``, ``"linear"``, ...) built at fit for the
+        data's features and classes; None is ``"softmax"``.  A classifier model makes this a
+        scikit-learn classifier (labels of any kind, kept in ``classes_``), ``"linear"`` or a
+        regression model a regressor.
     n_shards : int, default 2
         Parameter-server shards (Dask actors); shard i is placed on the i-th worker by sorted
         address (modulo the number of workers).
@@ -87,7 +89,7 @@ class SandblasterLBFGS(ParamServerEstimator):
 
     Attributes
     ----------
-    model_ : Model
+    model_ : model
         The model trained (``model`` itself, or built from its spec).
     classes_ : ndarray
         The class labels (classifiers); ``n_features_in_`` (``feature_names_in_``) as in
@@ -127,7 +129,7 @@ class SandblasterLBFGS(ParamServerEstimator):
 
     def __init__(
         self,
-        model: Model | str | None = None,
+        model: TrainableModel | str | None = None,
         n_shards: int = 2,
         batch_size: int | None = None,
         portions_per_batch: int | None = None,
@@ -166,8 +168,8 @@ class SandblasterLBFGS(ParamServerEstimator):
     def _check_arguments(self, callback: Any = None) -> None:
         """Check every constructor argument; raises before any cluster work."""
         self._check_fit_arguments(callback)
-        if isinstance(self.model, Model):
-            self._check_model(self.model)
+        if self.model is not None and not isinstance(self.model, str):
+            self._check_model(self.model)  # a spec is built, and checked, at fit
         check_int("n_shards", self.n_shards, 1)
         check_int("batch_size", self.batch_size, 1, allow_none=True)
         check_int("portions_per_batch", self.portions_per_batch, 1, allow_none=True)
@@ -187,9 +189,9 @@ class SandblasterLBFGS(ParamServerEstimator):
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
 
-    def _check_model(self, model: Model) -> None:
+    def _check_model(self, model: TrainableModel) -> None:
         """Raise if ``model`` has fewer parameters than ``n_shards``."""
-        check_int("n_shards", self.n_shards, 1, model.layout.size)
+        check_int("n_shards", self.n_shards, 1, model.n_params)
 
     def fit(
         self,

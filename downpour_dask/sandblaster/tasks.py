@@ -19,8 +19,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from distributed import get_worker
 
-from ..core.models import Model
+from ..core import protocol
 from ..core.params import DTYPE
+from ..core.protocol import TrainableModel
 from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
 
@@ -91,7 +92,7 @@ def run_portion(
     version: int,
     portion: int,
     block: tuple[np.ndarray, np.ndarray],
-    model: Model,
+    model: TrainableModel,
     backup: bool,
     timeout: float,
     delay: Mapping[str, float] | None = None,
@@ -130,11 +131,13 @@ def run_portion(
     return PortionResult(portion, version, "done", float(loss) * n, n, address)
 
 
-def evaluate_task(server: ParameterServer, model: Model, data: tuple, timeout: float) -> tuple:
+def evaluate_task(
+    server: ParameterServer, model: TrainableModel, data: tuple, timeout: float
+) -> tuple:
     """Dask task: loss and score of the snapshot ``xe`` of an iterate on ``data`` (vectors stay
     off the driver: the worker pulls ``xe`` from the shards)."""
     server = server.opened()  # actor handles from the references the task was given
     calls = [shard.vector("xe") for shard in server.shards]
     params = np.concatenate([c.result(timeout=timeout) for c in calls]).astype(DTYPE)
     X, y = data
-    return model.loss(params, X, y), model.score(params, X, y)
+    return protocol.loss(model, params, X, y), model.score(params, X, y)
