@@ -124,6 +124,10 @@ def test_a_jax_mlp_trained_by_downpour_reaches_the_numpy_mlps_accuracy(client, m
     assert jax_mlp.score(test) >= numpy_mlp.score(test) - 0.02
     assert jax_mlp.score(test) >= 0.88
     assert jax_mlp.experiment_.config["model"]["type"] == "jax_mlp"
+    # a scikit-learn classifier like any other: probabilities in classes_ order
+    proba = jax_mlp.predict_proba(test.X[:50])
+    assert proba.shape == (50, 10) and np.allclose(proba.sum(axis=1), 1)
+    assert (jax_mlp.classes_[proba.argmax(axis=1)] == jax_mlp.predict(test.X[:50])).all()
 
 
 def test_the_cnn_trained_by_downpour_beats_the_mlp_on_mnist5k(client, mnist):

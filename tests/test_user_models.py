@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 from distributed import Client
+from sklearn.base import is_classifier, is_regressor
 
 from downpour_dask import DownpourSGD, SandblasterLBFGS, attach, datasets, models
 from downpour_dask.core import protocol
@@ -182,6 +183,12 @@ class NotAModel:
         return np.zeros(3, np.float32)
 
     predict = "not a method"
+
+
+def test_a_user_model_sets_the_estimators_kind_and_what_it_offers():
+    est = DownpourSGD(Factorization(3, 2))
+    assert is_regressor(est) and not hasattr(est, "predict_proba")  # it has no probabilities
+    assert is_classifier(DownpourSGD("cnn")) and hasattr(DownpourSGD("cnn"), "predict_proba")
 
 
 def test_an_object_that_is_not_a_model_is_refused_naming_what_is_missing(ratings):
