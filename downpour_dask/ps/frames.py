@@ -33,8 +33,9 @@ REQUEST = struct.Struct("<BiqqqdqH")
 HELLO = struct.Struct("<H")  # length of the shard id that follows
 STATUS = struct.Struct("<BI")  # 0 = ok, else error; length of the error text that follows
 SIZE = struct.Struct("<q")  # the shard's parameter count, after a successful hello
-PUSHED = struct.Struct("<qq??")  # version, staleness, accepted, stop
-PULLED = struct.Struct("<q?qI")  # version, stop, applied_through, len(applied_ahead)
+PUSHED = struct.Struct("<qq??q")  # version, staleness, accepted, stop, generation
+#: version, stop, applied_through, len(applied_ahead), generation
+PULLED = struct.Struct("<q?qIq")
 POLLED = struct.Struct("<q??")  # version, stopped, released (see poll_warmstart)
 OK = STATUS.pack(0, 0)
 
@@ -76,7 +77,9 @@ def pushed(reply: PushReply) -> bytes:
 def pulled(reply: PullReply) -> bytes:
     """The fixed-size answer to a pull (the values are sent after it, raw)."""
     ahead = reply.applied_ahead
-    head = PULLED.pack(reply.version, reply.stop, reply.applied_through, len(ahead))
+    head = PULLED.pack(
+        reply.version, reply.stop, reply.applied_through, len(ahead), reply.generation
+    )
     return head + struct.pack(f"<{len(ahead)}q", *ahead)
 
 
@@ -125,11 +128,11 @@ def read_reply(sock: socket.socket, op: int, size: int, out: np.ndarray | None) 
     if op in (PUSH, EXCHANGE):
         push = PushReply(*PUSHED.unpack(recv(sock, PUSHED.size)))
     if op in (PULL, EXCHANGE):
-        version, stop, through, n_ahead = PULLED.unpack(recv(sock, PULLED.size))
+        version, stop, through, n_ahead, generation = PULLED.unpack(recv(sock, PULLED.size))
         ahead = struct.unpack(f"<{n_ahead}q", recv(sock, 8 * n_ahead)) if n_ahead else ()
         values = np.empty(size, dtype=DTYPE) if out is None else out
         recv_into(sock, values)
-        pull = PullReply(values, version, stop, through, tuple(ahead))
+        pull = PullReply(values, version, stop, through, tuple(ahead), generation)
     if op == POLL_WARMSTART:
         return POLLED.unpack(recv(sock, POLLED.size))
     if op == EXCHANGE:
