@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import secrets
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +78,7 @@ class Driver:
         self.resumed, self.callback, self.publish = resumed, callback, publish
         self.metric = "accuracy" if fit.model.is_classifier else "r2"
         self.token = uuid.uuid4().hex[:8]  # names this run's tasks, variables, worker records
+        self.wire_secret = secrets.token_bytes(32)  # the shards' direct connections ask for it
         self.cluster = DaskCluster(client, self.token)
         #: The outcome, once :meth:`execute` returned.
         self.params: np.ndarray | None = None
@@ -102,6 +104,7 @@ class Driver:
             fit.timeout,
             restore=restore,
             ranges=fit.ranges,
+            wire_secret=self.wire_secret,
         )
         view = DaskServer(server, client, fit.rule, fit.plan)
         first_shards = self._first_shards()
@@ -252,6 +255,7 @@ class Driver:
             partition=p,
             transport=fit.transport,
             start_after_version=gate,
+            wire_secret=self.wire_secret,
         )
 
     def _limits(self, n_rows: int | None) -> Limits:

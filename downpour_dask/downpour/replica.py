@@ -89,6 +89,7 @@ def run_loop(
         config.timeout,
         replacements,
         direct=config.transport == "auto",
+        secret=config.wire_secret,
     )
     try:
         sink = WorkerSink(config.run, config.topic)

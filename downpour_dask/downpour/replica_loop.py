@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,6 +65,7 @@ class ReplicaConfig:
     partition: int = 0  # which partition of a model-parallel replica this loop runs
     transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
     start_after_version: int = 0  # wait for replica 0's warmstart: every shard's version
+    wire_secret: bytes = field(default=b"", repr=False)  # the run's, for ps/service.py
 
 
 def gradient_scale(model: Model, alpha: float) -> float:

@@ -96,6 +96,9 @@ class DaskShardChannel:
     direct : bool
         Whether to reach a shard on another worker over :mod:`~downpour_dask.ps.wire` when it
         offers an endpoint (else always actor messages).
+    secret : bytes
+        The run's wire secret, sent in the direct connection's hello (see
+        :mod:`~downpour_dask.ps.service`).
     """
 
     #: Seconds a call may be outstanding before the channel asks whether its shard was replaced.
@@ -112,7 +115,9 @@ class DaskShardChannel:
         timeout: float,
         replacements: str | None = None,
         direct: bool = True,
+        secret: bytes = b"",
     ):
+        self.secret = secret
         self.shard, self.size, self.replica, self.timeout = shard, size, replica, timeout
         self.replacements, self.direct = replacements, direct
         self.wire: WireClient | None = None
@@ -155,7 +160,7 @@ class DaskShardChannel:
         try:
             endpoint = self.wait(asked, self.key, sent)
             if endpoint is not None:
-                self.wire = WireClient(endpoint, timeout=min(10.0, self.timeout))
+                self.wire = WireClient(endpoint, min(10.0, self.timeout), self.secret)
         except (ShardLostError, WireError, OSError):
             self.wire = None
 
@@ -331,11 +336,13 @@ def open_channels(
     timeout: float,
     replacements: list[str] | None = None,
     direct: bool = True,
+    secret: bytes = b"",
 ) -> list[DaskShardChannel]:
     """One channel per shard of ``server`` (a view made by ``portable()`` or the driver's),
     with the direct connections to shards on other workers opened all at once.
 
-    ``replacements`` names, per shard, the variable where the driver publishes replacements.
+    ``replacements`` names, per shard, the variable where the driver publishes replacements;
+    ``secret`` is the run's wire secret.
     """
     server = server.opened()
     channels = [
@@ -347,6 +354,7 @@ def open_channels(
             timeout,
             None if replacements is None else replacements[s],
             direct,
+            secret,
         )
         for s, (actor, (lo, hi)) in enumerate(zip(server.shards, server.ranges))
     ]

@@ -84,10 +84,12 @@ class ParameterServer:
         self.ids = list(range(len(shards))) if ids is None else list(ids)
         self.shard_class: type = ParameterServerShard
         self._futures = futures or []
+        self.wire_secret = b""  # the run's secret for direct connections (see ps/service.py)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_futures"] = []  # futures stay with the driver, which keeps the actors alive
+        state["wire_secret"] = b""  # stays with the driver: replicas get it in their config
         return state
 
     @property
@@ -136,6 +138,7 @@ class ParameterServer:
         shard_class: type = ParameterServerShard,
         restore: list[dict[str, Any]] | None = None,
         ranges: list[tuple[int, int]] | None = None,
+        wire_secret: bytes = b"",
         **per_element: np.ndarray,
     ) -> ParameterServer:
         """Start ``n_shards`` shard actors holding ``initial``, on distinct workers where possible.
@@ -147,7 +150,8 @@ class ParameterServer:
         constructor as a keyword argument of the same name.  ``restore`` (one dict per shard,
         see :meth:`ParameterServerShard.export_state`) continues shards from saved state.
         ``ranges`` chooses the shards' ranges (default: ``split_range``, balanced); they must
-        tile the vector in order.
+        tile the vector in order.  ``wire_secret`` is what a direct connection to a shard must
+        present (see :mod:`~downpour_dask.ps.service`).
         """
         if workers is None:
             workers = sorted(cluster_workers(client))
@@ -178,6 +182,7 @@ class ParameterServer:
                     rule,
                     **{name: array[lo:hi] for name, array in per_element.items()},
                     **({} if restore is None else {"restore": restore[i]}),
+                    **({"wire_secret": wire_secret} if wire_secret else {}),
                     actor=True,
                     workers=[address],
                     allow_other_workers=False,
@@ -194,6 +199,7 @@ class ParameterServer:
             raise
         server = cls(shards, ranges, placed, futures)
         server.shard_class = shard_class
+        server.wire_secret = wire_secret
         return server
 
     def call_all(
@@ -294,6 +300,7 @@ class ParameterServer:
             np.ascontiguousarray(values, dtype=DTYPE),
             rule,
             restore=restore,
+            wire_secret=self.wire_secret,
             actor=True,
             workers=[worker],
             allow_other_workers=False,

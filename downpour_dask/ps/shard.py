@@ -102,6 +102,7 @@ class ParameterServerShard:
         rule: UpdateRule,
         *,
         restore: dict[str, Any] | None = None,
+        wire_secret: bytes = b"",
     ):
         if values.shape != (stop - start,):
             raise ValueError(
@@ -134,6 +135,7 @@ class ParameterServerShard:
         self._lock = threading.Lock()
         self._host = _tcp_host()
         self._endpoint: tuple[str, int, str] | None = None
+        self._wire_secret = wire_secret  # a direct connection's hello must carry it
 
     # -- what replicas call (async: served on the event loop, see the module docstring) ----------
     async def pull(self, replica: int = -1, session: str = "") -> PullReply:
@@ -162,7 +164,7 @@ class ParameterServerShard:
         or None when the worker's comm is not plain TCP (e.g. TLS), so the replica keeps using
         actor calls."""
         if self._endpoint is None and self._host is not None:
-            self._endpoint = serve(self, self._host)
+            self._endpoint = serve(self, self._host, self._wire_secret)
         return self._endpoint
 
     async def _notify(self) -> None:
