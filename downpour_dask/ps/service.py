@@ -153,8 +153,11 @@ class ShardService:
             for key, _ in ready:
                 if key.fileobj is self._listener:
                     backoff = self._accept(backoff)
-                else:
-                    self._read_hello(key.fileobj)
+                elif key.fileobj in self._pending:  # (not dropped earlier in this round)
+                    try:
+                        self._read_hello(key.fileobj)
+                    except Exception:  # whatever one connection did, the loop goes on
+                        self._drop(key.fileobj)
             now = time.monotonic()
             for conn in [c for c, (deadline, _) in self._pending.items() if deadline < now]:
                 self._drop(conn)
