@@ -286,3 +286,16 @@ def test_a_config_file_with_the_other_algorithms_interval_names_the_setting_to_u
     error = capsys.readouterr().err
     assert error.endswith("for algorithm sandblaster use eval_every_iter (iterations)\n")
     assert not (tmp_path / "runs").exists()
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run_and_deletes_nothing(tmp_path, capsys):
+    """In-process: the refusal comes from the job's checks, before any cluster is started."""
+    mine = tmp_path / "taken"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    argv = ["train", *SMALL, "--out", str(tmp_path), "--name", "taken", "--overwrite"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not a run directory" in err and "nothing was deleted" in err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
