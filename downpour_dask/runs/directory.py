@@ -67,10 +67,19 @@ def check_replaceable(target: str | os.PathLike[str], overwrite: bool) -> None:
 
 
 def write_json(path: Path, value: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
+    """Write JSON atomically and durably (temp file, fsync, rename, fsync of the directory):
+    a resumed job reads its settings from here."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
+    with open(tmp, "w") as f:
+        f.write(json.dumps(value, indent=1, default=str))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_run(
