@@ -43,6 +43,18 @@ from .supervisor import Supervisor
 from .tasks import ReplicaTasks
 
 
+def check_finite(params: np.ndarray | None) -> None:
+    """Raise FloatingPointError if the fit's final parameters are not all finite: such a model
+    cannot predict, and must not pass as trained."""
+    if params is None or np.isfinite(params).all():
+        return
+    bad = int(np.count_nonzero(~np.isfinite(params)))
+    raise FloatingPointError(
+        f"the fit ended with {bad} non-finite parameters (NaN or inf) of {params.size}: the "
+        f"updates diverged; lower learning_rate, or set max_grad_norm"
+    )
+
+
 class Driver:
     """One execution of :meth:`DownpourSGD.fit` on ``client``: call :meth:`execute` once, then
     read :attr:`params`, :attr:`status` and :attr:`experiment`.
@@ -119,7 +131,7 @@ class Driver:
             publication = Publication(client, self.publish, info)
         try:
             for i, future in enumerate(server.futures):  # replicas find replacements there
-                self.cluster.announce_shard(i, future)
+                self.cluster.announce_shard(i, future, 0)
             checkpoints = Checkpoints(
                 view,
                 initial_states(server.ranges, initial, fit.rule, restore),
@@ -161,7 +173,9 @@ class Driver:
                 loop.warmstart(gate, fit.warmstart_steps)
             loop.run()
             self.params, _ = loop.finish()
+            recovery.settle()  # the final count of updates lost with replaced shards
             self.status = supervisor.recovering(server.status, fit.timeout)
+            self.status["lost_updates"] = recovery.lost_updates(fit.n_shards)
             shard_events = supervisor.recovering(view.shard_events, fit.timeout)
             recorder.add_events((e[0] - recorder.t0, *e[1:]) for e in shard_events)
             loop.collect_rows(force=True)  # the replicas' last rows, before they are forgotten
@@ -177,7 +191,9 @@ class Driver:
             server.close()
         config = {**fit.config, "n_rows": placed.n_rows, "workers": workers, "data": placed.info}
         config.update(tasks.summary(results), replica_restarts=supervisor.restarts)
+        config["shard_incarnations"] = recovery.incarnations()
         self.experiment = recorder.experiment(config)
+        check_finite(self.params)
 
     def _initial(self, recorder: RunRecorder) -> tuple[np.ndarray, list[dict] | None, int]:
         """The server's starting vector (partition by partition with model parallelism), the

@@ -4,8 +4,7 @@
 against: start a pull, a push or both in one round trip (``exchange``), poll the warmstart gate,
 wait for a call's reply, and, when the shard is lost, ``switch`` to the replacement the driver
 starts.  Calls return at once with a ``Call`` (``done()``, ``result(timeout)``), so a replica keeps
-computing while its fetches and pushes travel.  The loop never sees which transport carries
-them, so it runs in-process against a fake channel in the tests.
+computing while its fetches and pushes travel; the loop never sees the transport (tests: fakes).
 
 :class:`DaskShardChannel` implements it for a shard actor, over whichever of three transports
 is cheapest:
@@ -18,9 +17,16 @@ is cheapest:
   through the event loop (:func:`~downpour_dask.runtime.dask_internals.actor_result`).
 
 A lost shard is replaced by the driver, which publishes the new actor's future in a
-``distributed.Variable``; the channel then talks to the new actor under a new *session*, in
-which push numbers start again from 0 (the channel translates them, see
-:meth:`~ShardChannel.includes`).
+``distributed.Variable`` (and its generation in a second one, :func:`generation_variable`,
+set first); the channel then talks to the new actor under a new *session*, in which push
+numbers start again from 0 (the channel translates them, see :meth:`~ShardChannel.includes`).
+
+**Fencing.**  The channel knows the generation of the incarnation it talks to and never accepts
+a reply from an older one (:class:`~downpour_dask.ps.protocol.FencedError`, handled like a lost
+shard).  It learns of a replacement when a call is stuck for :attr:`~DaskShardChannel.STUCK`
+seconds, from any reply at most every :attr:`~DaskShardChannel.CHECK_EVERY` seconds (a shard
+in the replica's own process, back from a stopped worker, would answer at once), and from a
+retired shard, which refuses every call.
 """
 
 from __future__ import annotations
@@ -35,43 +41,11 @@ from distributed import Variable
 
 from ..core.params import DTYPE
 from ..runtime.dask_internals import actor_result, local_actor
-from .protocol import PullReply, ShardLostError, is_shard_lost
+from .calls import Done, Half
+from .protocol import FencedError, PullReply, ShardLostError, is_fenced, is_shard_lost
 from .server import ParameterServer
 from .shard import ParameterServerShard
 from .wire import WireClient, WireError
-
-
-class Done:
-    """A call that completed as it was made: the shard is in this process, or (with ``error``)
-    the call could not even be sent because its shard is lost, and its result raises."""
-
-    __slots__ = ("value", "error")
-
-    def __init__(self, value: Any = None, error: BaseException | None = None):
-        self.value, self.error = value, error
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class Half:
-    """The push (0) or the pull (1) half of one ``exchange`` call."""
-
-    __slots__ = ("call", "index")
-
-    def __init__(self, call: Any, index: int):
-        self.call, self.index = call, index
-
-    def done(self) -> bool:
-        return self.call.done()
-
-    def result(self, timeout: float | None = None) -> Any:
-        return actor_result(self.call, timeout)[self.index]
 
 
 class DaskShardChannel:
@@ -99,11 +73,13 @@ class DaskShardChannel:
     secret : bytes
         The run's wire secret, sent in the direct connection's hello (see
         :mod:`~downpour_dask.ps.service`).
+    generation : int
+        The generation of ``actor`` (replies from an older incarnation are refused).
     """
 
     #: Seconds a call may be outstanding before the channel asks whether its shard was replaced.
     STUCK = 1.0
-    #: Seconds between two looks at the replacements variable.
+    #: Seconds between two looks at the replacements variables.
     CHECK_EVERY = 1.0
 
     def __init__(
@@ -116,13 +92,16 @@ class DaskShardChannel:
         replacements: str | None = None,
         direct: bool = True,
         secret: bytes = b"",
+        generation: int = 0,
     ):
         self.secret = secret
         self.shard, self.size, self.replica, self.timeout = shard, size, replica, timeout
         self.replacements, self.direct = replacements, direct
         self.wire: WireClient | None = None
         self._next_seq = 0  # one past the highest push number sent
-        self._checked = 0.0
+        self._checked = time.monotonic()
+        #: Newest generation of this shard the channel knows of; older replies are refused.
+        self.generation = int(generation)
         self._attach(actor)
 
     def _attach(self, actor: Any) -> None:
@@ -175,6 +154,13 @@ class DaskShardChannel:
             buffers.extend(np.empty(self.size, dtype=DTYPE) for _ in range(count))
         return buffers[1] if avoid is buffers[0] and len(buffers) > 1 else buffers[0]
 
+    def _here(self, method: Any, *args: Any, **kw: Any) -> Done:
+        """A call of the shard in this process: complete, failed if the shard was retired."""
+        try:
+            return Done(method(*args, **kw))
+        except FencedError as err:
+            return Done(error=err)
+
     def _failed(self, error: Exception) -> Done:
         """A call into a shard whose handle refused it: lost (fails at :meth:`wait`), or a bug
         (raised now)."""
@@ -184,7 +170,8 @@ class DaskShardChannel:
 
     def pull(self, avoid: np.ndarray | None = None) -> Any:
         if self.local is not None:
-            return Done(self.local.snapshot_into(self._buffer(None), self.replica, self.session))
+            out = self._buffer(None)
+            return self._here(self.local.snapshot_into, out, self.replica, self.session)
         try:
             if self.wire is not None:
                 return self.wire.pull(self.replica, self.session, out=self._buffer(avoid))
@@ -198,7 +185,7 @@ class DaskShardChannel:
         self._next_seq = seq + 1
         kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
         if self.local is not None:  # same process: no message at all
-            return Done(self.local.apply_push(grad, fetched_version, self.replica, **kw))
+            return self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
         try:
             return (self.wire or self.actor).push(grad, fetched_version, self.replica, **kw)
         except Exception as err:
@@ -216,7 +203,7 @@ class DaskShardChannel:
         self._next_seq = seq + 1
         kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
         if self.local is not None:
-            pushed = Done(self.local.apply_push(grad, fetched_version, self.replica, **kw))
+            pushed = self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
             return pushed, self.pull()
         try:
             if self.wire is not None:
@@ -232,7 +219,7 @@ class DaskShardChannel:
 
     def poll_warmstart(self) -> Any:
         if self.local is not None:
-            return Done(self.local.warmstart_state())
+            return self._here(self.local.warmstart_state)
         try:
             return (self.wire or self.actor).poll_warmstart()
         except Exception as err:
@@ -277,15 +264,55 @@ class DaskShardChannel:
                     message = f"shard {self.shard} did not answer within {self.timeout} s"
                     raise TimeoutError(message)
                 with contextlib.suppress(TimeoutError):
-                    return actor_result(call, min(0.5, max(0.01, deadline - time.monotonic())))
-            return actor_result(call, self.timeout)
+                    reply = actor_result(call, min(0.5, max(0.01, deadline - time.monotonic())))
+                    return self._fenced(reply, key)
+            return self._fenced(actor_result(call, self.timeout), key)
         except ShardLostError:
             raise
         except Exception as err:
+            if is_fenced(err):
+                raise FencedError(f"{err}", self.shard) from err
             if is_shard_lost(err):
                 message = f"parameter-server shard {self.shard} was lost: {err}"
                 raise ShardLostError(message, self.shard) from err
             raise
+
+    def _fenced(self, reply: Any, key: str) -> Any:
+        """``reply``, unless it comes from an incarnation older than the newest this channel
+        knows of, or the shard it was sent to has been replaced meanwhile (looked up at most
+        every :attr:`CHECK_EVERY` seconds): then :class:`FencedError`."""
+        generation = getattr(reply, "generation", None)
+        if generation is None:  # a warmstart poll or an endpoint: no fencing needed
+            return reply
+        if generation < self.generation or (key == self.key and self._superseded(key)):
+            raise FencedError(
+                f"replica {self.replica}: a reply of parameter-server shard {self.shard} "
+                f"generation {generation} was refused: generation {self.generation} replaced it",
+                self.shard,
+            )
+        self.generation = generation
+        return reply
+
+    def _superseded(self, key: str) -> bool:
+        """Whether the driver announced a newer incarnation than actor ``key`` (looked up at
+        most every :attr:`CHECK_EVERY` seconds; raises the known generation if so)."""
+        now = time.monotonic()
+        if self.replacements is None or now - self._checked < self.CHECK_EVERY:
+            return False
+        self._checked = now
+        future = self._published(self.timeout)
+        if future is None or future.key == key:
+            return False
+        self.generation = max(self.generation, self._published_generation())
+        return True
+
+    def _published_generation(self) -> int:
+        """The generation the driver announced last for this shard (0 if none can be read)."""
+        if self.replacements is None:
+            return 0
+        with contextlib.suppress(TimeoutError, OSError, TypeError, ValueError):
+            return int(Variable(generation_variable(self.replacements)).get(timeout=self.timeout))
+        return 0
 
     def _replacement(self, lost_key: str) -> Any | None:
         """The actor replacing ``lost_key`` once the driver publishes it, or None if none
@@ -320,6 +347,7 @@ class DaskShardChannel:
                 self.shard,
             ) from error
         self.close()  # its receiver may still be writing into a buffer: new ones
+        self.generation = max(self.generation, self._published_generation())
         self._attach(actor)
         self.connect(self.ask_endpoint(), time.monotonic())
         return True
@@ -328,6 +356,12 @@ class DaskShardChannel:
         if self.wire is not None:
             self.wire.close()
             self.wire = None
+
+
+def generation_variable(replacements: str) -> str:
+    """Name of the variable holding the generation of the actor announced in the variable
+    ``replacements`` (set before it: a channel that sees the new actor finds its generation)."""
+    return f"{replacements}-generation"
 
 
 def open_channels(
@@ -355,6 +389,7 @@ def open_channels(
             None if replacements is None else replacements[s],
             direct,
             secret,
+            server.generations[s],
         )
         for s, (actor, (lo, hi)) in enumerate(zip(server.shards, server.ranges))
     ]
