@@ -1,22 +1,28 @@
 """Watching a running fit from elsewhere: publish its parameter server by name, attach to it.
 
 ``DownpourSGD(...).fit(data, publish="mnist")`` publishes the run on the cluster's scheduler
-(:func:`publish`): the futures of its parameter-server shard actors -- a published ``Actor``
-object would not keep the actors alive, their futures do -- with their ranges, workers, the
-model's configuration and the run's start time.  While it trains, the driver logs a compact
-progress record about four times a second under the scheduler event topic
-``downpour-dask/<name>`` (:func:`log_progress`), and a last ``end`` record when the run is over,
-whether it finished or failed; then the name is unpublished.
+(:func:`publish`: the shard actors' futures, which keep them alive) and logs a JSON record of
+it -- shards' keys, workers and ranges, the model's configuration, the start time -- on the
+scheduler event topic ``downpour-dask/<name>`` (:func:`describe`), then a compact progress
+record about four times a second (:func:`log_progress`) and a last ``end`` record when the run
+is over, whether it finished or failed; then the name is unpublished.
 
 Any other process with a client of the same cluster -- a notebook, a script, the
 ``downpour-dask watch NAME --scheduler ADDRESS`` command -- calls :func:`attach` and gets a
 read-only :class:`LiveRun`: ``status()`` (per-shard versions, pushes per replica, recent loss,
-examples/s, staleness), ``params()`` and ``evaluate(data)``.  It cannot push or stop anything.
+examples/s, staleness), ``params()`` and ``evaluate(data)``.
+
+**Read-only by construction.**  A view holds no actor handle (one can call *any* method: push,
+stop...): it knows each shard by key and worker from the JSON record and reads through
+:func:`read_shard`, a short task on the shard's worker calling two read-only methods.  Stopping
+needs the run's secret, which only the driver holds.  Views and ``watch`` never unpickle what is
+published (``get_dataset`` would, running whatever code a crafted record carries).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from typing import Any, TextIO
@@ -32,6 +38,8 @@ from .log import Progress
 from .progress import ProgressBar
 from .ps.server import ParameterServer
 from .ps.shard import ParameterServerShard
+from .runtime.cluster import cluster_workers
+from .runtime.dask_internals import local_actor
 
 #: Prefix of the scheduler event topic a published run logs its progress under.
 TOPIC_PREFIX = "downpour-dask/"
@@ -43,13 +51,8 @@ def topic(name: str) -> str:
 
 
 def check_name(name: Any) -> None:
-    """Raise TypeError/ValueError unless ``name`` is a usable publication name (a non-empty str).
-
-    Parameters
-    ----------
-    name : object
-        The value given as ``publish=``.
-    """
+    """Raise TypeError/ValueError unless ``name`` (given as ``publish=``) is a usable
+    publication name: a non-empty str."""
     if not isinstance(name, str):
         raise TypeError(f"publish must be a non-empty str or None, got {type(name).__name__}")
     if not name.strip():
@@ -77,8 +80,8 @@ def publish(
         JSON-like facts about the run: at least ``model`` (the model's ``get_config()``) and
         ``t0`` (the wall-clock time the fit started).
     override : bool, default False
-        Replace this run's own earlier publication (after a lost shard was recreated as a new
-        actor); views attached earlier pick the new shards up on their next failed call.
+        Replace this run's own earlier publication (after a lost shard was recreated); views
+        attached earlier pick the new shards up on their next failed call.
 
     Raises
     ------
@@ -88,13 +91,9 @@ def publish(
     futures = server.futures
     if not futures:
         raise RuntimeError("cannot publish a ParameterServer that does not hold its futures")
-    record = {
-        "kind": "downpour-dask run",
-        "futures": futures,  # futures, not actors: they keep the actors alive
-        "ranges": [list(r) for r in server.ranges],
-        "workers": list(server.workers),
-        "info": dict(info),
-    }
+    describe(client, name, server, info)  # first: a view that sees the name finds the record
+    # The futures keep the actors alive while the run is published; views never read them.
+    record = {"kind": "downpour-dask run", "futures": futures}
     try:
         client.publish_dataset(**{name: record}, override=override)
     except KeyError:
@@ -102,6 +101,18 @@ def publish(
             f"publish={name!r}: a run or dataset of that name is already published on the "
             f"scheduler; choose another name"
         ) from None
+
+
+def describe(client: Client, name: str, server: ParameterServer, info: dict[str, Any]) -> None:
+    """Log the JSON record attached views read: ``info`` and each shard's actor key, worker and
+    range (the driver logs it again now and then, as the topic keeps only its last 1000
+    events).  Raises TypeError if ``info`` is not JSON-able."""
+    shards = [
+        {"key": actor.key, "worker": worker, "range": [int(lo), int(hi)]}
+        for actor, worker, (lo, hi) in zip(server.shards, server.workers, server.ranges)
+    ]
+    record = json.dumps({"info": dict(info), "shards": shards})
+    client.log_event(topic(name), {"kind": "run", "json": record})
 
 
 def unpublish(client: Client, name: str) -> None:
@@ -151,16 +162,13 @@ def attach(name: str, client: Client, timeout: float = 30.0) -> LiveRun:
     client : distributed.Client
         A client of the cluster the run is on.
     timeout : float, default 30
-        Seconds any call into a shard may take.
-
-    Returns
-    -------
-    LiveRun
+        Seconds a read of a shard may take.
 
     Raises
     ------
     ValueError
-        If no run is published under ``name`` (the message lists the published names).
+        If no run is published under ``name`` (the message lists the published names), or its
+        topic holds no valid run record.
     """
     check_name(name)
     published = [str(n) for n in client.list_datasets()]
@@ -169,22 +177,48 @@ def attach(name: str, client: Client, timeout: float = 30.0) -> LiveRun:
             f"no run is published as {name!r} on {client.scheduler.address}; published: "
             f"{', '.join(sorted(published)) or 'none'}"
         )
-    server, info = _load(client, name, timeout)
-    return LiveRun(name, server, info, client, timeout)
+    shards, info = _load(client, name)
+    return LiveRun(name, shards, info, client, timeout)
 
 
-def _load(client: Client, name: str, timeout: float) -> tuple[ParameterServer, dict[str, Any]]:
-    """The published run's shards (as a ParameterServer view) and its info."""
-    record = client.get_dataset(name)
-    if not isinstance(record, dict) or record.get("kind") != "downpour-dask run":
-        raise ValueError(f"{name!r} is published on the scheduler but is not a downpour-dask run")
-    # Keep the actor handles only.  (A client-side Actor handle still refers to its key, so
-    # LiveRun drops them as soon as it sees that the run is no longer published.)
-    actors = [f.result(timeout=timeout) for f in record["futures"]]
-    for f in record["futures"]:
-        f.release()
-    server = ParameterServer(actors, [tuple(r) for r in record["ranges"]], record["workers"])
-    return server, record["info"]
+#: How a view knows a shard: its actor key, worker address and range of the vector.
+ShardInfo = tuple[str, str, tuple[int, int]]
+
+
+def _load(client: Client, name: str) -> tuple[list[ShardInfo], dict[str, Any]]:
+    """The shards and info of the newest run record on ``name``'s topic (JSON, never pickle)."""
+    latest = None
+    for _, message in client.get_events(topic(name)):
+        if isinstance(message, dict) and message.get("kind") == "end":
+            latest = None  # an earlier run of the same name ended
+        elif isinstance(message, dict) and message.get("kind") == "run":
+            latest = message.get("json")
+    try:
+        record = json.loads(latest)  # TypeError for None, ValueError for bad JSON
+        shards = [
+            (str(s["key"]), str(s["worker"]), (int(s["range"][0]), int(s["range"][1])))
+            for s in record["shards"]
+        ]
+        info = dict(record["info"])
+        models.from_config(info["model"])  # checked now, not when first used
+    except (TypeError, ValueError, KeyError, IndexError) as err:
+        raise ValueError(
+            f"{name!r} is published on the scheduler but its topic holds no valid downpour-dask "
+            f"run record ({type(err).__name__}: {err})"
+        ) from None
+    return shards, info
+
+
+def read_shard(key: str, values: bool) -> Any:
+    """A task on a shard's worker: the counters of shard actor ``key`` (a dict), or with
+    ``values`` its ``(values, version)``; only read-only methods are called."""
+    shard = local_actor(key)
+    if not isinstance(shard, ParameterServerShard):
+        raise LookupError(f"no parameter-server shard {key} on this worker (the run ended?)")
+    if values:
+        reply = shard.snapshot()
+        return reply.values, reply.version
+    return shard.counters()
 
 
 class LiveRun:
@@ -203,54 +237,65 @@ class LiveRun:
     def __init__(
         self,
         name: str,
-        server: ParameterServer,
+        shards: list[ShardInfo],
         info: dict[str, Any],
         client: Client,
         timeout: float,
     ):
         self.name, self.info, self._client, self._timeout = name, info, client, timeout
-        self._server: ParameterServer | None = server
+        self._shards: list[ShardInfo] | None = shards
         self.model = models.from_config(info["model"])
         self._last: tuple[float, int] | None = None
 
     def __repr__(self) -> str:
-        state = "running" if self._server is not None else "ended"
+        state = "running" if self._shards is not None else "ended"
         return f"LiveRun({self.name!r}, {self.info.get('estimator', '?')}, {state})"
 
     @property
     def running(self) -> bool:
         """Whether the run is still published (it is unpublished when its fit ends)."""
-        if self._server is not None and not is_published(self._client, self.name):
-            self._server = None  # drop the actor handles: they would keep the actors alive
-        return self._server is not None
+        if self._shards is not None and not is_published(self._client, self.name):
+            self._shards = None
+        return self._shards is not None
 
-    def _live_server(self) -> ParameterServer:
+    def _read(self, values: bool) -> list[Any]:
+        """:func:`read_shard` on every shard's worker at once; after a failure, once more with
+        the shards of the newest run record (the run logs one when it recreates a lost shard)."""
         if not self.running:
             raise RuntimeError(f"run {self.name!r} has ended: it is no longer published")
-        assert self._server is not None
-        return self._server
-
-    def _statuses(self) -> list[dict[str, Any]]:
-        """Every shard's counters (see :meth:`ParameterServerShard.status`)."""
-        return self._retrying(
-            lambda server: server.call_all(ParameterServerShard.status, timeout=self._timeout)
-        )
-
-    def _retrying(self, call: Any) -> Any:
-        """``call(server)``; after a failure, once more with the shards published now (the
-        run re-publishes itself when it recreates a lost shard)."""
-        server = self._live_server()  # raises if the run has ended
         try:
-            return call(server)
-        except RuntimeError as err:
-            failure = err
+            return self._read_from(self._shards or [], values)
+        except (RuntimeError, LookupError, OSError, TimeoutError) as err:
+            failure: Exception = err
         if self.running:
             try:
-                self._server, _ = _load(self._client, self.name, self._timeout)
-                return call(self._server)
-            except (RuntimeError, ValueError, OSError, TimeoutError) as err:
+                self._shards, _ = _load(self._client, self.name)
+                return self._read_from(self._shards, values)
+            except (RuntimeError, LookupError, ValueError, OSError, TimeoutError) as err:
                 failure = err
         raise RuntimeError(f"run {self.name!r} has ended or lost a shard: {failure}") from failure
+
+    def _read_from(self, shards: list[ShardInfo], values: bool) -> list[Any]:
+        gone = set(worker for _, worker, _ in shards) - set(cluster_workers(self._client))
+        if gone:  # a task pinned to a worker that left would wait for ever
+            raise LookupError(f"the worker(s) {sorted(gone)} holding shards left the cluster")
+        futures = [
+            self._client.submit(
+                read_shard, key, values, workers=[worker], allow_other_workers=False, pure=False
+            )
+            for key, worker, _ in shards
+        ]
+        try:
+            return [f.result(timeout=self._timeout) for f in futures]
+        except TimeoutError as err:
+            raise TimeoutError(f"a shard did not answer within {self._timeout} s") from err
+        finally:
+            for f in futures:
+                f.release()
+
+    def _statuses(self) -> list[dict[str, Any]]:
+        """Every shard's counters (see :meth:`ParameterServerShard.counters`)."""
+        return self._read(values=False)
 
     def status(self) -> pd.DataFrame:
         """One row per shard: range, worker, version, accepted pushes (``accepted_by_replica``:
@@ -260,8 +305,8 @@ class LiveRun:
         rows = self._statuses()
         now = time.time()
         frame = pd.DataFrame(rows)
-        assert self._server is not None  # _statuses succeeded
-        frame.insert(3, "worker", self._server.workers)
+        assert self._shards is not None  # _statuses succeeded
+        frame.insert(3, "worker", [worker for _, worker, _ in self._shards])
         elapsed = now - float(self.info.get("t0", now))
         examples = int(frame["examples"].iloc[0]) if len(frame) else 0
         since, before = (float(self.info.get("t0", now)), 0) if self._last is None else self._last
@@ -279,7 +324,12 @@ class LiveRun:
     def _pull(self) -> tuple[np.ndarray, list[int]]:
         """The model's flat parameters (a model-parallel run's shards hold them partition by
         partition: see :meth:`PartitionPlan.pack`) and each shard's version."""
-        values, versions = self._retrying(lambda server: server.pull(self._timeout))
+        replies = self._read(values=True)
+        assert self._shards is not None
+        values = np.empty(self._shards[-1][2][1], dtype=np.float32)
+        for (_, _, (lo, hi)), (part, _) in zip(self._shards, replies):
+            values[lo:hi] = part
+        versions = [int(version) for _, version in replies]
         partitions = int(self.info.get("partitions", 1))
         if partitions > 1:
             values = PartitionPlan(self.model, partitions).unpack(values)
@@ -316,20 +366,9 @@ def follow(client: Client, name: str, stream: TextIO, interval: float = 2.0) -> 
     each new snapshot with :class:`~downpour_dask.progress.ProgressBar` (redrawn in place on a
     terminal, one line at most every ``interval`` seconds otherwise).
 
-    Parameters
-    ----------
-    client : distributed.Client
-    name : str
-    stream : file
-        Where the progress lines go.
-    interval : float, default 2
-        Seconds between lines when ``stream`` is not a terminal.
-
-    Returns
-    -------
-    bool
-        True if the run finished (its last snapshot arrived), False if it ended otherwise
-        (failed, interrupted, or unpublished without an ``end`` record).
+    ``stream`` receives the progress lines, at most one every ``interval`` seconds when it is
+    not a terminal.  Returns True if the run finished (its last snapshot arrived), False if it
+    ended otherwise (failed, interrupted, or unpublished without an ``end`` record).
     """
     bar = ProgressBar(stream, log_every=interval)
     name_topic = topic(name)

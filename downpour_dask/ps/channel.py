@@ -11,8 +11,7 @@ is cheapest:
 
 - ``"local"``: the shard lives in the replica's own worker process; its methods are called
   directly (no message at all) and every call is complete when it returns;
-- ``"wire"``: a direct connection (:mod:`~downpour_dask.ps.wire`) where the cluster's comm is
-  plain TCP;
+- ``"wire"``: a direct connection (:mod:`~downpour_dask.ps.wire`) where the comm is plain TCP;
 - ``"actor"``: Dask actor messages, whose finished replies are read without a round trip
   through the event loop (:func:`~downpour_dask.runtime.dask_internals.actor_result`).
 
@@ -77,10 +76,9 @@ class DaskShardChannel:
         The generation of ``actor`` (replies from an older incarnation are refused).
     """
 
-    #: Seconds a call may be outstanding before the channel asks whether its shard was replaced.
-    STUCK = 1.0
-    #: Seconds between two looks at the replacements variables.
-    CHECK_EVERY = 1.0
+    #: Seconds a call may be outstanding before the channel asks whether its shard was replaced,
+    #: and between two looks at the replacements variables.
+    STUCK = CHECK_EVERY = 1.0
 
     def __init__(
         self,
@@ -307,19 +305,21 @@ class DaskShardChannel:
         return True
 
     def _published_generation(self) -> int:
-        """The generation the driver announced last for this shard (0 if none can be read)."""
+        """The generation the driver announced last for this shard (0 if it cannot be read
+        within a second: it is set before the actor, so it is there once the actor is)."""
         if self.replacements is None:
             return 0
         with contextlib.suppress(TimeoutError, OSError, TypeError, ValueError):
-            return int(Variable(generation_variable(self.replacements)).get(timeout=self.timeout))
+            return int(Variable(generation_variable(self.replacements)).get(timeout=1.0))
         return 0
 
     def _replacement(self, lost_key: str) -> Any | None:
         """The actor replacing ``lost_key`` once the driver publishes it, or None if none
-        appears within ``timeout`` seconds."""
+        appears within ``2 * timeout`` seconds (the driver may take ``timeout`` to notice the
+        loss, and fences the old incarnation first)."""
         if self.replacements is None:
             return None
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + 2 * self.timeout
         while True:
             future = self._published(max(0.1, min(5.0, deadline - time.monotonic())))
             if future is not None and future.key != lost_key:
@@ -334,7 +334,7 @@ class DaskShardChannel:
         Raises
         ------
         ShardLostError
-            If no replacement appears within ``timeout`` seconds (at once without
+            If no replacement appears within ``2 * timeout`` seconds (at once without
             ``replacements``: nobody would publish one).
         """
         if self.key != lost_key:
@@ -343,7 +343,7 @@ class DaskShardChannel:
         if actor is None:
             raise ShardLostError(
                 f"replica {self.replica}: parameter-server shard {self.shard} was lost and no "
-                f"replacement appeared within timeout={self.timeout} s: {error}",
+                f"replacement appeared within 2 * timeout={self.timeout} s: {error}",
                 self.shard,
             ) from error
         self.close()  # its receiver may still be writing into a buffer: new ones

@@ -336,8 +336,16 @@ class ParameterServerShard(InOrder, Incarnation):
         self.stopped = True
 
     async def status(self) -> dict[str, Any]:
-        """Counters of this shard: version, accepted/refused/duplicate pushes, examples, recent
-        training loss, staleness."""
+        """:meth:`counters` as an actor call."""
+        return self.counters()
+
+    def counters(self) -> dict[str, Any]:
+        """Counters of this shard (read only, under the lock): version, accepted/refused/
+        duplicate pushes, examples, recent training loss, staleness, generation."""
+        with self._lock:
+            return self._counters()
+
+    def _counters(self) -> dict[str, Any]:
         accepted = sum(self.accepted_by_replica.values())
         return {
             "shard": self.shard_id,
