@@ -43,15 +43,20 @@ from .supervisor import Supervisor
 from .tasks import ReplicaTasks
 
 
-def check_finite(params: np.ndarray | None) -> None:
-    """Raise FloatingPointError if the fit's final parameters are not all finite: such a model
-    cannot predict, and must not pass as trained."""
-    if params is None or np.isfinite(params).all():
+def check_finite(params: np.ndarray | None, final_loss: float | None = None) -> None:
+    """Raise FloatingPointError if the fit diverged: its final parameters are not all finite
+    (the shards refuse updates that would make them so, but a resumed or user-made state may
+    be), or the final evaluation's loss is not finite (parameters so large that the model's
+    outputs overflow).  Such a model cannot predict, and must not pass as trained."""
+    if params is not None and not np.isfinite(params).all():
+        bad = int(np.count_nonzero(~np.isfinite(params)))
+        what = f"{bad} non-finite parameters (NaN or inf) of {params.size}"
+    elif final_loss is not None and not np.isfinite(final_loss):
+        what = f"a non-finite loss ({final_loss}) on eval_data"
+    else:
         return
-    bad = int(np.count_nonzero(~np.isfinite(params)))
     raise FloatingPointError(
-        f"the fit ended with {bad} non-finite parameters (NaN or inf) of {params.size}: the "
-        f"updates diverged; lower learning_rate, or set max_grad_norm"
+        f"the fit diverged: it ended with {what}; lower learning_rate, or set max_grad_norm"
     )
 
 
@@ -116,6 +121,7 @@ class Driver:
             fit.timeout,
             restore=restore,
             ranges=fit.ranges,
+            max_grad_norm=fit.max_grad_norm,
             wire_secret=self.wire_secret,
         )
         view = DaskServer(server, client, fit.rule, fit.plan)
@@ -193,7 +199,8 @@ class Driver:
         config.update(tasks.summary(results), replica_restarts=supervisor.restarts)
         config["shard_incarnations"] = recovery.incarnations()
         self.experiment = recorder.experiment(config)
-        check_finite(self.params)
+        evals = recorder.evals
+        check_finite(self.params, evals[-1]["loss"] if evals else None)
 
     def _initial(self, recorder: RunRecorder) -> tuple[np.ndarray, list[dict] | None, int]:
         """The server's starting vector (partition by partition with model parallelism), the

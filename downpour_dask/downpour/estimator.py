@@ -99,6 +99,11 @@ class DownpourSGD(ParamServerEstimator):
         actor messages; it costs far less CPU per push and pull than an actor call, CPU that
         goes to the gradients instead.  ``"dask"``: actor messages only.  Shards on the
         replica's own worker are called in-process either way.
+    max_grad_norm : float, optional
+        Clip every pushed gradient to this L2 norm, measured by each shard over its own slice
+        (so no shard waits for the others).  Whatever it is, a push whose update would make
+        parameters or update-rule state non-finite is refused (``gradient_refused``), and a fit
+        that ends diverged raises ``FloatingPointError``.
 
     Attributes
     ----------
@@ -110,11 +115,16 @@ class DownpourSGD(ParamServerEstimator):
         n_shards, n_workers}, ``resumed`` {path, versions, elapsed}, ``warmstart_done``
         {steps}, ``replica_failed`` {replica, reason, and partition with model parallelism},
         ``replica_restarted`` {replica, workers, step}, ``shard_lost`` {shard, worker,
-        reason}, ``shard_restored`` {shard, worker, source, version, lost_updates},
-        ``checkpoint`` {versions}, ``stop_requested`` {max_seconds}, ``stop`` {versions}; the
-        shards' own events (``gradient_refused`` ...) {shard, ...}.
+        reason, generation}, ``shard_restored`` {shard, worker, source, version, lost_updates,
+        generation, fenced, acknowledged}, ``shard_fenced`` {shard, generation, version,
+        lost_updates}, ``checkpoint`` {versions}, ``stop_requested`` {max_seconds}, ``stop``
+        {versions}; the shards' own events (``gradient_refused`` {replica, non_finite, reason},
+        ``stop_refused`` ...) {shard, ...}.  Its config's ``shard_incarnations`` lists every
+        replaced shard incarnation and the updates lost with it.
     server_status_ : DataFrame
-        Per-shard counters at the end of the run (versions, accepted/refused pushes, staleness).
+        Per-shard counters at the end of the run (versions, accepted/refused pushes, staleness,
+        ``generation``, and ``lost_updates``: updates the replaced incarnations of the shard
+        had acknowledged that its final state lacks).
     """
 
     def __init__(
@@ -141,6 +151,7 @@ class DownpourSGD(ParamServerEstimator):
         checkpoint_every: float = 30.0,
         partitions: int = 1,
         transport: str = "auto",
+        max_grad_norm: float | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -164,6 +175,7 @@ class DownpourSGD(ParamServerEstimator):
         self.checkpoint_every = checkpoint_every
         self.partitions = partitions
         self.transport = transport
+        self.max_grad_norm = max_grad_norm
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self) -> optim.UpdateRule:
@@ -196,6 +208,7 @@ class DownpourSGD(ParamServerEstimator):
         )
         check_positive("eval_every", self.eval_every)
         check_positive("timeout", self.timeout)
+        check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
         check_security(self.security)
         check_positive("checkpoint_every", self.checkpoint_every)
         path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
@@ -341,6 +354,7 @@ class DownpourSGD(ParamServerEstimator):
             checkpoint_dir=checkpoint_dir,
             transport=self.transport,
             config=self._config(),
+            max_grad_norm=self.max_grad_norm,
         )
 
     def _config(self) -> dict[str, Any]:

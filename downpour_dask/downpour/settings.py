@@ -43,6 +43,7 @@ class FitSettings:
     checkpoint_dir: str | os.PathLike[str] | None
     transport: str
     config: dict[str, Any]  # the estimator's part of the experiment's config
+    max_grad_norm: float | None = None  # each shard clips a push's slice to this norm
 
     @property
     def partitions(self) -> int:

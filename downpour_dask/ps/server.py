@@ -59,6 +59,7 @@ class ParameterServer:
         self.ids = list(range(len(shards))) if ids is None else list(ids)
         #: Each shard's current incarnation: 0 at the start, one more per replacement.
         self.generations = [0] * len(shards)
+        self.max_grad_norm: float | None = None  # what create() gave the shards
         self.shard_class: type = ParameterServerShard
         self._futures = futures or []
         self._retired: list[Future] = []  # replaced shards' futures, until close()
@@ -118,6 +119,7 @@ class ParameterServer:
         restore: list[dict[str, Any]] | None = None,
         ranges: list[tuple[int, int]] | None = None,
         wire_secret: bytes = b"",
+        max_grad_norm: float | None = None,
         **per_element: np.ndarray,
     ) -> ParameterServer:
         """Start ``n_shards`` shard actors holding ``initial``, on distinct workers where possible.
@@ -130,7 +132,8 @@ class ParameterServer:
         see :meth:`ParameterServerShard.export_state`) continues shards from saved state.
         ``ranges`` chooses the shards' ranges (default: ``split_range``, balanced); they must
         tile the vector in order.  ``wire_secret`` is what a direct connection to a shard must
-        present (see :mod:`~downpour_dask.ps.service`).
+        present (see :mod:`~downpour_dask.ps.service`); ``max_grad_norm`` caps each push's norm
+        on each shard.
         """
         if workers is None:
             workers = sorted(cluster_workers(client))
@@ -162,6 +165,7 @@ class ParameterServer:
                     **{name: array[lo:hi] for name, array in per_element.items()},
                     **({} if restore is None else {"restore": restore[i]}),
                     **({"wire_secret": wire_secret} if wire_secret else {}),
+                    **({} if max_grad_norm is None else {"max_grad_norm": max_grad_norm}),
                     actor=True,
                     workers=[address],
                     allow_other_workers=False,
@@ -178,7 +182,7 @@ class ParameterServer:
             raise
         server = cls(shards, ranges, placed, futures)
         server.shard_class = shard_class
-        server.wire_secret = wire_secret
+        server.wire_secret, server.max_grad_norm = wire_secret, max_grad_norm
         return server
 
     def call_all(
@@ -282,6 +286,7 @@ class ParameterServer:
             restore=restore,
             wire_secret=self.wire_secret,
             generation=generation,
+            max_grad_norm=self.max_grad_norm,
             actor=True,
             workers=[worker],
             allow_other_workers=False,
