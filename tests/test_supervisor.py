@@ -175,6 +175,7 @@ class FakeServer:
         self.alive: list[str] = list(workers)  # the cluster's (a test's _run shares its list)
         self.retired: dict[tuple[int, int], int] = {}  # (shard, generation) -> version
         self.stalled: set[int] = set()  # shards whose worker is stopped: retiring them waits
+        self.unplaceable: set[str] = set()  # workers that died unnoticed: a shard never starts
         self.later: dict[tuple[int, int], Later] = {}
         self.replaced: list[tuple[int, np.ndarray, str, dict]] = []
         self.stop_requests = 0
@@ -247,6 +248,8 @@ class FakeServer:
     def replace_shard(
         self, shard: int, values: np.ndarray, worker: str, state: dict, timeout: float
     ) -> str:
+        if worker in self.unplaceable:
+            raise TimeoutError("timed out after 5 s.")
         self.replaced.append((shard, np.array(values), worker, state))
         self.workers[shard] = worker
         self.version[shard] = state["version"]
@@ -502,6 +505,17 @@ def test_a_stopped_shard_is_replaced_then_fenced_when_it_comes_back_and_the_coun
     assert run.supervisor.recovery.lost_updates(2) == [0, 7]
     [record] = run.supervisor.recovery.incarnations()
     assert record["fenced"] and record["final_version"] == 17 and record["restored_from"] == 10
+
+
+def test_a_replacement_whose_worker_died_unnoticed_is_started_on_the_next_worker():
+    """Two workers killed a moment apart: the second still looked alive when the first's
+    shard was placed on it."""
+    run = _run(["w0", "w1", "w2", "w3"], ["w0", "w1"], ["w0", "w2"])
+    run.server.unplaceable.add("w2")  # the least-loaded survivor, but dead
+    run.cluster.alive.remove("w1")
+    run.supervisor.check()
+    [restored] = _events(run, "shard_restored")
+    assert restored["worker"] == "w3" and run.server.workers[1] == "w3"
 
 
 def test_a_lost_shard_is_restored_before_a_replica_on_its_worker_is_restarted():

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..base import RunRecorder
-from ..ps.protocol import ShardLostError
+from ..ps.protocol import SHARD_ERRORS, ShardLostError
 from .checkpoints import Checkpoints
 from .protocols import Cluster, Server
 
@@ -43,6 +43,8 @@ PROBE_TIMEOUT = 10.0
 #: Seconds the retirement of a lost shard's incarnation is waited for before its replacement
 #: starts from other state (a dead worker's actor call may hang rather than fail).
 FENCE_WAIT = 2.0
+#: Workers a replacement is tried on before the run fails.
+MAX_PLACEMENTS = 3
 
 
 @dataclass
@@ -142,8 +144,7 @@ class ShardRecovery:
             "version": version,
             "counters": state.get("counters", {}),
         }
-        worker = self._least_loaded(shard, survivors)
-        future = self.server.replace_shard(shard, state["values"], worker, restore, self.timeout)
+        worker, future = self._start(shard, state["values"], restore, survivors)
         self.retired.append(record)
         if final is None:
             self._fences[len(self.retired) - 1] = fence
@@ -245,6 +246,27 @@ class ShardRecovery:
     def incarnations(self) -> list[dict[str, Any]]:
         """The replaced incarnations' records, JSON-able (the experiment's config keeps them)."""
         return [asdict(record) for record in self.retired]
+
+    def _start(
+        self, shard: int, values: Any, restore: dict[str, Any], survivors: list[str]
+    ) -> tuple[str, Any]:
+        """Start the replacement on the least-loaded survivor; if that worker is gone too (two
+        workers dying a moment apart: ``survivors`` was asked before the scheduler noticed the
+        second), on the next one, from a list asked afresh."""
+        tried: list[str] = []
+        lost_worker = self.server.workers[shard]
+        while True:
+            worker = self._least_loaded(shard, survivors)
+            try:
+                future = self.server.replace_shard(shard, values, worker, restore, self.timeout)
+                return worker, future
+            except (*SHARD_ERRORS, RuntimeError) as err:
+                tried.append(worker)
+                fresh = self.cluster.workers()
+                survivors = [w for w in fresh if w != lost_worker and w not in tried]
+                if len(tried) >= MAX_PLACEMENTS or not survivors:
+                    message = f"shard {shard} could not be restored on {tried}: {err}"
+                    raise RuntimeError(message) from err
 
     def _least_loaded(self, shard: int, survivors: list[str]) -> str:
         """The survivor holding the fewest other shards (ties: the first by address)."""

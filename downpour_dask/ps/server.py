@@ -293,7 +293,11 @@ class ParameterServer:
             pure=False,
             key=f"parameterservershard-{i}-{uuid.uuid4().hex[:8]}",
         )
-        actor = future.result(timeout=timeout)
+        try:
+            actor = future.result(timeout=timeout)
+        except BaseException:  # e.g. its worker died too: nothing of it must linger
+            future.release()
+            raise
         self.shards[i], self.workers[i] = actor, worker
         self.generations[i] = generation
         if i < len(self._futures):
