@@ -309,7 +309,7 @@ class DaskShardChannel:
         within a second: it is set before the actor, so it is there once the actor is)."""
         if self.replacements is None:
             return 0
-        with contextlib.suppress(TimeoutError, OSError, TypeError, ValueError):
+        with contextlib.suppress(TimeoutError, OSError, TypeError, ValueError, RuntimeError):
             return int(Variable(generation_variable(self.replacements)).get(timeout=1.0))
         return 0
 

@@ -98,7 +98,7 @@ def is_fenced(error: BaseException) -> bool:
     text of one carried over a direct connection (``WireError("FencedError: fenced: ...")``)."""
     if isinstance(error, FencedError):
         return True
-    return isinstance(error, RuntimeError) and FencedError.PREFIX in str(error).split("\n")[0][:40]
+    return isinstance(error, RuntimeError) and f"FencedError: {FencedError.PREFIX}" in str(error)
 
 
 def is_shard_lost(error: BaseException) -> bool:
