@@ -95,6 +95,24 @@ def test_a_connection_that_never_says_hello_is_closed(served, monkeypatch):
     sock.close()
 
 
+def test_a_request_that_stops_halfway_is_cut_off_and_applies_nothing(served, monkeypatch):
+    """An authenticated connection may idle between requests, but a started request must keep
+    arriving: half a head, or a head and part of its gradient, then silence, closes it."""
+    _, shard, endpoint = served
+    monkeypatch.setattr(ShardService, "IO_TIMEOUT", 0.3)
+    head = frames.request(PUSH, 0, 0, SIZE, seq=0, session="a")
+    for partial in (head[:10], head + bytes(40)):
+        sock = raw(endpoint)
+        sock.sendall(partial)
+        assert closed_by_peer(sock)
+        sock.close()
+    assert shard.version == 0
+    client = WireClient(endpoint, TIMEOUT, SECRET)
+    time.sleep(0.6)  # idle for twice IO_TIMEOUT between requests: still served
+    assert client.pull(0, "b").result(TIMEOUT).version == 0
+    client.close()
+
+
 def test_a_hello_without_the_runs_secret_is_refused(served):
     _, shard, endpoint = served
     for secret in (b"", b"x" * 32, SECRET[:-1]):
