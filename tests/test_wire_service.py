@@ -4,6 +4,7 @@ wrong secrets, too many sessions, running out of files.  Loopback only, bounded 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import struct
 import subprocess
@@ -16,8 +17,10 @@ import numpy as np
 import pytest
 
 from downpour_dask import optim
+from downpour_dask.downpour.replica_loop import ReplicaConfig
 from downpour_dask.ps import frames
 from downpour_dask.ps.frames import EXCHANGE, PULL, PUSH
+from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.service import ShardService
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.ps.wire import WireClient, WireError
@@ -252,6 +255,7 @@ _OUT_OF_FILES = """
 import resource, sys, threading
 import numpy as np
 from downpour_dask import optim
+from downpour_dask.downpour.replica_loop import ReplicaConfig
 from downpour_dask.ps.service import ShardService
 from downpour_dask.ps.shard import ParameterServerShard
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
@@ -306,3 +310,33 @@ def test_the_accept_loop_survives_running_out_of_file_descriptors():
             sock.close()
         proc.kill()
         proc.wait(TIMEOUT)
+
+
+def test_the_run_secret_stays_with_the_driver_and_the_replicas_config():
+    """The view of the server sent to tasks (and published) does not carry the secret; the
+    replicas get it in their config, whose repr (logs, errors) does not show it."""
+    server = ParameterServer([None], [(0, 10)], ["tcp://w:1"])
+    server.wire_secret = SECRET
+    assert pickle.loads(pickle.dumps(server)).wire_secret == b""
+    config = ReplicaConfig(0, 32, 1, 1, 0.1, 0, 0.0, wire_secret=SECRET)
+    assert SECRET.decode() not in repr(config) and config.wire_secret == SECRET
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_on_a_worker_serves_only_connections_with_its_runs_secret(client):
+    """On the real cluster: a process that learns a shard's endpoint (its actor answers
+    open_wire to anyone holding a handle) still cannot push without the run's secret."""
+    server = ParameterServer.create(
+        client, np.zeros(SIZE, np.float32), 1, optim.make("sgd", 0.5), wire_secret=SECRET
+    )
+    try:
+        endpoint = server.shards[0].open_wire().result(TIMEOUT)
+        with pytest.raises(WireError, match="wrong run secret"):
+            WireClient(endpoint, TIMEOUT)
+        member = WireClient(endpoint, TIMEOUT, SECRET)
+        grad = np.ones(SIZE, dtype=np.float32)
+        assert member.push(grad, 0, 0, seq=0, session="a").result(TIMEOUT).version == 1
+        member.close()
+        assert server.versions(TIMEOUT) == [1]
+    finally:
+        server.close()
