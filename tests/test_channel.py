@@ -10,6 +10,7 @@ on a cluster in test_downpour.py, test_wire.py and test_failures.py.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from downpour_dask import optim
 from downpour_dask.ps import wire
 from downpour_dask.ps.channel import DaskShardChannel, Done
-from downpour_dask.ps.protocol import LOST_ACTOR, FencedError, ShardLostError
+from downpour_dask.ps.protocol import LOST_ACTOR, FencedError, PushReply, ShardLostError
 from downpour_dask.ps.shard import ParameterServerShard
 
 SIZE = 6
@@ -194,3 +195,26 @@ def test_a_reply_from_an_older_generation_is_refused():
     )
     with pytest.raises(FencedError, match="generation 0 was refused"):
         channel.wait(channel.pull(), "shard-a", 0.0)
+
+
+class FrozenThenAnswered:
+    """A call waited on by a process that is stopped (SIGSTOP) for 1.5 s, then answered."""
+
+    def __init__(self):
+        self.looks = 0
+
+    def done(self):
+        return self.looks >= 2
+
+    def result(self, timeout=None):
+        self.looks += 1
+        if self.looks == 1:
+            time.sleep(1.5)  # the whole process stands still: the shard is not to blame
+            raise TimeoutError("no answer")
+        return PushReply(1, 0, True, False)
+
+
+def test_time_the_replicas_own_process_was_stopped_does_not_count_against_the_shard():
+    channel = DaskShardChannel(ActorStub(make_shard(), "shard-a"), 0, SIZE, 0, 1.0, direct=False)
+    channel.FROZEN = 0.2
+    assert channel.wait(FrozenThenAnswered(), "shard-a", 0.0).version == 1

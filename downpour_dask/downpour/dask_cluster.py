@@ -22,8 +22,7 @@ from distributed import Client, Future, Variable, wait
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
 from ..ps.calls import Done
-from ..ps.channel import generation_variable
-from ..ps.protocol import ShardLostError
+from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from .registry import acked_version, drain_rows, fetched_copy, forget_run, shard_variable

@@ -20,12 +20,11 @@ A lost shard is replaced by the driver, which publishes the new actor's future i
 set first); the channel then talks to the new actor under a new *session*, in which push
 numbers start again from 0 (the channel translates them, see :meth:`~ShardChannel.includes`).
 
-**Fencing.**  The channel knows the generation of the incarnation it talks to and never accepts
-a reply from an older one (:class:`~downpour_dask.ps.protocol.FencedError`, handled like a lost
-shard).  It learns of a replacement when a call is stuck for :attr:`~DaskShardChannel.STUCK`
-seconds, from any reply at most every :attr:`~DaskShardChannel.CHECK_EVERY` seconds (a shard
-in the replica's own process, back from a stopped worker, would answer at once), and from a
-retired shard, which refuses every call.
+**Fencing.**  The channel never accepts a reply from an incarnation older than the newest it
+knows of (:class:`~downpour_dask.ps.protocol.FencedError`, handled like a lost shard).  It
+learns of a replacement when a call is stuck for :attr:`~DaskShardChannel.STUCK` seconds, from
+any reply at most every :attr:`~DaskShardChannel.CHECK_EVERY` seconds (a shard in the replica's
+own process, back from a stopped worker, would answer at once), and from a retired shard.
 """
 
 from __future__ import annotations
@@ -41,15 +40,21 @@ from distributed import Variable
 from ..core.params import DTYPE
 from ..runtime.dask_internals import actor_result, local_actor
 from .calls import Done, Half
-from .protocol import FencedError, PullReply, ShardLostError, is_fenced, is_shard_lost
+from .protocol import (
+    FencedError,
+    PullReply,
+    ShardLostError,
+    generation_variable,
+    is_fenced,
+    is_shard_lost,
+)
 from .server import ParameterServer
 from .shard import ParameterServerShard
 from .wire import WireClient, WireError
 
 
 class DaskShardChannel:
-    """A :class:`~downpour_dask.ps.protocol.ShardChannel` to a shard actor (see the module
-    docstring).
+    """A :class:`~downpour_dask.ps.protocol.ShardChannel` to a shard actor (module docstring).
 
     Parameters
     ----------
@@ -70,15 +75,16 @@ class DaskShardChannel:
         Whether to reach a shard on another worker over :mod:`~downpour_dask.ps.wire` when it
         offers an endpoint (else always actor messages).
     secret : bytes
-        The run's wire secret, sent in the direct connection's hello (see
-        :mod:`~downpour_dask.ps.service`).
+        The run's wire secret, sent in a direct connection's hello (:mod:`~.service`).
     generation : int
         The generation of ``actor`` (replies from an older incarnation are refused).
     """
 
     #: Seconds a call may be outstanding before the channel asks whether its shard was replaced,
-    #: and between two looks at the replacements variables.
+    #: and between two looks at the replacements variables; a gap longer than ``FROZEN``
+    #: seconds between two looks at a call means this process was stopped.
     STUCK = CHECK_EVERY = 1.0
+    FROZEN = 2.0
 
     def __init__(
         self,
@@ -98,8 +104,7 @@ class DaskShardChannel:
         self.wire: WireClient | None = None
         self._next_seq = 0  # one past the highest push number sent
         self._checked = time.monotonic()
-        #: Newest generation of this shard the channel knows of; older replies are refused.
-        self.generation = int(generation)
+        self.generation = int(generation)  # the newest known: older replies are refused
         self._attach(actor)
 
     def _attach(self, actor: Any) -> None:
@@ -160,8 +165,7 @@ class DaskShardChannel:
             return Done(error=err)
 
     def _failed(self, error: Exception) -> Done:
-        """A call into a shard whose handle refused it: lost (fails at :meth:`wait`), or a bug
-        (raised now)."""
+        """A call its handle refused: lost (fails at :meth:`wait`), or a bug (raised now)."""
         if is_shard_lost(error):
             return Done(error=error)
         raise error
@@ -243,22 +247,24 @@ class DaskShardChannel:
         if self.key != key:
             return True
         now = time.monotonic()
-        if self.replacements is None or now - sent < self.STUCK:
-            return False
-        if now - self._checked < self.CHECK_EVERY:
+        early = now - sent < self.STUCK or now - self._checked < self.CHECK_EVERY
+        if self.replacements is None or early:
             return False
         self._checked = now
         future = self._published(self.timeout)
         return future is not None and future.key != key
 
     def wait(self, call: Any, key: str, sent: float) -> Any:
-        deadline = time.monotonic() + self.timeout
+        last = time.monotonic()
+        deadline = last + self.timeout
         try:
             while not call.done():
                 if self.replaced(key, sent):
                     message = f"parameter-server shard {self.shard} was replaced"
                     raise ShardLostError(message, self.shard)
-                if time.monotonic() >= deadline:
+                now = time.monotonic()  # time this process was stopped (SIGSTOP) is not the shard's
+                deadline, last = deadline + max(0.0, now - last - self.FROZEN), now
+                if now >= deadline:
                     message = f"shard {self.shard} did not answer within {self.timeout} s"
                     raise TimeoutError(message)
                 with contextlib.suppress(TimeoutError):
@@ -356,12 +362,6 @@ class DaskShardChannel:
         if self.wire is not None:
             self.wire.close()
             self.wire = None
-
-
-def generation_variable(replacements: str) -> str:
-    """Name of the variable holding the generation of the actor announced in the variable
-    ``replacements`` (set before it: a channel that sees the new actor finds its generation)."""
-    return f"{replacements}-generation"
 
 
 def open_channels(

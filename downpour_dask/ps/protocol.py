@@ -93,6 +93,12 @@ LOST_ACTOR = "Worker holding Actor was lost"
 SHARD_ERRORS = (ShardLostError, OSError, TimeoutError, CancelledError)
 
 
+def generation_variable(replacements: str) -> str:
+    """Name of the variable holding the generation of the actor announced in the variable
+    ``replacements`` (set before it: a channel that sees the new actor finds its generation)."""
+    return f"{replacements}-generation"
+
+
 def is_fenced(error: BaseException) -> bool:
     """Whether ``error`` says the shard answering was retired: a :class:`FencedError`, or the
     text of one carried over a direct connection (``WireError("FencedError: fenced: ...")``)."""
