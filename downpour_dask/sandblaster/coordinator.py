@@ -275,8 +275,12 @@ class Coordinator:
         if iteration <= self.done_iter:  # a restored attempt's start: recorded already
             return
         self._finish_eval()
-        x = self.server.call_all(SandblasterShard.vector, "x", timeout=self.est.timeout)
-        self.x_last, self.done_iter = np.concatenate(x), iteration  # what a restore starts at
+        if record["iteration"] == 0:  # the attempt's starting point, which the driver has
+            self.x_last = self.initial if self.x_last is None else self.x_last
+        else:
+            x = self.server.call_all(SandblasterShard.vector, "x", timeout=self.est.timeout)
+            self.x_last = np.concatenate(x)
+        self.done_iter = iteration  # ... and x_last is what a restore starts at
         row = self.recorder.evaluation(
             version=iteration, examples_seen=self.portions.examples_seen,
             loss=np.nan, **{self.metric: np.nan}, objective=record["objective"],
