@@ -1,25 +1,23 @@
 """The shard's side of :mod:`~downpour_dask.ps.wire`: one listening socket per worker process.
 
-:class:`ShardService` serves every shard of its process that registered with it (:func:`serve`).
-It is written to stay up whatever arrives on its port, because the port is reachable by any
-process on the network:
+:class:`ShardService` serves every shard of its process registered with it (:func:`serve`), and
+stays up whatever arrives on its port, which any process on the network can reach:
 
 - **Hellos cost no thread.**  One thread accepts connections and reads their hellos
-  (non-blocking, :mod:`selectors`); a connection gets a serving thread only once its hello names
-  a registered shard and carries that shard's run secret.  At most :attr:`ShardService.MAX_PENDING`
-  connections wait for their hello (a newer one closes the oldest), none longer than
-  :attr:`ShardService.HELLO_TIMEOUT` seconds.  1,000 idle connections so cost no thread.
-- **Bounded threads.**  At most :attr:`ShardService.MAX_CONNECTIONS` connections are served at
-  once; beyond that a hello is refused with an error.
+  (non-blocking, :mod:`selectors`); a connection gets a thread only once its hello names a
+  registered shard and carries that shard's run secret.  At most ``MAX_PENDING`` connections
+  wait for their hello (a newer one closes the oldest), none longer than ``HELLO_TIMEOUT``.
+- **Bounded threads and reads.**  At most ``MAX_CONNECTIONS`` connections are served at once
+  (beyond that a hello is refused); a started request or a reply may stall ``IO_TIMEOUT``.
 - **The accept loop survives running out of files** (EMFILE/ENFILE): it closes the oldest
-  connection still waiting for its hello, backs off and keeps accepting.
-- **A per-run secret.**  The driver makes one secret per fit and hands it to the shards and to
-  the replicas over Dask's comm; a hello without it is refused (compared in constant time), so
-  a process that is not in the run cannot push even on a plaintext cluster.
+  connection waiting for its hello, backs off and keeps accepting.
+- **A per-run secret.**  The driver makes one per fit and hands it to the shards and the
+  replicas over Dask's comm; a hello without it is refused (compared in constant time), so a
+  process that is not in the run cannot push even on a plaintext cluster.
 - **Every request head is checked before anything changes** (:func:`frames.check_request`):
   op, value count equal to the shard's size for pushes, versions and counts in range, session
-  length; one session per connection and at most :attr:`ShardService.MAX_SESSIONS` per shard.
-  A bad head is answered with an error and the connection closed, nothing applied.
+  length; one session per connection, at most ``MAX_SESSIONS`` per shard.  A bad head is
+  answered with an error and the connection closed, nothing applied.
 - **Fencing.**  :func:`unregister` retires a shard: no new connection reaches it, its open
   connections are closed, and once it returns no call is being applied or will be.
 
@@ -228,13 +226,10 @@ class ShardService:
             self._welcome(conn, bytes(data))
 
     def _refuse(self, conn: socket.socket, text: str) -> None:
-        self._pending.pop(conn, None)
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            self._selector.unregister(conn)
         with contextlib.suppress(OSError):
             conn.settimeout(1.0)
             frames.send_error(conn, text)
-        conn.close()
+        self._drop(conn)
 
     def _welcome(self, conn: socket.socket, data: bytes) -> None:
         """A whole hello: hand the connection to a serving thread, or refuse it."""
@@ -297,12 +292,10 @@ class ShardService:
         """Wait (as long as it takes: the connection is authenticated and counted) for the next
         request head; once it starts, it must arrive within :attr:`IO_TIMEOUT`.  False: the
         other side closed."""
-        while True:
-            try:
+        got = None
+        while got is None:
+            with contextlib.suppress(BlockingIOError):  # SO_RCVTIMEO ran out while idle
                 got = conn.recv_into(head, len(head))
-                break
-            except BlockingIOError:  # SO_RCVTIMEO ran out while idle: wait on
-                continue
         if got == 0:
             return False
         frames.recv_into(conn, memoryview(head)[got:])  # an expired SO_RCVTIMEO raises here
