@@ -6,12 +6,15 @@ complete one::
     <root>/LATEST                 "ckpt-000007" (replaced atomically: temp file + rename)
     <root>/ckpt-000007/
         checkpoint.json           versions, ranges, counters, time, sha256 of every shard file,
-                                  the experiment log so far (evaluations and events)
+                                  the experiment log so far (evaluations and events), and the
+                                  sha256 of all that (so an edited manifest is refused too)
         shard-0.npz ...           values and update-rule state arrays (allow_pickle=False)
 
 A new checkpoint is written to a temporary directory, renamed to its numbered name and only then
-published by replacing ``LATEST``; the previous one is deleted afterwards.  A driver killed at
-any moment therefore leaves the previous complete checkpoint readable.  :func:`read_checkpoint`
+published by replacing ``LATEST``; the previous one is deleted afterwards.  Every file is
+fsynced before it is renamed, and every directory after an entry in it was created or renamed,
+so a power loss cannot publish a checkpoint whose files did not reach the disk.  A driver killed
+at any moment therefore leaves the previous complete checkpoint readable.  :func:`read_checkpoint`
 checks everything (files present, checksums, shapes, dtypes, contiguous ranges) before it returns
 anything, so a corrupt or truncated checkpoint is an error naming the file, never loaded halfway.
 Only JSON and ``.npz`` files without pickles are read: loading a checkpoint never executes code.
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT = 1
+FORMAT = 2  # 2: checkpoint.json carries its own sha256
 LATEST = "LATEST"
 MANIFEST = "checkpoint.json"
 
@@ -89,6 +92,29 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _digest(manifest: dict[str, Any]) -> str:
+    """sha256 of a manifest's content (without its ``sha256`` entry), as canonical JSON."""
+    content = {k: v for k, v in manifest.items() if k != "sha256"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make the entries of directory ``path`` (files created, renamed into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_checkpoint(
@@ -148,17 +174,20 @@ def write_checkpoint(
             "shards": entries,
             "meta": meta or {},
         }
-        with open(staging / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1, default=_json_default)
-            f.flush()
-            os.fsync(f.fileno())
+        # as it will read back (numpy scalars, tuples and int keys become JSON's), then sealed
+        manifest = json.loads(json.dumps(manifest, default=_json_default))
+        manifest["sha256"] = _digest(manifest)
+        _write_durably(staging / MANIFEST, json.dumps(manifest, indent=1))
+        _fsync_directory(staging)
         os.replace(staging, root / name)
+        _fsync_directory(root)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(name)
+    _write_durably(pointer, name)
     os.replace(pointer, root / LATEST)  # the new checkpoint is published only now
+    _fsync_directory(root)
     for old in root.glob("ckpt-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
@@ -206,6 +235,11 @@ def read_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
             raise CheckpointError(
                 f"{str(manifest_path)!r} has format {manifest['format']!r}; this version reads "
                 f"format {FORMAT}"
+            )
+        if manifest.get("sha256") != _digest(manifest):
+            raise CheckpointError(
+                f"{str(manifest_path)!r} was altered or damaged after it was written (its content "
+                f"does not match its sha256); refusing to resume from it"
             )
         entries = manifest["shards"]
         elapsed = float(manifest["elapsed"])

@@ -1,22 +1,25 @@
-"""Watching a running fit from elsewhere: publish its parameter server by name, attach to it.
+"""Watching a running fit from elsewhere: attach to a run published by name.
 
 ``DownpourSGD(...).fit(data, publish="mnist")`` publishes the run on the cluster's scheduler
-(:func:`publish`): the futures of its parameter-server shard actors -- a published ``Actor``
-object would not keep the actors alive, their futures do -- with their ranges, workers, the
-model's configuration and the run's start time.  While it trains, the driver logs a compact
-progress record about four times a second under the scheduler event topic
-``downpour-dask/<name>`` (:func:`log_progress`), and a last ``end`` record when the run is over,
-whether it finished or failed; then the name is unpublished.
+and logs a JSON record of it -- shards' keys, workers and ranges, the model's configuration, the
+start time -- and its progress on the scheduler event topic ``downpour-dask/<name>``
+(:mod:`downpour_dask.publishing`, re-exported here).
 
 Any other process with a client of the same cluster -- a notebook, a script, the
 ``downpour-dask watch NAME --scheduler ADDRESS`` command -- calls :func:`attach` and gets a
 read-only :class:`LiveRun`: ``status()`` (per-shard versions, pushes per replica, recent loss,
-examples/s, staleness), ``params()`` and ``evaluate(data)``.  It cannot push or stop anything.
+examples/s, staleness), ``params()`` and ``evaluate(data)``.
+
+**Read-only by construction.**  A view holds no actor handle (one can call *any* method: push,
+stop...): it knows each shard by key and worker from the JSON record and reads through
+:func:`read_shard`, a short task on the shard's worker calling two read-only methods.  Stopping
+needs the run's secret, which only the driver holds.  Views and ``watch`` never unpickle what is
+published (``get_dataset`` would, running whatever code a crafted record carries).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 import time
 from typing import Any, TextIO
@@ -28,118 +31,26 @@ from distributed import Client
 from .core import models, protocol
 from .core.partition import PartitionPlan
 from .data.datasets import Dataset, as_dataset
-from .log import Progress
 from .progress import ProgressBar
-from .ps.server import ParameterServer
 from .ps.shard import ParameterServerShard
+from .publishing import (
+    TOPIC_PREFIX,
+    check_name,
+    describe,
+    is_published,
+    log_progress,
+    progress_from_event,
+    publish,
+    topic,
+    unpublish,
+)
+from .runtime.cluster import cluster_workers
+from .runtime.dask_internals import local_actor
 
-#: Prefix of the scheduler event topic a published run logs its progress under.
-TOPIC_PREFIX = "downpour-dask/"
-
-
-def topic(name: str) -> str:
-    """The scheduler event topic of the run published as ``name``."""
-    return TOPIC_PREFIX + name
-
-
-def check_name(name: Any) -> None:
-    """Raise TypeError/ValueError unless ``name`` is a usable publication name (a non-empty str).
-
-    Parameters
-    ----------
-    name : object
-        The value given as ``publish=``.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"publish must be a non-empty str or None, got {type(name).__name__}")
-    if not name.strip():
-        raise ValueError(f"publish must be a non-empty str or None, got {name!r}")
-
-
-def publish(
-    client: Client,
-    name: str,
-    server: ParameterServer,
-    info: dict[str, Any],
-    override: bool = False,
-) -> None:
-    """Publish a running fit's parameter server on the cluster under ``name``.
-
-    Parameters
-    ----------
-    client : distributed.Client
-        The driver's client.
-    name : str
-        Publication name; it must not be in use on this scheduler.
-    server : ParameterServer
-        The run's server (as created by the driver: it holds the shard actors' futures).
-    info : dict
-        JSON-like facts about the run: at least ``model`` (the model's ``get_config()``) and
-        ``t0`` (the wall-clock time the fit started).
-    override : bool, default False
-        Replace this run's own earlier publication (after a lost shard was recreated as a new
-        actor); views attached earlier pick the new shards up on their next failed call.
-
-    Raises
-    ------
-    ValueError
-        If a dataset or run is already published under ``name``.
-    """
-    futures = server.futures
-    if not futures:
-        raise RuntimeError("cannot publish a ParameterServer that does not hold its futures")
-    record = {
-        "kind": "downpour-dask run",
-        "futures": futures,  # futures, not actors: they keep the actors alive
-        "ranges": [list(r) for r in server.ranges],
-        "workers": list(server.workers),
-        "info": dict(info),
-    }
-    try:
-        client.publish_dataset(**{name: record}, override=override)
-    except KeyError:
-        raise ValueError(
-            f"publish={name!r}: a run or dataset of that name is already published on the "
-            f"scheduler; choose another name"
-        ) from None
-
-
-def unpublish(client: Client, name: str) -> None:
-    """Log the run's ``end`` record and withdraw its publication (never raises)."""
-    try:
-        client.log_event(topic(name), {"kind": "end"})
-    except Exception:  # noqa: BLE001 - the run is over; a lost scheduler must not mask its result
-        pass
-    try:
-        client.unpublish_dataset(name)
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def log_progress(client: Client, name: str, progress: Progress) -> None:
-    """Log one progress snapshot under the run's event topic (msgpack-able dict)."""
-    record = {"kind": "progress", **dataclasses.asdict(progress)}
-    try:
-        client.log_event(topic(name), record)
-    except Exception:  # noqa: BLE001 - live metrics are best effort, never fail the fit
-        pass
-
-
-def progress_from_event(message: Any) -> Progress | None:
-    """The :class:`Progress` of a logged progress record (``None`` for other records)."""
-    if not isinstance(message, dict) or message.get("kind") != "progress":
-        return None
-    fields = {f.name for f in dataclasses.fields(Progress)}
-    try:
-        return Progress(**{k: v for k, v in message.items() if k in fields})
-    except TypeError:
-        return None
-
-
-def is_published(client: Client, name: str) -> bool:
-    """Whether a run is currently published as ``name`` on the client's scheduler."""
-    return name in client.list_datasets()
-
+__all__ = [  # the publishing side is re-exported: live is the module users and the CLI know
+    "TOPIC_PREFIX", "LiveRun", "attach", "check_name", "describe", "follow", "is_published",
+    "log_progress", "progress_from_event", "publish", "read_shard", "topic", "unpublish",
+]  # fmt: skip
 
 def attach(
     name: str, client: Client, timeout: float = 30.0, model: Any = None
@@ -153,7 +64,7 @@ def attach(
     client : distributed.Client
         A client of the cluster the run is on.
     timeout : float, default 30
-        Seconds any call into a shard may take.
+        Seconds a read of a shard may take.
     model : model, optional
         The run's model, for :meth:`LiveRun.evaluate` of a model its config cannot rebuild (a
         user's own model); by default it is rebuilt from the published config.
@@ -165,7 +76,8 @@ def attach(
     Raises
     ------
     ValueError
-        If no run is published under ``name`` (the message lists the published names).
+        If no run is published under ``name`` (the message lists the published names), or its
+        topic holds no valid run record.
     """
     check_name(name)
     published = [str(n) for n in client.list_datasets()]
@@ -174,22 +86,49 @@ def attach(
             f"no run is published as {name!r} on {client.scheduler.address}; published: "
             f"{', '.join(sorted(published)) or 'none'}"
         )
-    server, info = _load(client, name, timeout)
-    return LiveRun(name, server, info, client, timeout, model)
+    shards, info = _load(client, name)
+    return LiveRun(name, shards, info, client, timeout, model)
 
 
-def _load(client: Client, name: str, timeout: float) -> tuple[ParameterServer, dict[str, Any]]:
-    """The published run's shards (as a ParameterServer view) and its info."""
-    record = client.get_dataset(name)
-    if not isinstance(record, dict) or record.get("kind") != "downpour-dask run":
-        raise ValueError(f"{name!r} is published on the scheduler but is not a downpour-dask run")
-    # Keep the actor handles only.  (A client-side Actor handle still refers to its key, so
-    # LiveRun drops them as soon as it sees that the run is no longer published.)
-    actors = [f.result(timeout=timeout) for f in record["futures"]]
-    for f in record["futures"]:
-        f.release()
-    server = ParameterServer(actors, [tuple(r) for r in record["ranges"]], record["workers"])
-    return server, record["info"]
+#: How a view knows a shard: its actor key, worker address and range of the vector.
+ShardInfo = tuple[str, str, tuple[int, int]]
+
+
+def _load(client: Client, name: str) -> tuple[list[ShardInfo], dict[str, Any]]:
+    """The shards and info of the newest run record on ``name``'s topic (JSON, never pickle)."""
+    latest = None
+    for _, message in client.get_events(topic(name)):
+        if isinstance(message, dict) and message.get("kind") == "end":
+            latest = None  # an earlier run of the same name ended
+        elif isinstance(message, dict) and message.get("kind") == "run":
+            latest = message.get("json")
+    try:
+        record = json.loads(latest)  # TypeError for None, ValueError for bad JSON
+        shards = [
+            (str(s["key"]), str(s["worker"]), (int(s["range"][0]), int(s["range"][1])))
+            for s in record["shards"]
+        ]
+        info = dict(record["info"])
+        if not isinstance(info["model"], dict):  # a config, or a user model's description
+            raise TypeError(f"model is {type(info['model']).__name__}, not a JSON object")
+    except (TypeError, ValueError, KeyError, IndexError) as err:
+        raise ValueError(
+            f"{name!r} is published on the scheduler but its topic holds no valid downpour-dask "
+            f"run record ({type(err).__name__}: {err})"
+        ) from None
+    return shards, info
+
+
+def read_shard(key: str, values: bool) -> Any:
+    """A task on a shard's worker: the counters of shard actor ``key`` (a dict), or with
+    ``values`` its ``(values, version)``; only read-only methods are called."""
+    shard = local_actor(key)
+    if not isinstance(shard, ParameterServerShard):
+        raise LookupError(f"no parameter-server shard {key} on this worker (the run ended?)")
+    if values:
+        reply = shard.snapshot()
+        return reply.values, reply.version
+    return shard.counters()
 
 
 class LiveRun:
@@ -209,14 +148,14 @@ class LiveRun:
     def __init__(
         self,
         name: str,
-        server: ParameterServer,
+        shards: list[ShardInfo],
         info: dict[str, Any],
         client: Client,
         timeout: float,
         model: Any = None,
     ):
         self.name, self.info, self._client, self._timeout = name, info, client, timeout
-        self._server: ParameterServer | None = server
+        self._shards: list[ShardInfo] | None = shards
         self.model, self._no_model = model, ""
         if model is None:
             try:
@@ -226,43 +165,54 @@ class LiveRun:
         self._last: tuple[float, int] | None = None
 
     def __repr__(self) -> str:
-        state = "running" if self._server is not None else "ended"
+        state = "running" if self._shards is not None else "ended"
         return f"LiveRun({self.name!r}, {self.info.get('estimator', '?')}, {state})"
 
     @property
     def running(self) -> bool:
         """Whether the run is still published (it is unpublished when its fit ends)."""
-        if self._server is not None and not is_published(self._client, self.name):
-            self._server = None  # drop the actor handles: they would keep the actors alive
-        return self._server is not None
+        if self._shards is not None and not is_published(self._client, self.name):
+            self._shards = None
+        return self._shards is not None
 
-    def _live_server(self) -> ParameterServer:
+    def _read(self, values: bool) -> list[Any]:
+        """:func:`read_shard` on every shard's worker at once; after a failure, once more with
+        the shards of the newest run record (the run logs one when it recreates a lost shard)."""
         if not self.running:
             raise RuntimeError(f"run {self.name!r} has ended: it is no longer published")
-        assert self._server is not None
-        return self._server
-
-    def _statuses(self) -> list[dict[str, Any]]:
-        """Every shard's counters (see :meth:`ParameterServerShard.status`)."""
-        return self._retrying(
-            lambda server: server.call_all(ParameterServerShard.status, timeout=self._timeout)
-        )
-
-    def _retrying(self, call: Any) -> Any:
-        """``call(server)``; after a failure, once more with the shards published now (the
-        run re-publishes itself when it recreates a lost shard)."""
-        server = self._live_server()  # raises if the run has ended
         try:
-            return call(server)
-        except RuntimeError as err:
-            failure = err
+            return self._read_from(self._shards or [], values)
+        except (RuntimeError, LookupError, OSError, TimeoutError) as err:
+            failure: Exception = err
         if self.running:
             try:
-                self._server, _ = _load(self._client, self.name, self._timeout)
-                return call(self._server)
-            except (RuntimeError, ValueError, OSError, TimeoutError) as err:
+                self._shards, _ = _load(self._client, self.name)
+                return self._read_from(self._shards, values)
+            except (RuntimeError, LookupError, ValueError, OSError, TimeoutError) as err:
                 failure = err
         raise RuntimeError(f"run {self.name!r} has ended or lost a shard: {failure}") from failure
+
+    def _read_from(self, shards: list[ShardInfo], values: bool) -> list[Any]:
+        gone = set(worker for _, worker, _ in shards) - set(cluster_workers(self._client))
+        if gone:  # a task pinned to a worker that left would wait for ever
+            raise LookupError(f"the worker(s) {sorted(gone)} holding shards left the cluster")
+        futures = [
+            self._client.submit(
+                read_shard, key, values, workers=[worker], allow_other_workers=False, pure=False
+            )
+            for key, worker, _ in shards
+        ]
+        try:
+            return [f.result(timeout=self._timeout) for f in futures]
+        except TimeoutError as err:
+            raise TimeoutError(f"a shard did not answer within {self._timeout} s") from err
+        finally:
+            for f in futures:
+                f.release()
+
+    def _statuses(self) -> list[dict[str, Any]]:
+        """Every shard's counters (see :meth:`ParameterServerShard.counters`)."""
+        return self._read(values=False)
 
     def status(self) -> pd.DataFrame:
         """One row per shard: range, worker, version, accepted pushes (``accepted_by_replica``:
@@ -272,8 +222,8 @@ class LiveRun:
         rows = self._statuses()
         now = time.time()
         frame = pd.DataFrame(rows)
-        assert self._server is not None  # _statuses succeeded
-        frame.insert(3, "worker", self._server.workers)
+        assert self._shards is not None  # _statuses succeeded
+        frame.insert(3, "worker", [worker for _, worker, _ in self._shards])
         elapsed = now - float(self.info.get("t0", now))
         examples = int(frame["examples"].iloc[0]) if len(frame) else 0
         since, before = (float(self.info.get("t0", now)), 0) if self._last is None else self._last
@@ -291,7 +241,12 @@ class LiveRun:
     def _pull(self) -> tuple[np.ndarray, list[int]]:
         """The model's flat parameters (a model-parallel run's shards hold them partition by
         partition: see :meth:`PartitionPlan.pack`) and each shard's version."""
-        values, versions = self._retrying(lambda server: server.pull(self._timeout))
+        replies = self._read(values=True)
+        assert self._shards is not None
+        values = np.empty(self._shards[-1][2][1], dtype=np.float32)
+        for (_, _, (lo, hi)), (part, _) in zip(self._shards, replies):
+            values[lo:hi] = part
+        versions = [int(version) for _, version in replies]
         partitions = int(self.info.get("partitions", 1))
         if partitions > 1:
             values = PartitionPlan(self.model, partitions).unpack(values)
@@ -330,20 +285,9 @@ def follow(client: Client, name: str, stream: TextIO, interval: float = 2.0) -> 
     each new snapshot with :class:`~downpour_dask.progress.ProgressBar` (redrawn in place on a
     terminal, one line at most every ``interval`` seconds otherwise).
 
-    Parameters
-    ----------
-    client : distributed.Client
-    name : str
-    stream : file
-        Where the progress lines go.
-    interval : float, default 2
-        Seconds between lines when ``stream`` is not a terminal.
-
-    Returns
-    -------
-    bool
-        True if the run finished (its last snapshot arrived), False if it ended otherwise
-        (failed, interrupted, or unpublished without an ``end`` record).
+    ``stream`` receives the progress lines, at most one every ``interval`` seconds when it is
+    not a terminal.  Returns True if the run finished (its last snapshot arrived), False if it
+    ended otherwise (failed, interrupted, or unpublished without an ``end`` record).
     """
     bar = ProgressBar(stream, log_every=interval)
     name_topic = topic(name)

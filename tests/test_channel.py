@@ -9,13 +9,16 @@ on a cluster in test_downpour.py, test_wire.py and test_failures.py.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
 from downpour_dask import optim
 from downpour_dask.ps import wire
 from downpour_dask.ps.channel import DaskShardChannel, Done
-from downpour_dask.ps.protocol import LOST_ACTOR, ShardLostError
+from downpour_dask.ps.protocol import LOST_ACTOR, FencedError, PushReply, ShardLostError
 from downpour_dask.ps.shard import ParameterServerShard
 
 SIZE = 6
@@ -164,3 +167,54 @@ def test_without_a_replacement_to_wait_for_a_lost_shard_is_final():
     channel = open_channel(ActorStub(make_shard(), "shard-a"), direct=False)
     with pytest.raises(ShardLostError, match="no replacement appeared"):
         channel.switch("shard-a", ShardLostError("lost", 0))
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_retired_shard_changes_nothing_whatever_carries_the_call(direct):
+    """Fencing: once a newer generation retired the shard, a push over the actor transport or
+    a direct connection fails as a lost shard would (the replica switches) and is not applied."""
+    shard = make_shard()
+    channel = open_channel(ActorStub(shard, "shard-a"), direct)
+    try:
+        assert channel.transport == ("wire" if direct else "actor")
+        g = np.ones(SIZE, np.float32)
+        assert channel.wait(channel.push(g, 0, 0, 1, 0.0), "shard-a", 0.0).accepted
+        asyncio.run(shard.retire(1))
+        with pytest.raises(ShardLostError):
+            channel.wait(channel.push(g, 1, 1, 1, 0.0), "shard-a", 0.0)
+        assert shard.version == 1 and shard.fenced_calls <= 1
+    finally:
+        channel.close()
+
+
+def test_a_reply_from_an_older_generation_is_refused():
+    """A channel that knows of generation 1 refuses what generation 0 answers (the old copy
+    could not be retired: its worker was stopped when the replacement started)."""
+    channel = DaskShardChannel(
+        ActorStub(make_shard(), "shard-a"), 0, SIZE, 0, timeout=5.0, direct=False, generation=1
+    )
+    with pytest.raises(FencedError, match="generation 0 was refused"):
+        channel.wait(channel.pull(), "shard-a", 0.0)
+
+
+class FrozenThenAnswered:
+    """A call waited on by a process that is stopped (SIGSTOP) for 1.5 s, then answered."""
+
+    def __init__(self):
+        self.looks = 0
+
+    def done(self):
+        return self.looks >= 2
+
+    def result(self, timeout=None):
+        self.looks += 1
+        if self.looks == 1:
+            time.sleep(1.5)  # the whole process stands still: the shard is not to blame
+            raise TimeoutError("no answer")
+        return PushReply(1, 0, True, False)
+
+
+def test_time_the_replicas_own_process_was_stopped_does_not_count_against_the_shard():
+    channel = DaskShardChannel(ActorStub(make_shard(), "shard-a"), 0, SIZE, 0, 1.0, direct=False)
+    channel.FROZEN = 0.2
+    assert channel.wait(FrozenThenAnswered(), "shard-a", 0.0).version == 1

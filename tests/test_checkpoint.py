@@ -1,10 +1,13 @@
 """Checkpoint files: atomic writes, full validation on read, clear errors for damaged files."""
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from downpour_dask import checkpoint
 from downpour_dask.base import RunRecorder
 from downpour_dask.checkpoint import (
     CheckpointError,
@@ -71,13 +74,67 @@ def test_a_corrupt_or_truncated_checkpoint_is_refused_naming_the_file(tmp_path, 
     elif damage == "manifest":
         text = (path / "checkpoint.json").read_text()
         (path / "checkpoint.json").write_text(text[: len(text) // 2])
-    elif damage == "shape":  # a consistent checksum but arrays that do not match the ranges
+    elif damage == "shape":  # consistent checksums but arrays that do not match the ranges
         manifest = json.loads((path / "checkpoint.json").read_text())
         manifest["shards"][1]["stop"] = 6
+        manifest["sha256"] = checkpoint._digest(manifest)  # re-sealed, as a tool would not
         (path / "checkpoint.json").write_text(json.dumps(manifest))
     name = "checkpoint.json" if damage == "manifest" else "shard-1.npz"
     with pytest.raises(CheckpointError, match=name):
         read_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m["shards"][0].update(version=70),  # "resume as if more updates were in"
+        lambda m: m["shards"][1]["counters"].update(examples=1),
+        lambda m: m.update(elapsed=0.0),
+        lambda m: m["meta"].update(evals=[]),
+        lambda m: m.pop("sha256"),
+    ],
+    ids=["version", "counters", "elapsed", "meta", "no checksum"],
+)
+def test_an_edited_manifest_is_refused_naming_it(tmp_path, edit):
+    """The shard files' checksums are in checkpoint.json; its own content is checksummed too,
+    so a hand edit (or a damaged byte that still parses) is not resumed from."""
+    path = write_checkpoint(tmp_path, _states(), elapsed=1.0, meta={"evals": [{"time": 1.0}]})
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    edit(manifest)
+    (path / "checkpoint.json").write_text(json.dumps(manifest, indent=1))
+    with pytest.raises(CheckpointError, match=r"checkpoint\.json.*altered or damaged"):
+        read_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_of_the_previous_format_is_refused_with_the_format_named(tmp_path):
+    path = write_checkpoint(tmp_path, _states(), elapsed=1.0)
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    manifest["format"] = 1
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="has format 1; this version reads format 2"):
+        read_checkpoint(tmp_path)
+
+
+def test_files_and_directories_are_fsynced_before_latest_names_them(tmp_path, monkeypatch):
+    """Durability, in order: shard files and the manifest, the checkpoint directory, the root
+    (its rename), the LATEST pointer, the root again (LATEST's rename)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = write_checkpoint(tmp_path, _states(), elapsed=1.0)
+    root = str(tmp_path)
+    names = [Path(p).name if p.startswith(root + "/") else p for p in synced]
+    staged = [n for n in names if n.startswith("checkpoint.json") or n.startswith("shard-")]
+    assert sorted(staged) == ["checkpoint.json", "shard-0.npz", "shard-1.npz"]
+    tail = [n if n != root else "<root>" for n in names[3:]]
+    assert tail[0].startswith(".ckpt-tmp-")  # the staging directory, before its rename
+    assert tail[1:] == ["<root>", ".LATEST.tmp", "<root>"]
+    assert (tmp_path / "LATEST").read_text() == path.name
 
 
 def test_the_run_log_a_checkpoint_keeps_restores_rows_of_this_and_the_previous_release(tmp_path):

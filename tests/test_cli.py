@@ -448,3 +448,16 @@ def test_watch_wait_follows_a_run_published_after_it_started(client, tmp_path):
     assert late.returncode == 2
     assert late.stderr.splitlines()[-1].endswith("no run is published as 'never' on "
                                                  f"{client.scheduler.address}; published: none")
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run_and_deletes_nothing(tmp_path, capsys):
+    """In-process: the refusal comes from the job's checks, before any cluster is started."""
+    mine = tmp_path / "taken"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    argv = ["train", *SMALL, "--out", str(tmp_path), "--name", "taken", "--overwrite"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not a run directory" in err and "nothing was deleted" in err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]

@@ -202,31 +202,6 @@ def test_killing_a_shards_worker_restores_the_shard_and_the_run_finishes(three_w
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_shard_lost_after_the_replicas_finished_is_restored_and_the_fit_returns(
-    three_workers, mnist
-):
-    """The replicas are done but the result still lives on the shards: the driver's last calls
-    (final status, events) meet a dead shard, restore it, and the fit returns normally."""
-    client = three_workers
-    train, test = mnist
-    workers = sorted(cluster_workers(client))
-    pid = client.run(os.getpid, workers=[workers[1]])[workers[1]]  # shard 1's worker
-
-    def kill_when_done(progress) -> None:  # the final report comes before status and events
-        if progress.phase == "done":
-            os.kill(pid, signal.SIGKILL)
-
-    est = _estimator(max_epochs=1).fit(
-        train, eval_data=test, client=client, callback=kill_when_done
-    )
-    kinds = _kinds(est)
-    assert kinds.index("stop") < kinds.index("shard_lost") < kinds.index("shard_restored")
-    assert est.server_status_["worker"].iloc[1] != workers[1]
-    assert est.score(test) >= 0.85
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fit_resumes_from_a_checkpoint_and_continues_the_log(tmp_path, three_workers, mnist):
     client = three_workers

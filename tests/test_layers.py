@@ -26,14 +26,15 @@ RANKS = {
     "runtime": 2,
     "ps": 3,
     "base": 4,
-    "live": 4,
+    "publishing": 4,
     "inputs": 4,
-    "downpour": 5,
-    "sandblaster": 5,
-    "runs": 6,
-    "cli": 7,
-    "__init__": 8,
-    "__main__": 9,
+    "live": 5,
+    "downpour": 6,
+    "sandblaster": 6,
+    "runs": 7,
+    "cli": 8,
+    "__init__": 9,
+    "__main__": 10,
 }
 #: Layers that must run without Dask: plain numpy (and pyarrow/pandas for data files).
 NO_DASK = ("core", "data", "log", "checkpoint", "progress", "liveplot", "report")

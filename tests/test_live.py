@@ -220,6 +220,67 @@ def test_attached_view_in_the_same_process_and_after_the_end(own_cluster, digits
         assert "live-y" not in other.list_datasets()
 
 
+class Crafted:
+    """Unpickling it creates a file: what a crafted published record could do to a watcher."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+@pytest.mark.timeout(60)
+def test_attach_and_watch_never_unpickle_what_is_published(client, tmp_path):
+    marker = tmp_path / "ran"
+    client.publish_dataset(crafted={"kind": "downpour-dask run", "futures": Crafted(marker)})
+    try:
+        with pytest.raises(ValueError, match="no valid downpour-dask run record"):
+            downpour_dask.attach("crafted", client)
+        client.log_event(live.topic("crafted"), {"kind": "run", "json": "{not json"})
+        with pytest.raises(ValueError, match="no valid downpour-dask run record"):
+            downpour_dask.attach("crafted", client)
+        end = threading.Timer(1.0, client.log_event, (live.topic("crafted"), {"kind": "end"}))
+        end.start()  # while ``watch`` follows the name
+        assert live.follow(client, "crafted", sys.stderr, interval=0.1) is False
+    finally:
+        client.unpublish_dataset("crafted")
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_attached_view_cannot_change_parameters_or_stop_the_run(own_cluster, digits):
+    """The view holds no actor handle; even a handle made from the published key cannot stop
+    the run without the run's secret, and the refusal is in the run's events."""
+    from distributed import Actor
+
+    from downpour_dask.ps.shard import ParameterServerShard
+
+    train, test = digits
+    est = softmax_estimator(train, seconds=5.0)
+    with Client(own_cluster, timeout=30) as client, Client(own_cluster, timeout=30) as other:
+        fit = Background(est, client, "live-ro", train, test)
+        wait_published(client, "live-ro")
+        view = downpour_dask.attach("live-ro", other)
+        before = view.params()
+        assert not any(isinstance(v, Actor) for v in vars(view).values())
+        assert [m for m in ("push", "request_stop", "stop", "close") if hasattr(view, m)] == []
+        key, worker, _ = view._shards[0]
+        handle = Actor(ParameterServerShard, worker, key)
+        with pytest.raises(PermissionError, match="without the run's token"):
+            handle.request_stop(b"", "a watcher").result(timeout=30)
+        assert view.running
+        fit.join(timeout=60)
+        del handle
+    events = est.experiment_.events
+    [refused] = events.loc[events["kind"] == "stop_refused", "data"]
+    assert "a watcher" in refused["what"]
+    assert "max_seconds=5.0" in events.loc[events["kind"] == "stop_requested", "detail"].iloc[0]
+    assert not np.array_equal(before, est.params_)  # it trained on to its own end
+    assert est.score(test) > 0.8
+
+
 @pytest.mark.timeout(60)
 def test_publish_is_checked_before_cluster_work(digits):
     train, _ = digits

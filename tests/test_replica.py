@@ -169,6 +169,9 @@ class Sink:
         self.fetched.append((shard, key, version))
         return True
 
+    def keep_acked(self, shard, key, version):
+        pass
+
 
 class Batches:
     """A data source: the same fixed minibatches every epoch."""

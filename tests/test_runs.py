@@ -1,9 +1,12 @@
 """Training jobs from settings: data and model names, checks before any work, run directories."""
 
+import json
+
 import numpy as np
 import pytest
 
 from downpour_dask import models, runs
+from downpour_dask.log import Experiment
 
 
 @pytest.mark.parametrize(
@@ -58,12 +61,42 @@ def test_prepare_rejects_bad_settings_before_writing_anything(tmp_path, settings
 
 def test_prepare_refuses_an_existing_run_directory(tmp_path):
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text('{"model": {}}')  # a run's directory
     with pytest.raises(FileExistsError, match="taken"):
         runs.prepare({"dataset": "digits", "out": str(tmp_path), "name": "taken"})
     job = runs.prepare(
         {"dataset": "digits", "out": str(tmp_path), "name": "taken", "overwrite": True}
     )
     assert job.target == tmp_path / "taken"
+
+
+@pytest.mark.parametrize("config", [None, "not json", "[1, 2]"])
+def test_overwrite_never_replaces_a_directory_that_is_not_a_run(tmp_path, config):
+    """A user's directory that happens to have the run's name keeps everything in it; only a
+    directory with a run's config.json (a JSON object) is a run directory."""
+    mine = tmp_path / "taken"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    if config is not None:
+        (mine / "config.json").write_text(config)
+    settings = {"dataset": "digits", "out": str(tmp_path), "name": "taken", "overwrite": True}
+    with pytest.raises(FileExistsError, match="not a run directory.*nothing was deleted"):
+        runs.prepare(settings)
+    with pytest.raises(FileExistsError, match="not a run directory"):
+        runs.save_run(mine, Experiment(), np.zeros(3), overwrite=True)
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no staging left either
+
+
+def test_overwrite_replaces_a_run_directory(tmp_path):
+    first = runs.save_run(tmp_path / "run", Experiment(config={"n": 1}), np.zeros(3))
+    with pytest.raises(FileExistsError, match="exists"):
+        runs.save_run(first, Experiment(config={"n": 2}), np.ones(3))
+    runs.save_run(first, Experiment(config={"n": 2}), np.ones(3), overwrite=True)
+    assert json.loads((first / "config.json").read_text())["n"] == 2
+    with np.load(first / "params.npz") as saved:
+        np.testing.assert_array_equal(saved["params"], np.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 @pytest.mark.timeout(120)

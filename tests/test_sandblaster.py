@@ -14,7 +14,9 @@ from distributed import Client, LocalCluster
 from downpour_dask import Experiment, datasets, models, optim
 from downpour_dask.core.lbfgs import LBFGS, VectorStore, sum_replies
 from downpour_dask.core.params import split_range
+from downpour_dask.ps.protocol import ShardLostError
 from downpour_dask.runtime.cluster import cluster_workers
+from downpour_dask.sandblaster.coordinator import Coordinator
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
 from downpour_dask.sandblaster.shard import SandblasterShard
 
@@ -405,3 +407,53 @@ def test_callback_gets_a_snapshot_per_iteration_and_a_final_one(client, digits_b
     assert objectives[-1] < objectives[0]
     assert snapshots[-1].fraction == 1.0 and snapshots[-1].score > 0.8
     assert [s.examples for s in snapshots] == sorted(s.examples for s in snapshots)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_shard_worker_is_restored_from_the_last_iteration_or_named(
+    digits_binary, monkeypatch
+):
+    """SIGKILL of the worker holding shard 0, from the callback after iteration 2 (so the kill
+    lands mid-fit without timing): the fit restores the shards at iteration 2's point and
+    finishes every iteration, the objective still decreasing; with restores disabled the error
+    names the lost shard (it used to stall for ``timeout`` and blame portions)."""
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-2)
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        outcomes = []
+        for restores in (3, 0):
+            client.wait_for_workers(3, timeout=60)
+            victim = sorted(cluster_workers(client))[0]  # shard 0 goes to the first worker
+            pid = client.run(os.getpid, workers=[victim])[victim]
+            seen = []
+
+            def kill_after_iteration_2(progress, pid=pid, seen=seen):
+                seen.append(progress)
+                if len(seen) == 3:  # iterations 0, 1, 2 are done
+                    os.kill(pid, signal.SIGKILL)
+
+            monkeypatch.setattr(Coordinator, "MAX_RESTORES", restores)
+            est = SandblasterLBFGS(model, n_shards=2, max_iter=8, tol=0.0, random_state=0,
+                                   timeout=60)  # fmt: skip
+            try:
+                outcomes.append(est.fit(X, y, client=client, callback=kill_after_iteration_2))
+            except ShardLostError as err:
+                outcomes.append(err)
+    restored, named = outcomes
+    assert isinstance(restored, SandblasterLBFGS), restored
+    events = restored.experiment_.events
+    [event] = events.loc[events["kind"] == "shard_restored", "data"]
+    assert event["shard"] == 0 and event["iteration"] == 2 and event["restores"] == 1
+    evals = restored.experiment_.evals
+    assert evals["version"].tolist() == list(range(9)) and restored.n_iter_ == 8
+    assert (np.diff(evals["objective"]) < 0).all()  # still descending across the restore
+    loss, grad = serial_objective(model, restored.params_, X, y)
+    assert restored.objective_ == pytest.approx(loss, rel=1e-5)  # the result is consistent
+    assert isinstance(named, ShardLostError) and named.shard == 0
+    assert "shard 0" in str(named) and "lost" in str(named) and "portion" not in str(named)

@@ -12,7 +12,7 @@ from distributed import Client, LocalCluster
 from distributed.comm import CommClosedError
 
 from downpour_dask import optim
-from downpour_dask.ps.protocol import ShardLostError, is_shard_lost
+from downpour_dask.ps.protocol import FencedError, ShardLostError, is_shard_lost
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.ps.wire import WireError
@@ -64,7 +64,68 @@ def test_non_finite_gradient_is_refused_and_parameters_unchanged(server, bad):
     status = server.status(TIMEOUT)
     assert status["refused"].tolist() == [0, 1]
     [(_, kind, _, data)] = server.events(TIMEOUT)
-    assert kind == "gradient_refused" and data == {"replica": 0, "non_finite": 1}
+    assert kind == "gradient_refused" and data["replica"] == 0 and data["non_finite"] == 1
+
+
+def test_a_gradient_that_would_overflow_adagrad_state_is_refused_and_nothing_changes(client):
+    """N(0, 1e20) is finite, but its square overflows Adagrad's accumulators: those coordinates
+    would never move again.  The push is refused, values and accumulators left as they were."""
+    initial = np.zeros(1000, dtype=np.float32)
+    ps = ParameterServer.create(client, initial, 1, optim.adagrad(0.1), timeout=TIMEOUT)
+    try:
+        ps.push(np.ones(1000, dtype=np.float32), [0], timeout=TIMEOUT)
+        before = ps.export_state(TIMEOUT)[0]
+        huge = np.random.default_rng(0).normal(0, 1e20, 1000).astype(np.float32)
+        [reply] = ps.push(huge, [1], replica=2, timeout=TIMEOUT)
+        assert not reply.accepted and reply.version == 1
+        after = ps.export_state(TIMEOUT)[0]
+        np.testing.assert_array_equal(after["values"], before["values"])
+        np.testing.assert_array_equal(after["rule_state"]["sum_sq"], before["rule_state"]["sum_sq"])
+        [(_, kind, _, data)] = ps.events(TIMEOUT)
+        assert kind == "gradient_refused" and "sum_sq" in data["reason"] and data["replica"] == 2
+        [reply] = ps.push(np.ones(1000, dtype=np.float32), [1], timeout=TIMEOUT)  # still learns
+        assert reply.accepted and reply.version == 2
+    finally:
+        ps.close()
+
+
+def test_max_grad_norm_clips_each_push_over_the_shards_slice():
+    shard = ParameterServerShard(
+        0, 0, 4, np.zeros(4, np.float32), optim.sgd(1.0), max_grad_norm=1.0
+    )
+    shard.apply_push(np.array([3, 4, 0, 0], np.float32), 0, 0)
+    np.testing.assert_allclose(shard.values, [-0.6, -0.8, 0, 0], rtol=1e-6)
+    shard.apply_push(np.array([0, 0, 0.3, 0.4], np.float32), 1, 0)  # norm 0.5: untouched
+    np.testing.assert_allclose(shard.values, [-0.6, -0.8, -0.3, -0.4], rtol=1e-6)
+    assert shard.clipped == 1
+
+
+def test_a_retired_incarnation_refuses_every_call_and_reports_what_it_acknowledged(client):
+    """Fencing: once generation 1 retires generation 0, the old copy changes nothing, however
+    it is reached (actor call, in-process call), and says why; stopping needs the secret."""
+    ps = ParameterServer.create(
+        client, np.zeros(4, np.float32), 1, optim.sgd(0.1), timeout=TIMEOUT, wire_secret=b"s" * 32
+    )
+    try:
+        ps.push(np.ones(4, np.float32), [0], replica=1, timeout=TIMEOUT)
+        with pytest.raises(PermissionError, match="without the run's token"):
+            ps.shards[0].request_stop(b"guess", "intruder").result(timeout=TIMEOUT)
+        with pytest.raises(PermissionError):
+            ps.shards[0].retire(1, b"guess").result(timeout=TIMEOUT)
+        final = ps.shards[0].retire(1, b"s" * 32).result(timeout=TIMEOUT)
+        assert final["version"] == 1 and final["generation"] == 0
+        assert final["accepted_by_replica"] == {1: 1} and final["state"]["version"] == 1
+        for call in (ps.shards[0].pull(), ps.shards[0].push(np.ones(4, np.float32), 1, 0)):
+            with pytest.raises(FencedError, match="retired: generation 1 replaced it") as err:
+                call.result(timeout=TIMEOUT)
+            assert is_shard_lost(err.value) and err.value.shard == 0
+        status = ps.status(TIMEOUT).iloc[0]
+        assert status["version"] == 1 and status["retired_by"] == 1
+        assert status["fenced_calls"] == 2
+        kinds = [e[1] for e in ps.events(TIMEOUT)]
+        assert kinds == ["stop_refused", "retire_refused"]
+    finally:
+        ps.close()
 
 
 def test_a_huge_but_finite_gradient_is_accepted(server):

@@ -27,6 +27,7 @@ from downpour_dask.downpour.shard_recovery import ShardRecovery
 from downpour_dask.downpour.supervision import Limits, SupervisionLoop
 from downpour_dask.downpour.supervisor import MAX_REPLICA_RESTARTS, Supervisor
 from downpour_dask.downpour.tasks import ReplicaTasks
+from downpour_dask.ps.calls import Done
 from downpour_dask.ps.protocol import ShardLostError
 
 SHARD_SIZE = 4
@@ -107,6 +108,7 @@ class FakeCluster:
     on_wait: Any = None
     born_failed: set[int] = field(default_factory=set)  # replicas whose tasks die at once
     mailboxes: list[FakeMailbox] = field(default_factory=list)
+    acked: dict[str, int] = field(default_factory=dict)  # shard key -> newest acknowledged
 
     def workers(self, fresh: bool = True) -> list[str]:
         return sorted(self.alive)
@@ -140,8 +142,24 @@ class FakeCluster:
         rows, self.rows = self.rows, []
         return rows
 
-    def announce_shard(self, shard: int, future: Any) -> None:
+    def announce_shard(self, shard: int, future: Any, generation: int = 0) -> None:
         self.announced.append((shard, future))
+
+    def acknowledged(self, shard: int, key: str) -> int | None:
+        return self.acked.get(key)
+
+
+class Later:
+    """A call that completes when the test says so (a stopped worker that comes back)."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+    def done(self) -> bool:
+        return self.value is not None
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
 
 
 class FakeServer:
@@ -153,7 +171,12 @@ class FakeServer:
         self.version = [0] * len(workers)
         self.accepted_by_replica: dict[int, int] = {}
         self.lost: set[int] = set()
-        self.generation = [0] * len(workers)
+        self.generations = [0] * len(workers)
+        self.alive: list[str] = list(workers)  # the cluster's (a test's _run shares its list)
+        self.retired: dict[tuple[int, int], int] = {}  # (shard, generation) -> version
+        self.stalled: set[int] = set()  # shards whose worker is stopped: retiring them waits
+        self.unplaceable: set[str] = set()  # workers that died unnoticed: a shard never starts
+        self.later: dict[tuple[int, int], Later] = {}
         self.replaced: list[tuple[int, np.ndarray, str, dict]] = []
         self.stop_requests = 0
         self.releases = 0
@@ -163,7 +186,25 @@ class FakeServer:
             raise ShardLostError(f"shard {i} is gone", i)
 
     def shard_key(self, shard: int) -> str:
-        return f"shard-{shard}-{self.generation[shard]}"
+        return f"shard-{shard}-{self.generations[shard]}"
+
+    def generation(self, shard: int) -> int:
+        return self.generations[shard]
+
+    def start_retire(self, shard: int, generation: int) -> Any:
+        """Reachable (and retired) if the shard's worker is alive and the shard not lost; a
+        ``stalled`` shard's retirement is a :class:`Later` the test completes."""
+        if shard in self.stalled and (shard, generation) not in self.retired:
+            return self.later.setdefault((shard, generation), Later())
+        if generation == self.generations[shard]:
+            if shard in self.lost or self.workers[shard] not in self.alive:
+                return Done(error=ShardLostError(f"shard {shard} is gone", shard))
+            self.retired[(shard, generation)] = self.version[shard]
+        if (shard, generation) not in self.retired:
+            return Done(error=ShardLostError(f"shard {shard} is gone", shard))
+        version = self.retired[(shard, generation)]
+        state = self.export_state(0)[shard] | {"version": version}
+        return Done({"version": version, "state": state})
 
     def portable(self, first: int = 0, stop: int | None = None) -> Any:
         return ("server", first, stop)
@@ -207,10 +248,12 @@ class FakeServer:
     def replace_shard(
         self, shard: int, values: np.ndarray, worker: str, state: dict, timeout: float
     ) -> str:
+        if worker in self.unplaceable:
+            raise TimeoutError("timed out after 5 s.")
         self.replaced.append((shard, np.array(values), worker, state))
         self.workers[shard] = worker
         self.version[shard] = state["version"]
-        self.generation[shard] += 1
+        self.generations[shard] += 1
         self.lost.discard(shard)
         return f"future-of-{self.shard_key(shard)}"
 
@@ -230,6 +273,7 @@ def _run(
     recorder = RunRecorder("accuracy", clock=clock)
     cluster = FakeCluster(list(workers), clock)
     server = FakeServer(shard_workers)
+    server.alive = cluster.alive
     states = [
         {"values": np.zeros(SHARD_SIZE, np.float32), "rule_state": {}, "version": 0, "counters": {}}
         for _ in shard_workers
@@ -403,10 +447,11 @@ def test_a_shard_whose_worker_left_is_restored_from_the_fresher_of_checkpoint_an
     run.supervisor.check()
 
     assert _events(run, "shard_lost") == [
-        {"shard": 1, "worker": "w1", "reason": "worker w1 left the cluster"}
+        {"shard": 1, "worker": "w1", "reason": "worker w1 left the cluster", "generation": 0}
     ]
     assert _events(run, "shard_restored") == [
         {"shard": 1, "worker": "w2", "source": source, "version": version, "lost_updates": lost}
+        | {"generation": 1, "fenced": False, "acknowledged": 15}
     ]  # w2 holds no other shard; w0 holds shard 0
     shard, values, worker, state = run.server.replaced[0]
     assert (shard, worker, state["version"], state["rule_state"]) == (1, "w2", version, {"s": 1})
@@ -415,6 +460,62 @@ def test_a_shard_whose_worker_left_is_restored_from_the_fresher_of_checkpoint_an
     assert run.checkpoints.saved[1]["version"] == version  # the next loss restores from here
     assert run.checkpoints.known_versions[1] == version
     assert _events(run, "replica_failed") == []  # no replica ran on w1
+
+
+def test_a_shard_that_stopped_answering_but_can_be_retired_is_restored_from_itself():
+    """A timeout is not a loss until the old incarnation is fenced: here it can be reached,
+    so it is retired and its own final state continues -- nothing is lost."""
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w2"])
+    run.server.version = [5, 9]
+    run.supervisor.recovery.recover(1, "shard 1 did not answer within 5 s", run.cluster.workers())
+    [restored] = _events(run, "shard_restored")
+    assert restored["source"] == "retired_shard" and restored["fenced"] is True
+    assert (restored["version"], restored["lost_updates"], restored["generation"]) == (9, 0, 1)
+    assert run.server.retired == {(1, 0): 9}  # retired before the replacement started
+    assert run.server.replaced[0][3]["version"] == 9
+
+
+def test_a_stopped_shard_is_replaced_then_fenced_when_it_comes_back_and_the_count_corrected():
+    """Split brain: shard 1's worker is stopped, so its replacement starts from the checkpoint
+    while the old copy cannot be retired.  The retirement goes on being tried; when the worker
+    comes back it lands, and the old copy's own version -- it had acknowledged more than
+    anyone reported -- gives the exact count of updates lost."""
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w2"])
+    run.server.stalled.add(1)
+    run.checkpoints.replaced(1, {"values": np.zeros(SHARD_SIZE), "rule_state": {}, "version": 10})
+    run.checkpoints.observe([0, 12])
+    run.cluster.acked = {"shard-1-0": 14}  # the newest acknowledgement a replica noted
+    run.supervisor.recovery.recover(1, "shard 1 did not answer within 5 s", run.cluster.workers())
+    [restored] = _events(run, "shard_restored")
+    assert (restored["source"], restored["fenced"], restored["acknowledged"]) == (
+        "checkpoint",
+        False,
+        14,
+    )
+    assert restored["lost_updates"] == 4 and run.supervisor.recovery.lost_updates(2) == [0, 4]
+    run.supervisor.check()  # still stopped: nothing changes
+    assert _events(run, "shard_fenced") == []
+    run.server.retired[(1, 0)] = 17
+    run.server.later[(1, 0)].value = {"version": 17, "state": {}}  # the worker came back
+    run.supervisor.check()
+    assert _events(run, "shard_fenced") == [
+        {"shard": 1, "generation": 0, "version": 17, "lost_updates": 7}
+    ]
+    run.supervisor.recovery.settle(wait=0)
+    assert run.supervisor.recovery.lost_updates(2) == [0, 7]
+    [record] = run.supervisor.recovery.incarnations()
+    assert record["fenced"] and record["final_version"] == 17 and record["restored_from"] == 10
+
+
+def test_a_replacement_whose_worker_died_unnoticed_is_started_on_the_next_worker():
+    """Two workers killed a moment apart: the second still looked alive when the first's
+    shard was placed on it."""
+    run = _run(["w0", "w1", "w2", "w3"], ["w0", "w1"], ["w0", "w2"])
+    run.server.unplaceable.add("w2")  # the least-loaded survivor, but dead
+    run.cluster.alive.remove("w1")
+    run.supervisor.check()
+    [restored] = _events(run, "shard_restored")
+    assert restored["worker"] == "w3" and run.server.workers[1] == "w3"
 
 
 def test_a_lost_shard_is_restored_before_a_replica_on_its_worker_is_restarted():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import DownpourSGD, datasets, models, optim
-from downpour_dask.ps import frames, wire
+from downpour_dask.ps import frames, service, wire
 from downpour_dask.ps.protocol import PullReply, PushReply
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.ps.wire import WireClient, WireError
@@ -149,7 +149,7 @@ def test_a_call_without_a_reply_times_out_instead_of_hanging(shard_and_client):
 # -- on the real two-worker cluster ----------------------------------------------------------
 def _served_shards(dask_worker) -> int:
     gc.collect()
-    return 0 if wire._SERVICE is None else len(wire._SERVICE._shards)
+    return 0 if service._SERVICE is None else service._SERVICE.served()
 
 
 @pytest.mark.timeout(120)

@@ -346,6 +346,24 @@ def make(name: str, learning_rate: float, **options: float) -> UpdateRule:
     return StalenessAware(rule) if base != name else rule
 
 
+def resolve(optimizer: str | UpdateRule, learning_rate: float) -> UpdateRule:
+    """The rule an estimator's ``optimizer`` and ``learning_rate`` arguments name: a rule given
+    ready-built (whose learning rate must be ``learning_rate``), or one built by :func:`make`."""
+    if isinstance(optimizer, UpdateRule):
+        if optimizer.learning_rate != learning_rate:
+            raise ValueError(
+                f"optimizer has learning_rate {optimizer.learning_rate}, but "
+                f"learning_rate={learning_rate}; give the same value to both"
+            )
+        return optimizer
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"optimizer must be one of {', '.join(OPTIMIZERS)} or an UpdateRule, "
+            f"got {type(optimizer).__name__}"
+        )
+    return make(optimizer, learning_rate)
+
+
 def from_config(config: dict[str, Any]) -> UpdateRule:
     """Rebuild a rule from :meth:`UpdateRule.get_config` output."""
     options = dict(config)

@@ -8,4 +8,14 @@ back; ``checkpoints`` keeps the shards' state.  The driver reaches Dask only thr
 ``replica`` runs ``replica_loop`` (with ``pushes``' bookkeeping) over one
 :class:`~downpour_dask.ps.protocol.ShardChannel` per shard, and leaves what must outlive it in
 ``registry``; ``model_parallel`` runs a replica split into partitions.
+
+The events of a run (``experiment_.events``; each event's ``data`` in braces): ``start``
+{n_replicas, n_shards, n_workers}, ``resumed`` {path, versions, elapsed}, ``warmstart_done``
+{steps}, ``replica_failed`` {replica, reason, and partition with model parallelism},
+``replica_restarted`` {replica, workers, step}, ``shard_lost`` {shard, worker, reason,
+generation}, ``shard_restored`` {shard, worker, source, version, lost_updates, generation,
+fenced, acknowledged}, ``shard_fenced`` {shard, generation, version, lost_updates},
+``checkpoint`` {versions}, ``stop_requested`` {max_seconds}, ``stop`` {versions}; and the
+shards' own events ({shard, ...}): ``gradient_refused`` {replica, non_finite, reason},
+``stop_refused`` ...
 """

@@ -21,13 +21,19 @@ from distributed import Client, Future, Variable, wait
 
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
-from ..ps.protocol import ShardLostError
+from ..ps.calls import Done
+from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
-from .registry import drain_rows, fetched_copy, forget_run, shard_variable
+from .registry import acked_version, drain_rows, fetched_copy, forget_run, shard_variable
 
 #: Seconds a cached worker list may be old (asking costs a scheduler round trip).
 ALIVE_EVERY = 0.5
+#: Seconds the driver waits for one worker's answer to a registry read; a worker that does not
+#: answer (stopped, e.g. SIGSTOP) is skipped for :data:`SKIP_FOR` seconds, so it never stalls
+#: the supervision loop (``client.run`` of all workers at once waits for the slowest).
+RUN_TIMEOUT = 2.0
+SKIP_FOR = 5.0
 
 
 class DaskCluster:
@@ -38,6 +44,7 @@ class DaskCluster:
         self.variables: dict[int, Variable] = {}
         self._alive: list[str] = []
         self._alive_at = -math.inf
+        self._skip: dict[str, float] = {}  # unresponsive worker -> until when it is skipped
 
     def workers(self, fresh: bool = True) -> list[str]:
         now = time.monotonic()
@@ -64,24 +71,51 @@ class DaskCluster:
         with contextlib.suppress(TimeoutError, CancelledError):  # a lost task: seen by its owner
             wait(tasks, timeout=timeout)
 
+    def _run_each(self, function: Callable[..., Any], *args: Any, workers: list[str] | None = None):
+        """``function(*args)`` on each of ``workers`` (default: all live ones), each answer
+        awaited at most :data:`RUN_TIMEOUT` seconds; what each answered (its error if it
+        failed), without the workers that did not answer."""
+        now = time.monotonic()
+        found: dict[str, Any] = {}
+        for worker in self.workers(fresh=False) if workers is None else workers:
+            if self._skip.get(worker, -math.inf) > now:
+                continue
+            try:
+                found.update(
+                    self.client.run(
+                        function, *args, workers=[worker], on_error="return",
+                        callback_timeout=RUN_TIMEOUT,
+                    )
+                )  # fmt: skip
+            except (TimeoutError, OSError) as err:
+                self._skip[worker] = time.monotonic() + SKIP_FOR
+                found[worker] = err
+        return found
+
     def fetched_copies(self, shard: int, key: str, workers: list[str]) -> dict[str, Any]:
-        return self.client.run(
-            fetched_copy, self.run, shard, key, workers=workers, on_error="return"
-        )
+        return self._run_each(fetched_copy, self.run, shard, key, workers=workers)
+
+    def acknowledged(self, shard: int, key: str) -> int | None:
+        found = self._run_each(acked_version, self.run, shard, key)
+        versions = [v for v in found.values() if isinstance(v, int)]
+        return max(versions, default=None)
 
     def drain_rows(self) -> list[tuple]:
-        found = self.client.run(drain_rows, self.run, on_error="ignore")
-        return [tuple(row) for rows in found.values() for row in rows]
+        found = self._run_each(drain_rows, self.run)
+        return [tuple(row) for rows in found.values() if isinstance(rows, list) for row in rows]
 
-    def announce_shard(self, shard: int, future: Any) -> None:
+    def announce_shard(self, shard: int, future: Any, generation: int = 0) -> None:
         if shard not in self.variables:
-            self.variables[shard] = Variable(shard_variable(self.run, shard), client=self.client)
+            name = shard_variable(self.run, shard)
+            self.variables[shard] = Variable(name, client=self.client)
+            self.variables[-1 - shard] = Variable(generation_variable(name), client=self.client)
+        self.variables[-1 - shard].set(generation)  # first: whoever sees the actor finds it
         self.variables[shard].set(future)  # replicas waiting for a replacement pick it up
 
     def forget(self) -> None:
         """At the end of the fit: drop what workers keep for this run, and the variables."""
         with contextlib.suppress(Exception):
-            self.client.run(forget_run, self.run, on_error="ignore")
+            self._run_each(forget_run, self.run)
         for variable in self.variables.values():
             with contextlib.suppress(Exception):
                 variable.delete()
@@ -101,6 +135,8 @@ class DaskServer:
         self.server, self.client, self.rule, self.plan = server, client, rule, plan
         #: Whether the shards were told to stop: a replacement shard is told too.
         self.stopped = False
+        #: The actors of replaced incarnations, by (shard, generation): to retire them.
+        self.replaced: dict[tuple[int, int], Any] = {}
 
     @property
     def workers(self) -> list[str]:
@@ -112,6 +148,19 @@ class DaskServer:
 
     def shard_key(self, shard: int) -> str:
         return self.server.shards[shard].key
+
+    def generation(self, shard: int) -> int:
+        return self.server.generations[shard]
+
+    def start_retire(self, shard: int, generation: int) -> Any:
+        server = self.server
+        actor = self.replaced.get((shard, generation))
+        if actor is None:
+            actor = server.shards[shard]
+        try:
+            return actor.retire(generation + 1, server.wire_secret)
+        except Exception as err:  # noqa: BLE001 - a lost actor's handle raises at once
+            return Done(error=err)
 
     def portable(self, first: int = 0, stop: int | None = None) -> ParameterServer:
         if first == 0 and stop in (None, self.server.n_shards):
@@ -145,6 +194,7 @@ class DaskServer:
         self, shard: int, values: np.ndarray, worker: str, state: dict[str, Any], timeout: float
     ) -> Future:
         restore = {**state, "stopped": self.stopped}
+        self.replaced[(shard, self.server.generations[shard])] = self.server.shards[shard]
         return self.server.replace_shard(
             self.client, shard, values, self.rule, worker, restore, timeout
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import secrets
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,23 @@ from .shard_recovery import ShardRecovery
 from .supervision import Limits, SupervisionLoop, take_rows
 from .supervisor import Supervisor
 from .tasks import ReplicaTasks
+
+
+def check_finite(params: np.ndarray | None, final_loss: float | None = None) -> None:
+    """Raise FloatingPointError if the fit diverged: its final parameters are not all finite
+    (the shards refuse updates that would make them so, but a resumed or user-made state may
+    be), or the final evaluation's loss is not finite (parameters so large that the model's
+    outputs overflow).  Such a model cannot predict, and must not pass as trained."""
+    if params is not None and not np.isfinite(params).all():
+        bad = int(np.count_nonzero(~np.isfinite(params)))
+        what = f"{bad} non-finite parameters (NaN or inf) of {params.size}"
+    elif final_loss is not None and not np.isfinite(final_loss):
+        what = f"a non-finite loss ({final_loss}) on eval_data"
+    else:
+        return
+    raise FloatingPointError(
+        f"the fit diverged: it ended with {what}; lower learning_rate, or set max_grad_norm"
+    )
 
 
 class Driver:
@@ -78,6 +96,7 @@ class Driver:
         self.resumed, self.callback, self.publish = resumed, callback, publish
         self.metric = "accuracy" if fit.model.is_classifier else "r2"
         self.token = uuid.uuid4().hex[:8]  # names this run's tasks, variables, worker records
+        self.wire_secret = secrets.token_bytes(32)  # the shards' direct connections ask for it
         self.cluster = DaskCluster(client, self.token)
         #: The outcome, once :meth:`execute` returned.
         self.params: np.ndarray | None = None
@@ -103,6 +122,8 @@ class Driver:
             fit.timeout,
             restore=restore,
             ranges=fit.ranges,
+            max_grad_norm=fit.max_grad_norm,
+            wire_secret=self.wire_secret,
         )
         view = DaskServer(server, client, fit.rule, fit.plan)
         first_shards = self._first_shards()
@@ -117,7 +138,7 @@ class Driver:
             publication = Publication(client, self.publish, info)
         try:
             for i, future in enumerate(server.futures):  # replicas find replacements there
-                self.cluster.announce_shard(i, future)
+                self.cluster.announce_shard(i, future, 0)
             checkpoints = Checkpoints(
                 view,
                 initial_states(server.ranges, initial, fit.rule, restore),
@@ -159,7 +180,9 @@ class Driver:
                 loop.warmstart(gate, fit.warmstart_steps)
             loop.run()
             self.params, _ = loop.finish()
+            recovery.settle()  # the final count of updates lost with replaced shards
             self.status = supervisor.recovering(server.status, fit.timeout)
+            self.status["lost_updates"] = recovery.lost_updates(fit.n_shards)
             shard_events = supervisor.recovering(view.shard_events, fit.timeout)
             recorder.add_events((e[0] - recorder.t0, *e[1:]) for e in shard_events)
             loop.collect_rows(force=True)  # the replicas' last rows, before they are forgotten
@@ -175,7 +198,10 @@ class Driver:
             server.close()
         config = {**fit.config, "n_rows": placed.n_rows, "workers": workers, "data": placed.info}
         config.update(tasks.summary(results), replica_restarts=supervisor.restarts)
+        config["shard_incarnations"] = recovery.incarnations()
         self.experiment = recorder.experiment(config)
+        evals = recorder.evals
+        check_finite(self.params, evals[-1]["loss"] if evals else None)
 
     def _initial(self, recorder: RunRecorder) -> tuple[np.ndarray, list[dict] | None, int]:
         """The server's starting vector (partition by partition with model parallelism), the
@@ -255,6 +281,7 @@ class Driver:
             partition=p,
             transport=fit.transport,
             start_after_version=gate,
+            wire_secret=self.wire_secret,
         )
 
     def _limits(self, n_rows: int | None) -> Limits:

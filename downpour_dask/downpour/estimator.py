@@ -110,6 +110,11 @@ class DownpourSGD(ParamServerEstimator):
     warm_start : bool, default False
         When True, ``fit`` continues from the previous fit's ``params_`` (same model, classes
         and features) instead of starting afresh, as scikit-learn's ``warm_start``.
+    max_grad_norm : float, optional
+        Clip every pushed gradient to this L2 norm, measured by each shard over its own slice
+        (so no shard waits for the others).  Whatever it is, a push whose update would make
+        parameters or update-rule state non-finite is refused (``gradient_refused``), and a fit
+        that ends diverged raises ``FloatingPointError``.
 
     Attributes
     ----------
@@ -123,15 +128,13 @@ class DownpourSGD(ParamServerEstimator):
         Features seen in fit; ``feature_names_in_`` too when X had string column names.
     experiment_ : Experiment
         Pushes, evaluations and events of the run.  Each event's ``data`` holds its facts for
-        code to read (its ``detail`` is a sentence for people): ``start`` {n_replicas,
-        n_shards, n_workers}, ``resumed`` {path, versions, elapsed}, ``warmstart_done``
-        {steps}, ``replica_failed`` {replica, reason, and partition with model parallelism},
-        ``replica_restarted`` {replica, workers, step}, ``shard_lost`` {shard, worker,
-        reason}, ``shard_restored`` {shard, worker, source, version, lost_updates},
-        ``checkpoint`` {versions}, ``stop_requested`` {max_seconds}, ``stop`` {versions}; the
-        shards' own events (``gradient_refused`` ...) {shard, ...}.
+        code to read (its ``detail`` is a sentence for people); the kinds and their data are
+        listed in :mod:`downpour_dask.downpour`.  Its config's ``shard_incarnations`` lists
+        every replaced shard incarnation and the updates lost with it.
     server_status_ : DataFrame
-        Per-shard counters at the end of the run (versions, accepted/refused pushes, staleness).
+        Per-shard counters at the end of the run (versions, accepted/refused pushes, staleness,
+        ``generation``, and ``lost_updates``: updates the replaced incarnations of the shard
+        had acknowledged that its final state lacks).
 
     Notes
     -----
@@ -167,6 +170,7 @@ class DownpourSGD(ParamServerEstimator):
         transport: str = "auto",
         verbose: int = 0,
         warm_start: bool = False,
+        max_grad_norm: float | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -192,6 +196,7 @@ class DownpourSGD(ParamServerEstimator):
         self.transport = transport
         self.verbose = verbose
         self.warm_start = warm_start
+        self.max_grad_norm = max_grad_norm
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
@@ -222,6 +227,7 @@ class DownpourSGD(ParamServerEstimator):
         )
         check_positive("eval_every", self.eval_every)
         check_positive("timeout", self.timeout)
+        check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
         check_security(self.security)
         check_positive("checkpoint_every", self.checkpoint_every)
         path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
@@ -232,19 +238,7 @@ class DownpourSGD(ParamServerEstimator):
             )
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
-        if isinstance(self.optimizer, optim.UpdateRule):
-            if self.optimizer.learning_rate != self.learning_rate:
-                raise ValueError(
-                    f"optimizer has learning_rate {self.optimizer.learning_rate}, but "
-                    f"learning_rate={self.learning_rate}; give the same value to both"
-                )
-            return self.optimizer
-        if not isinstance(self.optimizer, str):
-            raise TypeError(
-                f"optimizer must be one of {', '.join(optim.OPTIMIZERS)} or an UpdateRule, "
-                f"got {type(self.optimizer).__name__}"
-            )
-        return optim.make(self.optimizer, self.learning_rate)
+        return optim.resolve(self.optimizer, self.learning_rate)
 
     def _check_model(self, model: TrainableModel) -> None:
         """Raise if ``model`` cannot take ``n_shards`` or ``partitions``."""
@@ -386,6 +380,7 @@ class DownpourSGD(ParamServerEstimator):
             transport=self.transport,
             config=self._config(model),
             initial=self._initial_params(),
+            max_grad_norm=self.max_grad_norm,
         )
 
     def _config(self, model: TrainableModel) -> dict[str, Any]:

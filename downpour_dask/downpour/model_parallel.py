@@ -33,7 +33,8 @@ from ..core.models import Model
 from ..core.partition import MLPPart, PartitionPlan
 from ..data.stream import StreamSpec, make_source
 from ..ps.protocol import ShardChannel
-from ..ps.server import ActorRef, ParameterServer
+from ..ps.refs import ActorRef
+from ..ps.server import ParameterServer
 from ..runtime.dask_internals import actor_result, local_actor
 from ..runtime.malloc import tune_malloc
 from .replica import run_loop
@@ -185,7 +186,7 @@ class Peers:
     Not actor handles: Dask treats handles found in a task's list arguments as the task's
     dependencies and fails the task ("Worker holding Actor was lost") as soon as any of them is
     lost, and a handle made in the driver keeps its actor alive (see
-    :class:`~downpour_dask.ps.server.ActorRef`).  A partition whose peer died learns it from its
+    :class:`~downpour_dask.ps.refs.ActorRef`).  A partition whose peer died learns it from its
     own calls and reports :class:`PartitionLost`.
     """
 

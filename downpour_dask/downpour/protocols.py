@@ -64,11 +64,16 @@ class Cluster(Protocol):
         """Per worker, the freshest ``(version, values)`` of shard actor ``key`` its replicas
         fetched (None if none, or the error asking it raised)."""
 
+    def acknowledged(self, shard: int, key: str) -> int | None:
+        """The newest version shard actor ``key`` reported to an accepted push of any replica
+        on the live workers (None if none did)."""
+
     def drain_rows(self) -> list[tuple]:
         """The push-log rows the replicas made since the last call (each row once)."""
 
-    def announce_shard(self, shard: int, future: Any) -> None:
-        """Tell running replicas where shard ``shard`` lives now (its actor's future)."""
+    def announce_shard(self, shard: int, future: Any, generation: int = 0) -> None:
+        """Tell running replicas where shard ``shard`` lives now (its actor's future) and which
+        incarnation that is (replies of older ones are refused)."""
 
 
 class Server(Protocol):
@@ -84,6 +89,15 @@ class Server(Protocol):
 
     def shard_key(self, shard: int) -> str:
         """The key of shard ``shard``'s current actor."""
+
+    def generation(self, shard: int) -> int:
+        """The generation of shard ``shard``'s current actor (0, one more per replacement)."""
+
+    def start_retire(self, shard: int, generation: int) -> Any:
+        """Start retiring incarnation ``generation`` of ``shard`` (the current one or one
+        already replaced) in favour of the next generation.  Returns a call (``done()``,
+        ``result(timeout)``) whose result is what the incarnation had acknowledged:
+        ``{version, state, ...}`` (see ``ParameterServerShard.retire``)."""
 
     def portable(self, first: int = 0, stop: int | None = None) -> Any:
         """What a replica task gets to reach shards ``first..stop-1`` (all by default)."""

@@ -1,9 +1,11 @@
 """What this worker process keeps for the driver, per run, outside any task.
 
-Replicas leave two things here that must outlive them: the freshest shard values they fetched
-(the driver restores a lost shard from the newest copy, :func:`fetched_copy`) and their push-log
-rows not yet collected (:func:`drain_rows`), so a worker that dies loses only its newest rows.
-The driver reads both with ``client.run`` and clears them with :func:`forget_run`.
+Replicas leave three things here that must outlive them: the freshest shard values they fetched
+(the driver restores a lost shard from the newest copy, :func:`fetched_copy`), the newest
+version each shard actor acknowledged (:func:`acked_version`: how many updates a lost shard had
+acknowledged) and their push-log rows not yet collected (:func:`drain_rows`), so a worker that
+dies loses only its newest rows.  The driver reads them with ``client.run`` and clears them
+with :func:`forget_run`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,26 @@ def remember_fetched(run: str, shard: int, key: str, version: int, values: np.nd
         return False
 
 
+#: The newest version each shard actor reported to an accepted push of any replica of this
+#: process, per (run, shard, actor key): what that incarnation is known to have acknowledged,
+#: should it be lost before it can be asked (see ``downpour/shard_recovery.py``).
+_ACKED: dict[tuple[str, int, str], int] = {}
+
+
+def keep_acked(run: str, shard: int, key: str, version: int) -> None:
+    """Note that shard actor ``key`` acknowledged a push with version ``version``."""
+    with _FETCHED_LOCK:
+        if _ACKED.get((run, shard, key), -1) < version:
+            _ACKED[(run, shard, key)] = version
+
+
+def acked_version(run: str, shard: int, key: str) -> int | None:
+    """The newest version shard actor ``key`` acknowledged to this process's replicas, if any
+    (run on workers with ``client.run`` by the driver)."""
+    with _FETCHED_LOCK:
+        return _ACKED.get((run, shard, key))
+
+
 #: Push-log rows of this process's replicas not yet collected by the driver, per run: the driver
 #: drains them every few seconds (``drain_rows``), so the log keeps the pushes of a replica
 #: whose worker later dies and, through checkpoints, those made before a driver was killed.
@@ -66,4 +88,6 @@ def forget_run(run: str) -> None:
     with _FETCHED_LOCK:
         for k in [k for k in _FETCHED if k[0] == run]:
             del _FETCHED[k]
+        for k in [k for k in _ACKED if k[0] == run]:
+            del _ACKED[k]
         _ROWS.pop(run, None)

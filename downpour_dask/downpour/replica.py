@@ -24,7 +24,7 @@ from ..log import PushRow, plain
 from ..ps.channel import open_channels
 from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
-from .registry import keep_row, remember_fetched, shard_variable
+from .registry import keep_acked, keep_row, remember_fetched, shard_variable
 from .replica_loop import ReplicaConfig, ReplicaLoop, gradient_scale
 
 __all__ = ["ReplicaConfig", "WorkerSink", "gradient_scale", "run_loop", "run_replica"]
@@ -56,6 +56,10 @@ class WorkerSink:
 
     def keep_fetched(self, shard: int, key: str, version: int, values: np.ndarray) -> bool:
         return bool(self.run) and remember_fetched(self.run, shard, key, version, values)
+
+    def keep_acked(self, shard: int, key: str, version: int) -> None:
+        if self.run:
+            keep_acked(self.run, shard, key, version)
 
     def _log_metrics(self, row: PushRow) -> None:
         """Log ``row`` on the run's topic; never fails the replica."""
@@ -89,6 +93,7 @@ def run_loop(
         config.timeout,
         replacements,
         direct=config.transport == "auto",
+        secret=config.wire_secret,
     )
     try:
         sink = WorkerSink(config.run, config.topic)

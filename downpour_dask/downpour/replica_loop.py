@@ -11,8 +11,8 @@ The loop follows the paper's pseudo-code::
         if (step + 1) % n_push == 0: start pushing accrued asynchronously; accrued = 0
         step += 1
 
-(The paper tests ``step % n_push``; pushing at the *end* of each n_push-step cycle instead makes
-every push carry exactly n_push steps of gradient and puts it right before the next fetch.)
+(The paper tests ``step % n_push``; pushing at the *end* of each cycle makes every push carry
+exactly n_push steps of gradient, right before the next fetch.)
 
 Fetches and pushes travel while this thread keeps computing -- the paper's three weakly
 synchronised activities.  Replies are checked without blocking at the top of every step; the
@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,7 +40,7 @@ import numpy as np
 from ..core.models import Model
 from ..core.params import DTYPE
 from ..log import PushRow
-from ..ps.protocol import PullReply, ShardChannel, ShardLostError
+from ..ps.protocol import PullReply, PushReply, ShardChannel, ShardLostError
 from .pushes import Push, PushLedger
 
 
@@ -65,6 +65,7 @@ class ReplicaConfig:
     partition: int = 0  # which partition of a model-parallel replica this loop runs
     transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
     start_after_version: int = 0  # wait for replica 0's warmstart: every shard's version
+    wire_secret: bytes = field(default=b"", repr=False)  # the run's, for ps/service.py
 
 
 def gradient_scale(model: Model, alpha: float) -> float:
@@ -96,6 +97,9 @@ class ReplicaSink(Protocol):
         """Offer shard ``shard``'s fetched ``values`` (from actor ``key``) as a copy the driver
         may restore it from; True if kept (the caller then leaves ``values`` untouched)."""
         ...
+
+    def keep_acked(self, shard: int, key: str, version: int) -> None:
+        """Note that shard actor ``key`` accepted a push of this replica at ``version``."""
 
 
 class ReplicaLoop:
@@ -144,6 +148,7 @@ class ReplicaLoop:
         self.held: list[np.ndarray | None] = [None] * n  # fetched values the sink kept
         self.stop = False
         self.rows: list[PushRow] = []
+        self.acked: dict[int, dict[int, list[int]]] = {}  # shard, generation: [pushes, version]
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, source: Any) -> dict[str, Any]:
@@ -205,6 +210,10 @@ class ReplicaLoop:
             "pushes": self.rows,
             "lost_pushes": self.ledger.lost,
             "sessions": [channel.session for channel in self.channels],
+            "acknowledged": {
+                str(shard): {str(g): list(n) for g, n in by_gen.items()}
+                for shard, by_gen in self.acked.items()
+            },
             "transports": [channel.transport for channel in self.channels],
         }
 
@@ -350,7 +359,10 @@ class ReplicaLoop:
         lost = False
         for s, call in enumerate(p.calls):
             try:
-                replies.append(self.channels[s].wait(call, p.keys[s], p.sent))
+                reply = self.channels[s].wait(call, p.keys[s], p.sent)
+                replies.append(reply)
+                if reply.accepted:
+                    self._acknowledged(s, p.keys[s], reply)
             except ShardLostError as err:  # counted in the ledger's lost pushes by _switch
                 self._switch(s, p.keys[s], err)
                 p.needed_by.discard(s)
@@ -370,6 +382,14 @@ class ReplicaLoop:
         self.rows.append(row)
         self.sink.keep_row(row)
         self.stop = self.stop or any(r.stop for r in replies)
+
+    def _acknowledged(self, s: int, key: str, reply: PushReply) -> None:
+        """Count a push shard ``s`` (actor ``key``) accepted (see ``shard_recovery``)."""
+        shard = self.channels[s].shard
+        counts = self.acked.setdefault(shard, {}).setdefault(reply.generation, [0, 0])
+        counts[0] += 1
+        counts[1] = max(counts[1], int(reply.version))
+        self.sink.keep_acked(shard, key, int(reply.version))
 
     def _poll(self) -> None:
         """Take in every fetch and push that has completed, without blocking."""

@@ -46,6 +46,7 @@ class FitSettings:
     transport: str
     config: dict[str, Any]  # the estimator's part of the experiment's config
     initial: np.ndarray | None = None  # where to start (warm_start), in the model's layout
+    max_grad_norm: float | None = None  # each shard clips a push's slice to this norm
 
     @property
     def partitions(self) -> int:

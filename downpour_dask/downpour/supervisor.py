@@ -80,6 +80,7 @@ class Supervisor:
             for i, task in enumerate(tasks.tasks)
         )
         alive = self.cluster.workers(fresh=troubled)
+        self.recovery.poll_fences()  # replaced shards whose stopped worker came back
         for shard, worker in enumerate(list(self.server.workers)):
             if worker not in alive:
                 reason = f"worker {worker} left the cluster"

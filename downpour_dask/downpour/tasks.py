@@ -95,13 +95,15 @@ class ReplicaTasks:
 
     def summary(self, results: list[dict[str, Any]]) -> dict[str, Any]:
         """What the replicas did, for the experiment's config (JSON-able): steps, pushes lost
-        to lost shards, how each replica (``"r"``, or ``"r.p"`` per partition) reached each of
-        its shards and, with model parallelism, what crossed partitions and where each
-        partition ran."""
+        to lost shards, pushes each shard acknowledged to the replicas whose results are in
+        (``acknowledged_pushes``: ``{shard: n}``, every generation), how each replica
+        (``"r"``, or ``"r.p"`` per partition) reached each of its shards and, with model
+        parallelism, what crossed partitions and where each partition ran."""
         split = self.plan is not None
         summary: dict[str, Any] = {
             "replica_steps": [r["steps"] for r in results if r.get("partition", 0) == 0],
             "lost_pushes": sum(r.get("lost_pushes", 0) for r in results),
+            "acknowledged_pushes": _acknowledged(results),
             "replica_transports": {
                 (f"{r['replica']}.{r['partition']}" if split else f"{r['replica']}"): list(
                     r.get("transports", [])
@@ -224,3 +226,13 @@ class ReplicaTasks:
             with contextlib.suppress(Exception):
                 call.result(timeout=5)
         self.mailbox_workers.pop(replica, None)
+
+
+def _acknowledged(results: list[dict[str, Any]]) -> dict[str, int]:
+    """Pushes each shard accepted, by the replicas' own count, summed over replicas and
+    generations (a replica whose worker died takes its count along)."""
+    total: dict[str, int] = {}
+    for result in results:
+        for shard, by_generation in result.get("acknowledged", {}).items():
+            total[shard] = total.get(shard, 0) + sum(n for n, _ in by_generation.values())
+    return total

@@ -1,7 +1,8 @@
 """The parameter server: shard actors, the client-side view over them, and how replicas reach them.
 
 ``protocol`` (replies, errors, the :class:`~downpour_dask.ps.protocol.ShardChannel` interface)
-imports no Dask; ``shard`` is the actor, ``server`` the view the driver holds, ``wire`` and
-``frames`` the direct connections, ``channel`` one replica's line to one shard over whichever
-transport reaches it.  Nothing here knows of Downpour or Sandblaster.
+imports no Dask; ``shard`` is the actor, ``server`` the view the driver holds, ``wire`` (the
+replica's side), ``service`` (the shard's side) and ``frames`` the direct connections,
+``channel`` one replica's line to one shard over whichever transport reaches it.  Nothing here
+knows of Downpour or Sandblaster.
 """

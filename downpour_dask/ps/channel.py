@@ -4,23 +4,27 @@
 against: start a pull, a push or both in one round trip (``exchange``), poll the warmstart gate,
 wait for a call's reply, and, when the shard is lost, ``switch`` to the replacement the driver
 starts.  Calls return at once with a ``Call`` (``done()``, ``result(timeout)``), so a replica keeps
-computing while its fetches and pushes travel.  The loop never sees which transport carries
-them, so it runs in-process against a fake channel in the tests.
+computing while its fetches and pushes travel; the loop never sees the transport (tests: fakes).
 
 :class:`DaskShardChannel` implements it for a shard actor, over whichever of three transports
 is cheapest:
 
 - ``"local"``: the shard lives in the replica's own worker process; its methods are called
   directly (no message at all) and every call is complete when it returns;
-- ``"wire"``: a direct connection (:mod:`~downpour_dask.ps.wire`) where the cluster's comm is
-  plain TCP;
+- ``"wire"``: a direct connection (:mod:`~downpour_dask.ps.wire`) where the comm is plain TCP;
 - ``"actor"``: Dask actor messages, whose finished replies are read without a round trip
   through the event loop (:func:`~downpour_dask.runtime.dask_internals.actor_result`).
 
 A lost shard is replaced by the driver, which publishes the new actor's future in a
-``distributed.Variable``; the channel then talks to the new actor under a new *session*, in
-which push numbers start again from 0 (the channel translates them, see
-:meth:`~ShardChannel.includes`).
+``distributed.Variable`` (and its generation in a second one, :func:`generation_variable`,
+set first); the channel then talks to the new actor under a new *session*, in which push
+numbers start again from 0 (the channel translates them, see :meth:`~ShardChannel.includes`).
+
+**Fencing.**  The channel never accepts a reply from an incarnation older than the newest it
+knows of (:class:`~downpour_dask.ps.protocol.FencedError`, handled like a lost shard).  It
+learns of a replacement when a call is stuck for :attr:`~DaskShardChannel.STUCK` seconds, from
+any reply at most every :attr:`~DaskShardChannel.CHECK_EVERY` seconds (a shard in the replica's
+own process, back from a stopped worker, would answer at once), and from a retired shard.
 """
 
 from __future__ import annotations
@@ -35,48 +39,22 @@ from distributed import Variable
 
 from ..core.params import DTYPE
 from ..runtime.dask_internals import actor_result, local_actor
-from .protocol import PullReply, ShardLostError, is_shard_lost
+from .calls import Done, Half
+from .protocol import (
+    FencedError,
+    PullReply,
+    ShardLostError,
+    generation_variable,
+    is_fenced,
+    is_shard_lost,
+)
 from .server import ParameterServer
 from .shard import ParameterServerShard
 from .wire import WireClient, WireError
 
 
-class Done:
-    """A call that completed as it was made: the shard is in this process, or (with ``error``)
-    the call could not even be sent because its shard is lost, and its result raises."""
-
-    __slots__ = ("value", "error")
-
-    def __init__(self, value: Any = None, error: BaseException | None = None):
-        self.value, self.error = value, error
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class Half:
-    """The push (0) or the pull (1) half of one ``exchange`` call."""
-
-    __slots__ = ("call", "index")
-
-    def __init__(self, call: Any, index: int):
-        self.call, self.index = call, index
-
-    def done(self) -> bool:
-        return self.call.done()
-
-    def result(self, timeout: float | None = None) -> Any:
-        return actor_result(self.call, timeout)[self.index]
-
-
 class DaskShardChannel:
-    """A :class:`~downpour_dask.ps.protocol.ShardChannel` to a shard actor (see the module
-    docstring).
+    """A :class:`~downpour_dask.ps.protocol.ShardChannel` to a shard actor (module docstring).
 
     Parameters
     ----------
@@ -96,12 +74,17 @@ class DaskShardChannel:
     direct : bool
         Whether to reach a shard on another worker over :mod:`~downpour_dask.ps.wire` when it
         offers an endpoint (else always actor messages).
+    secret : bytes
+        The run's wire secret, sent in a direct connection's hello (:mod:`~.service`).
+    generation : int
+        The generation of ``actor`` (replies from an older incarnation are refused).
     """
 
-    #: Seconds a call may be outstanding before the channel asks whether its shard was replaced.
-    STUCK = 1.0
-    #: Seconds between two looks at the replacements variable.
-    CHECK_EVERY = 1.0
+    #: Seconds a call may be outstanding before the channel asks whether its shard was replaced,
+    #: and between two looks at the replacements variables; a gap longer than ``FROZEN``
+    #: seconds between two looks at a call means this process was stopped.
+    STUCK = CHECK_EVERY = 1.0
+    FROZEN = 2.0
 
     def __init__(
         self,
@@ -112,12 +95,16 @@ class DaskShardChannel:
         timeout: float,
         replacements: str | None = None,
         direct: bool = True,
+        secret: bytes = b"",
+        generation: int = 0,
     ):
+        self.secret = secret
         self.shard, self.size, self.replica, self.timeout = shard, size, replica, timeout
         self.replacements, self.direct = replacements, direct
         self.wire: WireClient | None = None
         self._next_seq = 0  # one past the highest push number sent
-        self._checked = 0.0
+        self._checked = time.monotonic()
+        self.generation = int(generation)  # the newest known: older replies are refused
         self._attach(actor)
 
     def _attach(self, actor: Any) -> None:
@@ -155,7 +142,7 @@ class DaskShardChannel:
         try:
             endpoint = self.wait(asked, self.key, sent)
             if endpoint is not None:
-                self.wire = WireClient(endpoint, timeout=min(10.0, self.timeout))
+                self.wire = WireClient(endpoint, min(10.0, self.timeout), self.secret)
         except (ShardLostError, WireError, OSError):
             self.wire = None
 
@@ -170,16 +157,23 @@ class DaskShardChannel:
             buffers.extend(np.empty(self.size, dtype=DTYPE) for _ in range(count))
         return buffers[1] if avoid is buffers[0] and len(buffers) > 1 else buffers[0]
 
+    def _here(self, method: Any, *args: Any, **kw: Any) -> Done:
+        """A call of the shard in this process: complete, failed if the shard was retired."""
+        try:
+            return Done(method(*args, **kw))
+        except FencedError as err:
+            return Done(error=err)
+
     def _failed(self, error: Exception) -> Done:
-        """A call into a shard whose handle refused it: lost (fails at :meth:`wait`), or a bug
-        (raised now)."""
+        """A call its handle refused: lost (fails at :meth:`wait`), or a bug (raised now)."""
         if is_shard_lost(error):
             return Done(error=error)
         raise error
 
     def pull(self, avoid: np.ndarray | None = None) -> Any:
         if self.local is not None:
-            return Done(self.local.snapshot_into(self._buffer(None), self.replica, self.session))
+            out = self._buffer(None)
+            return self._here(self.local.snapshot_into, out, self.replica, self.session)
         try:
             if self.wire is not None:
                 return self.wire.pull(self.replica, self.session, out=self._buffer(avoid))
@@ -193,7 +187,7 @@ class DaskShardChannel:
         self._next_seq = seq + 1
         kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
         if self.local is not None:  # same process: no message at all
-            return Done(self.local.apply_push(grad, fetched_version, self.replica, **kw))
+            return self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
         try:
             return (self.wire or self.actor).push(grad, fetched_version, self.replica, **kw)
         except Exception as err:
@@ -211,7 +205,7 @@ class DaskShardChannel:
         self._next_seq = seq + 1
         kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
         if self.local is not None:
-            pushed = Done(self.local.apply_push(grad, fetched_version, self.replica, **kw))
+            pushed = self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
             return pushed, self.pull()
         try:
             if self.wire is not None:
@@ -227,7 +221,7 @@ class DaskShardChannel:
 
     def poll_warmstart(self) -> Any:
         if self.local is not None:
-            return Done(self.local.warmstart_state())
+            return self._here(self.local.warmstart_state)
         try:
             return (self.wire or self.actor).poll_warmstart()
         except Exception as err:
@@ -253,41 +247,85 @@ class DaskShardChannel:
         if self.key != key:
             return True
         now = time.monotonic()
-        if self.replacements is None or now - sent < self.STUCK:
-            return False
-        if now - self._checked < self.CHECK_EVERY:
+        early = now - sent < self.STUCK or now - self._checked < self.CHECK_EVERY
+        if self.replacements is None or early:
             return False
         self._checked = now
         future = self._published(self.timeout)
         return future is not None and future.key != key
 
     def wait(self, call: Any, key: str, sent: float) -> Any:
-        deadline = time.monotonic() + self.timeout
+        last = time.monotonic()
+        deadline = last + self.timeout
         try:
             while not call.done():
                 if self.replaced(key, sent):
                     message = f"parameter-server shard {self.shard} was replaced"
                     raise ShardLostError(message, self.shard)
-                if time.monotonic() >= deadline:
+                now = time.monotonic()  # time this process was stopped (SIGSTOP) is not the shard's
+                deadline, last = deadline + max(0.0, now - last - self.FROZEN), now
+                if now >= deadline:
                     message = f"shard {self.shard} did not answer within {self.timeout} s"
                     raise TimeoutError(message)
                 with contextlib.suppress(TimeoutError):
-                    return actor_result(call, min(0.5, max(0.01, deadline - time.monotonic())))
-            return actor_result(call, self.timeout)
+                    reply = actor_result(call, min(0.5, max(0.01, deadline - time.monotonic())))
+                    return self._fenced(reply, key)
+            return self._fenced(actor_result(call, self.timeout), key)
         except ShardLostError:
             raise
         except Exception as err:
+            if is_fenced(err):
+                raise FencedError(f"{err}", self.shard) from err
             if is_shard_lost(err):
                 message = f"parameter-server shard {self.shard} was lost: {err}"
                 raise ShardLostError(message, self.shard) from err
             raise
 
+    def _fenced(self, reply: Any, key: str) -> Any:
+        """``reply``, unless it comes from an incarnation older than the newest this channel
+        knows of, or the shard it was sent to has been replaced meanwhile (looked up at most
+        every :attr:`CHECK_EVERY` seconds): then :class:`FencedError`."""
+        generation = getattr(reply, "generation", None)
+        if generation is None:  # a warmstart poll or an endpoint: no fencing needed
+            return reply
+        if generation < self.generation or (key == self.key and self._superseded(key)):
+            raise FencedError(
+                f"replica {self.replica}: a reply of parameter-server shard {self.shard} "
+                f"generation {generation} was refused: generation {self.generation} replaced it",
+                self.shard,
+            )
+        self.generation = generation
+        return reply
+
+    def _superseded(self, key: str) -> bool:
+        """Whether the driver announced a newer incarnation than actor ``key`` (looked up at
+        most every :attr:`CHECK_EVERY` seconds; raises the known generation if so)."""
+        now = time.monotonic()
+        if self.replacements is None or now - self._checked < self.CHECK_EVERY:
+            return False
+        self._checked = now
+        future = self._published(self.timeout)
+        if future is None or future.key == key:
+            return False
+        self.generation = max(self.generation, self._published_generation())
+        return True
+
+    def _published_generation(self) -> int:
+        """The generation the driver announced last for this shard (0 if it cannot be read
+        within a second: it is set before the actor, so it is there once the actor is)."""
+        if self.replacements is None:
+            return 0
+        with contextlib.suppress(TimeoutError, OSError, TypeError, ValueError, RuntimeError):
+            return int(Variable(generation_variable(self.replacements)).get(timeout=1.0))
+        return 0
+
     def _replacement(self, lost_key: str) -> Any | None:
         """The actor replacing ``lost_key`` once the driver publishes it, or None if none
-        appears within ``timeout`` seconds."""
+        appears within ``2 * timeout`` seconds (the driver may take ``timeout`` to notice the
+        loss, and fences the old incarnation first)."""
         if self.replacements is None:
             return None
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + 2 * self.timeout
         while True:
             future = self._published(max(0.1, min(5.0, deadline - time.monotonic())))
             if future is not None and future.key != lost_key:
@@ -302,7 +340,7 @@ class DaskShardChannel:
         Raises
         ------
         ShardLostError
-            If no replacement appears within ``timeout`` seconds (at once without
+            If no replacement appears within ``2 * timeout`` seconds (at once without
             ``replacements``: nobody would publish one).
         """
         if self.key != lost_key:
@@ -311,10 +349,11 @@ class DaskShardChannel:
         if actor is None:
             raise ShardLostError(
                 f"replica {self.replica}: parameter-server shard {self.shard} was lost and no "
-                f"replacement appeared within timeout={self.timeout} s: {error}",
+                f"replacement appeared within 2 * timeout={self.timeout} s: {error}",
                 self.shard,
             ) from error
         self.close()  # its receiver may still be writing into a buffer: new ones
+        self.generation = max(self.generation, self._published_generation())
         self._attach(actor)
         self.connect(self.ask_endpoint(), time.monotonic())
         return True
@@ -331,11 +370,13 @@ def open_channels(
     timeout: float,
     replacements: list[str] | None = None,
     direct: bool = True,
+    secret: bytes = b"",
 ) -> list[DaskShardChannel]:
     """One channel per shard of ``server`` (a view made by ``portable()`` or the driver's),
     with the direct connections to shards on other workers opened all at once.
 
-    ``replacements`` names, per shard, the variable where the driver publishes replacements.
+    ``replacements`` names, per shard, the variable where the driver publishes replacements;
+    ``secret`` is the run's wire secret.
     """
     server = server.opened()
     channels = [
@@ -347,6 +388,8 @@ def open_channels(
             timeout,
             None if replacements is None else replacements[s],
             direct,
+            secret,
+            server.generations[s],
         )
         for s, (actor, (lo, hi)) in enumerate(zip(server.shards, server.ranges))
     ]

@@ -1,11 +1,14 @@
 """The byte format of :mod:`~downpour_dask.ps.wire`'s direct connections, both directions.
 
-A connection opens with a *hello* (the shard id, answered by a status and the shard's size).
+A connection opens with a *hello* (the shard id and the run's secret, answered by a status and
+the shard's size).
 Then each request is a fixed-size head (:data:`REQUEST`: op, replica, push number, fetched
 version, examples, loss, how many values follow, session length), the session bytes and, for a
-push, the gradient as raw float32 bytes.  Each reply is a status (ok, or an error text), then
-the fixed-size parts of the op's answer, then for a pull the values as raw float32 bytes.  The
-arrays are never pickled or copied into a message: they go from and into numpy buffers.
+push, the gradient as raw float32 bytes (:func:`check_request` is what the shard's side checks
+of a head before it reads on or changes anything).  Each reply is a status (ok, or an error
+text), then the fixed-size parts of the op's answer, then for a pull the values as raw float32
+bytes.  The arrays are never pickled or copied into a message: they go from and into numpy
+buffers.
 
 This module imports no Dask.
 """
@@ -30,13 +33,22 @@ class WireError(RuntimeError):
 PULL, PUSH, EXCHANGE, POLL_WARMSTART = 1, 2, 3, 4
 #: op, replica, seq (-1: none), fetched_version, examples, loss, values that follow, session bytes
 REQUEST = struct.Struct("<BiqqqdqH")
-HELLO = struct.Struct("<H")  # length of the shard id that follows
+HELLO = struct.Struct("<HH")  # lengths of the shard id and of the run's secret that follow
 STATUS = struct.Struct("<BI")  # 0 = ok, else error; length of the error text that follows
 SIZE = struct.Struct("<q")  # the shard's parameter count, after a successful hello
-PUSHED = struct.Struct("<qq??")  # version, staleness, accepted, stop
-PULLED = struct.Struct("<q?qI")  # version, stop, applied_through, len(applied_ahead)
+PUSHED = struct.Struct("<qq??q")  # version, staleness, accepted, stop, generation
+#: version, stop, applied_through, len(applied_ahead), generation
+PULLED = struct.Struct("<q?qIq")
 POLLED = struct.Struct("<q??")  # version, stopped, released (see poll_warmstart)
 OK = STATUS.pack(0, 0)
+
+#: Longest shard id and secret a hello may carry (ids are 32 hex digits, secrets 32 bytes).
+MAX_KEY = 64
+#: Longest session string a request may carry (sessions are 32 hex digits).
+MAX_SESSION = 64
+#: Largest push number, version or example count a request may carry (2**53: exact as float).
+MAX_COUNT = 2**53
+_OPS = {PULL: "pull", PUSH: "push", EXCHANGE: "exchange", POLL_WARMSTART: "warmstart poll"}
 
 #: Ask the kernel for the whole buffer in one call where it can: a 1 MB array then costs one
 #: system call and one hand-back of the GIL instead of one per arriving segment.
@@ -68,6 +80,39 @@ def send_error(conn: socket.socket, text: str) -> None:
     conn.sendall(STATUS.pack(1, len(data)) + data)
 
 
+def check_request(
+    size: int,
+    op: int,
+    replica: int,
+    seq: int,
+    fetched: int,
+    examples: int,
+    n_values: int,
+    n_session: int,
+) -> str | None:
+    """What is wrong with a request head (the fields of :data:`REQUEST` but ``loss``) for a
+    shard of ``size`` values, or None.  Checked before anything after the head is read or any
+    state changes: a head that fails leaves the rest of the stream unreadable, so the shard's
+    side answers with the text and closes the connection."""
+    if op not in _OPS:
+        return f"unknown op {op}; allowed: " + ", ".join(f"{k} ({v})" for k, v in _OPS.items())
+    want = size if op in (PUSH, EXCHANGE) else 0
+    if n_values != want:
+        return f"a {_OPS[op]} to this shard carries {want} values (it owns {size}), got {n_values}"
+    if n_session > MAX_SESSION:
+        return f"a session is at most {MAX_SESSION} bytes, got {n_session}"
+    checks = (
+        ("replica", replica, -1),
+        ("push number", seq, -1),
+        ("fetched version", fetched, 0),
+        ("examples", examples, 0),
+    )
+    for name, value, low in checks:
+        if not low <= value <= MAX_COUNT:
+            return f"{name} must be in [{low}, 2**53], got {value}"
+    return None
+
+
 def pushed(reply: PushReply) -> bytes:
     """The fixed-size answer to a push."""
     return PUSHED.pack(*reply)
@@ -76,7 +121,9 @@ def pushed(reply: PushReply) -> bytes:
 def pulled(reply: PullReply) -> bytes:
     """The fixed-size answer to a pull (the values are sent after it, raw)."""
     ahead = reply.applied_ahead
-    head = PULLED.pack(reply.version, reply.stop, reply.applied_through, len(ahead))
+    head = PULLED.pack(
+        reply.version, reply.stop, reply.applied_through, len(ahead), reply.generation
+    )
     return head + struct.pack(f"<{len(ahead)}q", *ahead)
 
 
@@ -86,10 +133,13 @@ def polled(state: tuple[int, bool, bool]) -> bytes:
 
 
 # -- the replica's side --------------------------------------------------------------------------
-def hello(shard_id: str) -> bytes:
-    """The first bytes of a connection: which shard of the service it is for."""
+def hello(shard_id: str, secret: bytes = b"") -> bytes:
+    """The first bytes of a connection: which shard of the service it is for, and the run's
+    secret that shard was registered with (see :func:`~downpour_dask.ps.service.serve`)."""
     key = shard_id.encode("ascii")
-    return HELLO.pack(len(key)) + key
+    if len(key) > MAX_KEY or len(secret) > MAX_KEY:
+        raise ValueError(f"a shard id and a secret have at most {MAX_KEY} bytes")
+    return HELLO.pack(len(key), len(secret)) + key + bytes(secret)
 
 
 def request(
@@ -105,6 +155,8 @@ def request(
 ) -> bytes:
     """A request's head and session (the gradient, if any, is sent after it, raw)."""
     key = session.encode("ascii")
+    if len(key) > MAX_SESSION:
+        raise ValueError(f"a session is at most {MAX_SESSION} bytes, got {len(key)}")
     seq = -1 if seq is None else seq
     head = REQUEST.pack(op, replica, seq, fetched_version, examples, loss, n_values, len(key))
     return head + key
@@ -125,11 +177,11 @@ def read_reply(sock: socket.socket, op: int, size: int, out: np.ndarray | None) 
     if op in (PUSH, EXCHANGE):
         push = PushReply(*PUSHED.unpack(recv(sock, PUSHED.size)))
     if op in (PULL, EXCHANGE):
-        version, stop, through, n_ahead = PULLED.unpack(recv(sock, PULLED.size))
+        version, stop, through, n_ahead, generation = PULLED.unpack(recv(sock, PULLED.size))
         ahead = struct.unpack(f"<{n_ahead}q", recv(sock, 8 * n_ahead)) if n_ahead else ()
         values = np.empty(size, dtype=DTYPE) if out is None else out
         recv_into(sock, values)
-        pull = PullReply(values, version, stop, through, tuple(ahead))
+        pull = PullReply(values, version, stop, through, tuple(ahead), generation)
     if op == POLL_WARMSTART:
         return POLLED.unpack(recv(sock, POLLED.size))
     if op == EXCHANGE:

@@ -1,7 +1,8 @@
 """What replicas, the driver and shards say to each other, whatever carries it.
 
-The replies of the calls replicas make (:class:`PullReply`, :class:`PushReply`), what a lost
-shard looks like to its callers (:class:`ShardLostError`, :data:`SHARD_ERRORS`,
+The replies of the calls replicas make (:class:`PullReply`, :class:`PushReply`, each naming
+the shard incarnation -- its *generation* -- that answered), what a lost or retired shard looks
+like to its callers (:class:`ShardLostError`, :class:`FencedError`, :data:`SHARD_ERRORS`,
 :func:`is_shard_lost`) and the interface a replica talks to a shard through
 (:class:`ShardChannel`, whose calls are :class:`Call` objects).  The transports -- in-process
 calls, :mod:`~downpour_dask.ps.wire`'s direct connections, Dask actor messages -- all deliver
@@ -30,6 +31,7 @@ class PullReply(NamedTuple):
     stop: bool
     applied_through: int
     applied_ahead: tuple[int, ...]
+    generation: int = 0  # the incarnation of the shard that answered (see FencedError)
 
 
 class PushReply(NamedTuple):
@@ -39,6 +41,7 @@ class PushReply(NamedTuple):
     staleness: int  # updates the shard applied between the pusher's fetch and this push
     accepted: bool  # False: refused (non-finite gradient, or a duplicate)
     stop: bool  # the run is over: the replica should finish
+    generation: int = 0  # the incarnation of the shard that answered (see FencedError)
 
 
 class ShardLostError(RuntimeError):
@@ -47,6 +50,31 @@ class ShardLostError(RuntimeError):
     def __init__(self, message: str, shard: int):
         super().__init__(message)
         self.shard = shard
+
+    def __reduce__(self) -> tuple:  # the shard travels too when Dask sends the error back
+        return type(self), (str(self), self.shard)
+
+
+class FencedError(ShardLostError):
+    """A shard incarnation that was retired answered, or a reply came from an older
+    incarnation than the caller expects: the shard was replaced, and this copy must not serve.
+
+    Every shard incarnation has a *generation*: 0 for the shard the fit started, one more for
+    each replacement.  The driver retires the old incarnation (``retire``) wherever it can still
+    reach it before the replacement serves, and every reply carries its incarnation's generation,
+    so a caller that learnt of a newer generation refuses replies from an older one even when
+    the old copy could not be reached (a stopped worker that came back) -- the fencing of
+    ZooKeeper's epochs or Kafka's leader epochs.  A :class:`ShardLostError`: callers switch to
+    the replacement as they do for a lost shard.
+    """
+
+    #: The first words of the message: a direct connection carries errors as text.
+    PREFIX = "fenced:"
+
+    def __init__(self, message: str, shard: int):
+        if not message.startswith(self.PREFIX):
+            message = f"{self.PREFIX} {message}"
+        super().__init__(message, shard)
 
 
 #: The words Dask's error starts with when the worker holding an actor died: raised by a call on
@@ -65,14 +93,29 @@ LOST_ACTOR = "Worker holding Actor was lost"
 SHARD_ERRORS = (ShardLostError, OSError, TimeoutError, CancelledError)
 
 
+def generation_variable(replacements: str) -> str:
+    """Name of the variable holding the generation of the actor announced in the variable
+    ``replacements`` (set before it: a channel that sees the new actor finds its generation)."""
+    return f"{replacements}-generation"
+
+
+def is_fenced(error: BaseException) -> bool:
+    """Whether ``error`` says the shard answering was retired: a :class:`FencedError`, or the
+    text of one carried over a direct connection (``WireError("FencedError: fenced: ...")``)."""
+    if isinstance(error, FencedError):
+        return True
+    return isinstance(error, RuntimeError) and f"FencedError: {FencedError.PREFIX}" in str(error)
+
+
 def is_shard_lost(error: BaseException) -> bool:
     """Whether ``error``, raised by a call into a parameter-server shard, means the shard (its
     worker) was lost or stopped answering -- rather than a bug or bad input, which must surface.
 
-    True for :data:`SHARD_ERRORS` and for Dask's ``RuntimeError`` about a lost actor
-    (:data:`LOST_ACTOR`); False for any other error, a ``RuntimeError`` included.
+    True for :data:`SHARD_ERRORS`, for a retired incarnation's refusal (:func:`is_fenced`) and
+    for Dask's ``RuntimeError`` about a lost actor (:data:`LOST_ACTOR`); False for any other
+    error, a ``RuntimeError`` included.
     """
-    if isinstance(error, SHARD_ERRORS):
+    if isinstance(error, SHARD_ERRORS) or is_fenced(error):
         return True
     return isinstance(error, RuntimeError) and str(error).startswith(LOST_ACTOR)
 

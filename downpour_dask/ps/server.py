@@ -2,7 +2,7 @@
 
 :class:`ParameterServer` is what the driver and the replicas hold: it places the shards on
 distinct workers, cuts pushes and assembles pulls by range, and reports per-shard statistics.
-It pickles to actor references only (:class:`ActorRef`), so it can be passed to tasks.
+It pickles to actor references only (:class:`~.refs.ActorRef`), so it can be passed to tasks.
 """
 
 from __future__ import annotations
@@ -11,43 +11,18 @@ import copy
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pandas as pd
-from distributed import Actor, Client, Future
+from distributed import Client, Future
 
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE, split_range
 from ..runtime.cluster import cluster_workers
-from ..runtime.dask_internals import actor_handle
 from .protocol import PushReply, ShardLostError, is_shard_lost
+from .refs import ActorRef, refer
 from .shard import ParameterServerShard
-
-
-class ActorRef(NamedTuple):
-    """What a task needs to reach an actor: its class, worker address and key.
-
-    Task arguments carry these instead of :class:`distributed.Actor` handles.  A handle made in
-    the driver holds a future of its key, and Dask's client keeps its recent messages (up to
-    ``distributed.admin.low-level-log-length``, 1000), task arguments included: handles in
-    arguments kept every fit's shards alive on the workers long after the fit ended (they were
-    never released).  :meth:`open` makes the handle inside the task.
-    """
-
-    cls: type
-    address: str
-    key: str
-
-    def open(self) -> Actor:
-        """An actor handle (call it from the task that uses it, on a worker)."""
-        return actor_handle(self.cls, self.address, self.key)
-
-
-def refer(actor: Any, cls: type, address: str) -> ActorRef:
-    """An :class:`ActorRef` to ``actor`` (a handle, or already a reference)."""
-    return actor if isinstance(actor, ActorRef) else ActorRef(cls, address, actor.key)
-
 
 #: Initial shard values larger than this (bytes) are scattered to their worker before the shard
 #: is created, rather than sent inside the task (Dask warns about graphs over 10 MB); smaller
@@ -82,12 +57,18 @@ class ParameterServer:
         self.shards, self.ranges, self.workers = shards, ranges, workers
         self.size = ranges[-1][1]
         self.ids = list(range(len(shards))) if ids is None else list(ids)
+        #: Each shard's current incarnation: 0 at the start, one more per replacement.
+        self.generations = [0] * len(shards)
+        self.max_grad_norm: float | None = None  # what create() gave the shards
         self.shard_class: type = ParameterServerShard
         self._futures = futures or []
+        self._retired: list[Future] = []  # replaced shards' futures, until close()
+        self.wire_secret = b""  # the run's secret for direct connections (see ps/service.py)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_futures"] = []  # futures stay with the driver, which keeps the actors alive
+        state["_futures"] = state["_retired"] = []  # the driver's: they keep the actors alive
+        state["wire_secret"] = b""  # stays with the driver: replicas get it in their config
         return state
 
     @property
@@ -100,14 +81,14 @@ class ParameterServer:
         there why); the task calls :meth:`opened`."""
         view = copy.copy(self)
         view.shards = [refer(a, self.shard_class, w) for a, w in zip(self.shards, self.workers)]
-        view._futures = []
+        view._futures = view._retired = []
         return view
 
     def opened(self) -> ParameterServer:
         """A copy whose shards are actor handles (in a task: from :meth:`portable`'s refs)."""
         view = copy.copy(self)
         view.shards = [a.open() if isinstance(a, ActorRef) else a for a in self.shards]
-        view._futures = []
+        view._futures = view._retired = []
         return view
 
     def subset(self, first: int, stop: int) -> ParameterServer:
@@ -122,6 +103,7 @@ class ParameterServer:
             ids=self.ids[first:stop],
         )
         view.shard_class = self.shard_class
+        view.generations = self.generations[first:stop]
         return view
 
     @classmethod
@@ -136,6 +118,8 @@ class ParameterServer:
         shard_class: type = ParameterServerShard,
         restore: list[dict[str, Any]] | None = None,
         ranges: list[tuple[int, int]] | None = None,
+        wire_secret: bytes = b"",
+        max_grad_norm: float | None = None,
         **per_element: np.ndarray,
     ) -> ParameterServer:
         """Start ``n_shards`` shard actors holding ``initial``, on distinct workers where possible.
@@ -147,7 +131,9 @@ class ParameterServer:
         constructor as a keyword argument of the same name.  ``restore`` (one dict per shard,
         see :meth:`ParameterServerShard.export_state`) continues shards from saved state.
         ``ranges`` chooses the shards' ranges (default: ``split_range``, balanced); they must
-        tile the vector in order.
+        tile the vector in order.  ``wire_secret`` is what a direct connection to a shard must
+        present (see :mod:`~downpour_dask.ps.service`); ``max_grad_norm`` caps each push's norm
+        on each shard.
         """
         if workers is None:
             workers = sorted(cluster_workers(client))
@@ -178,6 +164,8 @@ class ParameterServer:
                     rule,
                     **{name: array[lo:hi] for name, array in per_element.items()},
                     **({} if restore is None else {"restore": restore[i]}),
+                    **({"wire_secret": wire_secret} if wire_secret else {}),
+                    **({} if max_grad_norm is None else {"max_grad_norm": max_grad_norm}),
                     actor=True,
                     workers=[address],
                     allow_other_workers=False,
@@ -194,6 +182,7 @@ class ParameterServer:
             raise
         server = cls(shards, ranges, placed, futures)
         server.shard_class = shard_class
+        server.wire_secret, server.max_grad_norm = wire_secret, max_grad_norm
         return server
 
     def call_all(
@@ -279,13 +268,14 @@ class ParameterServer:
         restore: dict[str, Any],
         timeout: float = 60.0,
     ) -> Future:
-        """Start a new actor for shard ``i`` on ``worker`` from saved state (see
-        :meth:`ParameterServerShard.export_state`) and use it from now on; return its future.
-
-        Only the default shard class is supported (Downpour's); the lost actor's future is
-        released.
+        """Start the next incarnation (generation) of shard ``i`` on ``worker`` from saved state
+        (see :meth:`ParameterServerShard.export_state`) and use it from now on; return its
+        future.  Only the default shard class (Downpour's) is supported.  The old actor's future
+        is kept until :meth:`close`, so that it can still be retired (see
+        :meth:`ParameterServerShard.retire`) should its worker come back.
         """
         lo, hi = self.ranges[i]
+        generation = self.generations[i] + 1
         future = client.submit(
             ParameterServerShard,
             i,
@@ -294,16 +284,24 @@ class ParameterServer:
             np.ascontiguousarray(values, dtype=DTYPE),
             rule,
             restore=restore,
+            wire_secret=self.wire_secret,
+            generation=generation,
+            max_grad_norm=self.max_grad_norm,
             actor=True,
             workers=[worker],
             allow_other_workers=False,
             pure=False,
             key=f"parameterservershard-{i}-{uuid.uuid4().hex[:8]}",
         )
-        actor = future.result(timeout=timeout)
+        try:
+            actor = future.result(timeout=timeout)
+        except BaseException:  # e.g. its worker died too: nothing of it must linger
+            future.release()
+            raise
         self.shards[i], self.workers[i] = actor, worker
+        self.generations[i] = generation
         if i < len(self._futures):
-            self._futures[i].release()
+            self._retired.append(self._futures[i])
             self._futures[i] = future
         return future
 
@@ -360,9 +358,10 @@ class ParameterServer:
         """Each shard's consistent state (see :meth:`ParameterServerShard.export_state`)."""
         return self.call_all(ParameterServerShard.export_state, timeout=timeout)
 
-    def request_stop(self, timeout: float = 60.0) -> None:
-        """Tell every shard to report the stop flag to replicas."""
-        self.call_all(ParameterServerShard.request_stop, timeout=timeout)
+    def request_stop(self, timeout: float = 60.0, who: str = "driver") -> None:
+        """Tell every shard to report the stop flag to replicas (with the run's secret, which
+        only the driver holds: see :meth:`ParameterServerShard.request_stop`)."""
+        self.call_all(ParameterServerShard.request_stop, self.wire_secret, who, timeout=timeout)
 
     def shard_status(self, i: int, timeout: float = 60.0) -> dict[str, Any]:
         """Shard ``i``'s counters, as one row of :meth:`status` (without ``worker``)."""
@@ -392,7 +391,7 @@ class ParameterServer:
         of its key, and a handle caught in a reference cycle would keep its actor alive until
         Python's cyclic garbage collector happens to run.
         """
-        for f in self._futures:
+        for f in self._futures + self._retired:
             f.release()
-        self._futures = []
+        self._futures, self._retired = [], []
         self.shards = [refer(a, self.shard_class, w) for a, w in zip(self.shards, self.workers)]

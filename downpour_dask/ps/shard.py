@@ -22,7 +22,6 @@ is plain TCP.  A lock keeps those calls atomic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import threading
 import time
@@ -32,35 +31,14 @@ from typing import Any
 import numpy as np
 from distributed import get_worker
 
+from ..core.guard import GuardedUpdate, clip_norm
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
 from ..runtime.malloc import tune_malloc
+from .fencing import Incarnation
+from .ordering import InOrder, SeqTracker
 from .protocol import PullReply, PushReply
-from .wire import serve
-
-
-class _SeqTracker:
-    """Which push numbers of one replica session a shard has processed.
-
-    ``through`` is the largest n such that pushes 0..n were all processed; ``ahead`` holds the few
-    processed pushes above it (pushes may overtake each other on the network).
-    """
-
-    __slots__ = ("through", "ahead")
-
-    def __init__(self) -> None:
-        self.through = -1
-        self.ahead: set[int] = set()
-
-    def seen(self, seq: int) -> bool:
-        return seq <= self.through or seq in self.ahead
-
-    def add(self, seq: int) -> None:
-        self.ahead.add(seq)
-        while self.through + 1 in self.ahead:
-            self.through += 1
-            self.ahead.discard(self.through)
-
+from .service import serve
 
 
 def _tcp_host() -> str | None:
@@ -76,7 +54,7 @@ def _tcp_host() -> str | None:
     return host.strip("[]")
 
 
-class ParameterServerShard:
+class ParameterServerShard(InOrder, Incarnation):
     """A Dask actor owning parameters ``[start, stop)``, their update-rule state and a version.
 
     Parameters
@@ -88,10 +66,20 @@ class ParameterServerShard:
         Initial values of that range (copied, stored as float32).
     rule : UpdateRule
         How pushed gradients are applied (see :mod:`downpour_dask.optim`).
+    restore : dict, optional
+        State to continue from (see :meth:`export_state`).
+    generation : int, default 0
+        Which incarnation of shard ``shard_id`` this is: 0 for the fit's first, one more for
+        each replacement.  Every reply carries it (see
+        :class:`~downpour_dask.ps.protocol.FencedError`).
+    wire_secret : bytes, default b""
+        The run's secret: a direct connection's hello must carry it, and :meth:`request_stop`
+        and :meth:`retire` need it (b"" accepts any caller).
+    max_grad_norm : float, optional
+        Cap on the L2 norm of each pushed gradient *over this shard's slice*: a push with a
+        larger norm is scaled down to it (each shard decides alone, so no shard waits for the
+        others to learn the whole gradient's norm).
     """
-
-    #: Seconds a push waits for an earlier push of its replica session before it is applied.
-    ORDER_WAIT = 5.0
 
     def __init__(
         self,
@@ -102,6 +90,9 @@ class ParameterServerShard:
         rule: UpdateRule,
         *,
         restore: dict[str, Any] | None = None,
+        wire_secret: bytes = b"",
+        generation: int = 0,
+        max_grad_norm: float | None = None,
     ):
         if values.shape != (stop - start,):
             raise ValueError(
@@ -122,9 +113,17 @@ class ParameterServerShard:
         self.recent_loss = math.nan
         self.staleness_sum = 0
         self.staleness_max = 0
+        self.generation = int(generation)
+        self.retired_by: int | None = None  # the generation that replaced this incarnation
+        self.started_at = 0  # the version this incarnation started from
+        self.fenced_calls = 0  # calls refused after retirement
+        self.clipped = 0
+        self.max_grad_norm = max_grad_norm
         if restore is not None:
             self._restore(restore)
-        self._seqs: dict[tuple[int, str], _SeqTracker] = {}
+        self.started_at = self.version
+        self._guard = GuardedUpdate(rule, self.values, self.state)
+        self._seqs: dict[tuple[int, str], SeqTracker] = {}
         self._sessions: set[str] = set()  # replica sessions that pulled or pushed here
         self._events: list[tuple[float, str, str, dict[str, Any]]] = []
         self._arrived: asyncio.Condition | None = None
@@ -134,6 +133,7 @@ class ParameterServerShard:
         self._lock = threading.Lock()
         self._host = _tcp_host()
         self._endpoint: tuple[str, int, str] | None = None
+        self._wire_secret = wire_secret  # a direct connection's hello must carry it
 
     # -- what replicas call (async: served on the event loop, see the module docstring) ----------
     async def pull(self, replica: int = -1, session: str = "") -> PullReply:
@@ -162,41 +162,8 @@ class ParameterServerShard:
         or None when the worker's comm is not plain TCP (e.g. TLS), so the replica keeps using
         actor calls."""
         if self._endpoint is None and self._host is not None:
-            self._endpoint = serve(self, self._host)
+            self._endpoint = serve(self, self._host, self._wire_secret)
         return self._endpoint
-
-    async def _notify(self) -> None:
-        """Wake pushes waiting in :meth:`_in_order` for the one just applied."""
-        if self._arrived is not None:
-            async with self._arrived:
-                self._arrived.notify_all()
-
-    async def _in_order(self, replica: int, session: str, seq: int | None) -> None:
-        """Wait (briefly) until this session's earlier pushes are in, so a replica's pushes are
-        applied in the order it made them even when messages overtake each other.
-
-        A push whose predecessor does not arrive within :attr:`ORDER_WAIT` seconds (its sender
-        died mid-send) is applied anyway; retried and duplicate pushes pass straight through.
-        """
-        if seq is None:
-            return
-        tracker = self._seqs.get((replica, session))
-        through = -1 if tracker is None else tracker.through
-        if seq <= through + 1 or (tracker is not None and tracker.seen(seq)):
-            return
-        if self._arrived is None:  # created here: it must belong to the worker's event loop
-            self._arrived = asyncio.Condition()
-        deadline = time.monotonic() + self.ORDER_WAIT
-        async with self._arrived:
-            while True:
-                tracker = self._seqs.get((replica, session))
-                if tracker is not None and (tracker.through >= seq - 1 or tracker.seen(seq)):
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
 
     # -- the shard's state -----------------------------------------------------------------------
     def snapshot(self, replica: int = -1, session: str = "") -> PullReply:
@@ -209,11 +176,13 @@ class ParameterServerShard:
         ``out`` instead of a new array: a fresh array of tens of MB is page-faulted afresh on
         every pull (allocations above glibc's 32 MiB limit are always new mappings)."""
         with self._lock:
+            self._serving()
             if session:
                 self._sessions.add(session)
             np.copyto(out, self.values)
-            tracker = self._seqs.get((replica, session)) or _SeqTracker()
-            return PullReply(out, self.version, self.stopped, tracker.through, tuple(tracker.ahead))
+            tracker = self._seqs.get((replica, session)) or SeqTracker()
+            through, ahead = tracker.through, tuple(tracker.ahead)
+            return PullReply(out, self.version, self.stopped, through, ahead, self.generation)
 
     def apply_push(
         self,
@@ -228,8 +197,12 @@ class ParameterServerShard:
     ) -> PushReply:
         """Apply one accumulated gradient with the update rule; return the new version.
 
-        A gradient containing NaN or inf is refused: the parameters are left untouched, the
-        refusal is counted and recorded as a ``gradient_refused`` event.  A push whose ``seq``
+        A gradient containing NaN or inf, or one whose update would make the parameters or the
+        rule's state (e.g. Adagrad's sums of squares) non-finite, is refused: the parameters
+        are left untouched, the refusal is counted and recorded as a ``gradient_refused``
+        event (data ``replica``, ``non_finite``: values, ``reason``).  With ``max_grad_norm``
+        a larger gradient is scaled down first.  A retired incarnation raises
+        :class:`~downpour_dask.ps.protocol.FencedError` and changes nothing.  A push whose ``seq``
         this replica session already delivered is ignored, so a retried push is applied once.
         ``loss`` (the replica's mean training loss over the pushed steps) only feeds the shard's
         ``recent_loss`` for live progress displays.
@@ -238,6 +211,7 @@ class ParameterServerShard:
             return self._apply_push(grad, fetched_version, replica, seq, session, examples, loss)
 
     def _apply_push(self, grad, fetched_version, replica, seq, session, examples, loss):
+        self._serving()
         if grad.shape != self.values.shape:
             raise ValueError(
                 f"shard {self.shard_id} owns {self.values.shape[0]} parameters, got a gradient of "
@@ -248,27 +222,24 @@ class ParameterServerShard:
             self._sessions.add(session)
         tracker = None
         if seq is not None:
-            tracker = self._seqs.setdefault((replica, session), _SeqTracker())
+            tracker = self._seqs.setdefault((replica, session), SeqTracker())
             if tracker.seen(seq):
                 self.duplicates += 1
-                return PushReply(self.version, staleness, False, self.stopped)
+                return self._reply(staleness, False)
             tracker.add(seq)
         # One fast float32 sum: it is NaN or inf if any element is.  Huge finite values can make
         # it overflow too; only then is every element checked (a temporary the grad's size).
         if not math.isfinite(float(np.add.reduce(grad))) and not np.isfinite(grad).all():
-            self.refused += 1
             bad = int(np.count_nonzero(~np.isfinite(grad)))
-            self._events.append(
-                (
-                    time.time(),
-                    "gradient_refused",
-                    f"shard {self.shard_id}: replica {replica} pushed {bad} non-finite values; "
-                    f"parameters left unchanged",
-                    {"replica": int(replica), "non_finite": bad},
-                )
-            )
-            return PushReply(self.version, staleness, False, self.stopped)
-        self.rule.update(self.values, grad, self.state, staleness=staleness)
+            return self._refuse(replica, staleness, f"pushed {bad} non-finite values", bad)
+        if self.max_grad_norm is not None:
+            grad = np.array(grad, copy=True)  # the caller's buffer (or wire.py's) stays as sent
+            if clip_norm(grad, self.max_grad_norm) > self.max_grad_norm:
+                self.clipped += 1
+        overflow = self._guard.apply(self.values, grad, self.state, staleness=staleness)
+        if overflow is not None:
+            reason = f"pushed a gradient that would make the {overflow} non-finite"
+            return self._refuse(replica, staleness, reason, 0)
         self.version += 1
         self.accepted_by_replica[replica] += 1
         self.examples += int(examples)
@@ -278,7 +249,23 @@ class ParameterServerShard:
             )
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
-        return PushReply(self.version, staleness, True, self.stopped)
+        return self._reply(staleness, True)
+
+    def _reply(self, staleness: int, accepted: bool) -> PushReply:
+        return PushReply(self.version, staleness, accepted, self.stopped, self.generation)
+
+    def _refuse(self, replica: int, staleness: int, reason: str, non_finite: int) -> PushReply:
+        """Count and record a refused push (``gradient_refused``); the state is unchanged."""
+        self.refused += 1
+        self._events.append(
+            (
+                time.time(),
+                "gradient_refused",
+                f"shard {self.shard_id}: replica {replica} {reason}; parameters left unchanged",
+                {"replica": int(replica), "non_finite": non_finite, "reason": reason},
+            )
+        )
+        return self._reply(staleness, False)
 
     def _restore(self, saved: dict[str, Any]) -> None:
         """Continue from a state exported by :meth:`export_state` (or read from a checkpoint):
@@ -326,6 +313,8 @@ class ParameterServerShard:
 
     def warmstart_state(self) -> tuple[int, bool, bool]:
         """What a replica waiting for the warmstart looks at: ``(version, stopped, released)``."""
+        with self._lock:
+            self._serving()
         return self.version, self.stopped, self.released
 
     async def poll_warmstart(self) -> tuple[int, bool, bool]:
@@ -337,13 +326,26 @@ class ParameterServerShard:
         when replica 0 finished before reaching it)."""
         self.released = True
 
-    async def request_stop(self) -> None:
-        """Raise the stop flag that pulls and pushes report to replicas."""
+    async def request_stop(self, token: bytes = b"", who: str = "") -> None:
+        """Raise the stop flag that pulls and pushes report to replicas.
+
+        Needs the run's ``wire_secret``; a call without it raises PermissionError and is
+        recorded as a ``stop_refused`` event naming ``who`` said it asked."""
+        asker = who or "an unnamed caller"
+        self._check_token(token, "stop_refused", f"a stop requested by {asker}")
         self.stopped = True
 
     async def status(self) -> dict[str, Any]:
-        """Counters of this shard: version, accepted/refused/duplicate pushes, examples, recent
-        training loss, staleness."""
+        """:meth:`counters` as an actor call."""
+        return self.counters()
+
+    def counters(self) -> dict[str, Any]:
+        """Counters of this shard (read only, under the lock): version, accepted/refused/
+        duplicate pushes, examples, recent training loss, staleness, generation."""
+        with self._lock:
+            return self._counters()
+
+    def _counters(self) -> dict[str, Any]:
         accepted = sum(self.accepted_by_replica.values())
         return {
             "shard": self.shard_id,
@@ -360,6 +362,11 @@ class ParameterServerShard:
             "accepted_by_replica": dict(self.accepted_by_replica),
             "stopped": self.stopped,
             "sessions": sorted(self._sessions),
+            "generation": self.generation,
+            "started_at": self.started_at,
+            "retired_by": self.retired_by,
+            "fenced_calls": self.fenced_calls,
+            "clipped": self.clipped,
         }
 
     async def events(self, since: int = 0) -> list[tuple[float, str, str, dict[str, Any]]]:

@@ -11,9 +11,11 @@ evaluation pulls, checkpoints) stay actor calls.
 The calls are ``pull``, ``push``, ``exchange``, and ``poll_warmstart`` while a replica waits for
 replica 0's warmstart; :mod:`~downpour_dask.ps.frames` defines their bytes.
 
-- Each worker process holding shards runs one :class:`ShardService`: a listening TCP socket on
-  the worker's own host and one thread per connection.  A shard registers with it and gets a
-  random id; the id, sent first on every connection, is what selects the shard.
+- Each worker process holding shards runs one :class:`~downpour_dask.ps.service.ShardService`
+  (:mod:`~downpour_dask.ps.service`, which also says what it guards against): a listening TCP
+  socket on the worker's own host and one thread per accepted connection.  A shard registers
+  with it under the run's secret and gets a random id; the id and the secret, sent first on
+  every connection (the *hello*), select the shard and prove the connection is from the run.
 - A replica opens one :class:`WireClient` per remote shard.  Requests are written from a sender
   thread; a receiver thread reads the replies, which come back in request order, and completes
   the :class:`WireCall` of each.  One connection per (replica, shard) also keeps a replica's
@@ -22,9 +24,10 @@ replica 0's warmstart; :mod:`~downpour_dask.ps.frames` defines their bytes.
   ``ConnectionError`` (an ``OSError``), which the replica treats like a lost actor.
 
 The path is used only where Dask's own comm is plain TCP (a TLS cluster keeps actor messages)
-and the replica's connection succeeds; otherwise the replica calls the actor as before.  Like
-Dask's TCP comm it is unauthenticated; the shard id (128 random bits) is needed to address a
-shard.  This module does not import Dask.
+and the replica's connection succeeds; otherwise the replica calls the actor as before.  Unlike
+Dask's plain TCP comm it is authenticated by the per-run secret (sent in clear: it keeps out
+processes that are not in the run, not an eavesdropper on the network; use TLS for that, which
+keeps every call on Dask's comm).  This module does not import Dask.
 """
 
 from __future__ import annotations
@@ -34,8 +37,6 @@ import queue
 import socket
 import struct
 import threading
-import uuid
-import weakref
 from typing import Any
 
 import numpy as np
@@ -43,104 +44,9 @@ import numpy as np
 from ..core.params import DTYPE
 from . import frames
 from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH, WireError
+from .service import ShardService, serve, unregister
 
-__all__ = ["ShardService", "WireCall", "WireClient", "WireError", "serve"]
-
-
-# -- the shard's side --------------------------------------------------------------------------
-class ShardService:
-    """One listening socket per worker process, serving every shard registered with it.
-
-    Shards are held by weak reference: registering does not keep a finished fit's shard alive
-    (a connection does, while it is open).
-    """
-
-    def __init__(self, host: str):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.bind((host, 0))
-        self._listener.listen(128)
-        self.host = host
-        self.port = self._listener.getsockname()[1]
-        self._shards: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-        thread = threading.Thread(target=self._accept, name="downpour-wire-accept", daemon=True)
-        thread.start()
-
-    def register(self, shard: Any) -> tuple[str, int, str]:
-        """Serve ``shard`` (it needs ``values``, ``apply_push`` and ``snapshot_into``); return
-        the endpoint replicas connect to: ``(host, port, shard id)``."""
-        shard_id = uuid.uuid4().hex
-        self._shards[shard_id] = shard
-        return self.host, self.port, shard_id
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:  # the listener was closed
-                return
-            threading.Thread(
-                target=self._serve, args=(conn,), name="downpour-wire-shard", daemon=True
-            ).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        """Answer one replica's requests, in order, until it closes the connection."""
-        with conn, contextlib.suppress(OSError):
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            (n,) = frames.HELLO.unpack(frames.recv(conn, frames.HELLO.size))
-            shard = self._shards.get(frames.recv(conn, n).decode("ascii", "replace"))
-            if shard is None:
-                frames.send_error(conn, "no such parameter-server shard on this worker (it ended)")
-                return
-            size = shard.values.shape[0]
-            grad = np.empty(size, dtype=DTYPE)
-            out = np.empty(size, dtype=DTYPE)
-            conn.sendall(frames.OK + frames.SIZE.pack(size))
-            head = bytearray(frames.REQUEST.size)
-            while True:
-                frames.recv_into(conn, head)
-                op, replica, seq, fetched, examples, loss, n_values, n_session = (
-                    frames.REQUEST.unpack(head)
-                )
-                session = frames.recv(conn, n_session).decode("ascii", "replace")
-                if n_values not in (0, size):  # the stream cannot be trusted after this
-                    text = f"a gradient of {n_values} values for a shard of {size}"
-                    frames.send_error(conn, text)
-                    return
-                if n_values:
-                    frames.recv_into(conn, grad)
-                try:
-                    parts = [frames.OK]
-                    if op in (PUSH, EXCHANGE):
-                        kw = dict(seq=None if seq < 0 else seq, session=session)
-                        reply = shard.apply_push(
-                            grad, fetched, replica, examples=examples, loss=loss, **kw
-                        )
-                        parts.append(frames.pushed(reply))
-                    if op == POLL_WARMSTART:
-                        parts.append(frames.polled(shard.warmstart_state()))
-                    if op in (PULL, EXCHANGE):
-                        parts.append(frames.pulled(shard.snapshot_into(out, replica, session)))
-                except Exception as err:  # reported to the replica; the connection stays usable
-                    frames.send_error(conn, f"{type(err).__name__}: {err}")
-                    continue
-                conn.sendall(b"".join(parts))
-                if op in (PULL, EXCHANGE):
-                    conn.sendall(out)
-
-
-_SERVICE: ShardService | None = None
-_SERVICE_LOCK = threading.Lock()
-
-
-def serve(shard: Any, host: str) -> tuple[str, int, str]:
-    """Serve ``shard`` on this process's :class:`ShardService` (started on first use, bound to
-    ``host``); return its endpoint ``(host, port, shard id)``."""
-    global _SERVICE
-    with _SERVICE_LOCK:
-        if _SERVICE is None or _SERVICE.host != host:
-            _SERVICE = ShardService(host)
-        return _SERVICE.register(shard)
+__all__ = ["ShardService", "WireCall", "WireClient", "WireError", "serve", "unregister"]
 
 
 # -- the replica's side ------------------------------------------------------------------------
@@ -181,15 +87,18 @@ class WireClient:
     endpoint : (host, port, shard id)
         From the shard's ``open_wire()``.
     timeout : float
-        Seconds to connect and to hear the shard accept the id.
+        Seconds to connect and to hear the shard accept the hello.
+    secret : bytes
+        The run's wire secret the shard was registered with (see
+        :func:`~downpour_dask.ps.service.serve`).
     """
 
-    def __init__(self, endpoint: tuple[str, int, str], timeout: float = 10.0):
+    def __init__(self, endpoint: tuple[str, int, str], timeout: float = 10.0, secret: bytes = b""):
         host, port, shard_id = endpoint
         sock = socket.create_connection((host, int(port)), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(frames.hello(shard_id))
+            sock.sendall(frames.hello(shard_id, secret))
             frames.check_status(sock)
             (self.size,) = frames.SIZE.unpack(frames.recv(sock, frames.SIZE.size))
             sock.settimeout(None)  # replies may be slow; the replica has its own deadlines

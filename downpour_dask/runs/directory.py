@@ -6,6 +6,8 @@ is installed, ``accuracy_vs_time.png`` and ``loss_vs_time.png``.  The config hol
 ``get_config()`` (or, for a model without one, a description: :func:`load_run` then needs the
 model).  While a Downpour job runs, its settings and checkpoints live in a partial directory
 next to it (:func:`partial_directory`).
+``overwrite`` replaces only a run directory (:func:`check_replaceable`): never a user's
+directory that happens to have the same name.
 """
 
 from __future__ import annotations
@@ -31,11 +33,56 @@ def partial_directory(target: str | os.PathLike[str]) -> Path:
     return target.parent / f".{target.name}.partial"
 
 
+def is_run_directory(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory a run wrote: it holds a ``config.json`` whose content is
+    a JSON object (what :meth:`Experiment.save` writes)."""
+    config = Path(path) / "config.json"
+    if Path(path).is_symlink() or not config.is_file():
+        return False
+    try:
+        return isinstance(json.loads(config.read_text()), dict)
+    except (ValueError, OSError):
+        return False
+
+
+def check_replaceable(target: str | os.PathLike[str], overwrite: bool) -> None:
+    """Refuse to write run directory ``target`` over something it may not replace.
+
+    Raises
+    ------
+    FileExistsError
+        If ``target`` exists and ``overwrite`` is False, or it exists and is not a run
+        directory (see :func:`is_run_directory`): ``overwrite`` replaces only a run directory.
+        Nothing is deleted either way.
+    """
+    target = Path(target)
+    if not (target.exists() or target.is_symlink()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"run directory {str(target)!r} exists; choose another name")
+    if not is_run_directory(target):
+        what = "a directory" if target.is_dir() else "a file"
+        raise FileExistsError(
+            f"{str(target)!r} exists and is {what} without a run's config.json, so it is not a "
+            f"run directory: --overwrite (overwrite=True) replaces only a run directory; "
+            f"nothing was deleted, choose another name or remove it yourself"
+        )
+
+
 def write_json(path: Path, value: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
+    """Write JSON atomically and durably (temp file, fsync, rename, fsync of the directory):
+    a resumed job reads its settings from here."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
+    with open(tmp, "w") as f:
+        f.write(json.dumps(value, indent=1, default=str))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_run(
@@ -44,17 +91,20 @@ def save_run(
     params: np.ndarray,
     overwrite: bool = False,
 ) -> Path:
-    """Write a complete run directory atomically: the experiment, ``params.npz`` and plots."""
+    """Write a complete run directory atomically: the experiment, ``params.npz`` and plots.
+
+    ``overwrite`` replaces an existing *run* directory only (see :func:`check_replaceable`).
+    """
     target = Path(path)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"run directory {str(target)!r} exists")
+    check_replaceable(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         inner = experiment.save(staging / "run")
         np.savez(inner / "params.npz", params=np.asarray(params))
         _plot_run(experiment, inner, target.name)
-        if target.exists():
+        if target.exists() or target.is_symlink():
+            check_replaceable(target, overwrite)  # it may have changed while the fit ran
             shutil.rmtree(target)
         os.replace(inner, target)
     finally:

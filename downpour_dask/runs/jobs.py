@@ -15,7 +15,7 @@ from typing import Any
 from ..checkpoint import has_checkpoint, read_checkpoint
 from ..live import check_name
 from ..log import Progress
-from .directory import partial_directory, save_run, write_json
+from .directory import check_replaceable, partial_directory, save_run, write_json
 from .settings import (
     ALGORITHM_DEFAULTS,
     DEFAULTS,
@@ -67,7 +67,8 @@ def prepare(settings: dict[str, Any]) -> Job:
     ValueError, TypeError
         For a bad setting (the message names it and what is allowed).
     FileExistsError
-        If the run directory exists and ``overwrite`` is not set.
+        If the run directory exists and ``overwrite`` is not set, or it exists and is not a
+        run directory (``overwrite`` replaces only a run directory).
     """
     algorithm = settings.get("algorithm", DEFAULTS["algorithm"])
     accepted = estimator_arguments(algorithm)  # raises for an unknown algorithm
@@ -97,8 +98,7 @@ def prepare(settings: dict[str, Any]) -> Job:
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"name must be a plain directory name, got {name!r}")
     target = Path(job["out"]) / name
-    if target.exists() and not job.get("overwrite"):
-        raise FileExistsError(f"run directory {str(target)!r} exists; choose another name")
+    check_replaceable(target, bool(job.get("overwrite")))
     publish = job.get("publish")
     if publish is not None:
         if algorithm != "downpour":
@@ -165,7 +165,9 @@ def run(
     extra = {}
     if job.settings.get("publish") is not None:  # watch it: downpour-dask watch NAME
         extra["publish"] = job.settings["publish"]
+    ours = job.resume_from is not None  # a partial directory this job (or its start) made
     if job.partial is not None:
+        ours = ours or not job.partial.exists()
         job.partial.mkdir(parents=True, exist_ok=True)
         if job.resume_from is None:
             settings = {**job.settings, "name": job.target.name, "out": str(job.target.parent)}
@@ -175,7 +177,7 @@ def run(
     try:
         estimator.fit(job.train, eval_data=job.test, client=client, callback=callback, **extra)
     except BaseException:
-        if job.partial is not None and job.resume_from is None:
+        if job.partial is not None and job.resume_from is None and ours:
             if not has_checkpoint(job.estimator.checkpoint_dir):  # nothing to resume from
                 shutil.rmtree(job.partial, ignore_errors=True)
         raise
@@ -183,7 +185,7 @@ def run(
     experiment.config.update(dataset=str(job.settings["dataset"]), model_spec=job.settings["model"])
     overwrite = bool(job.settings.get("overwrite"))
     path = save_run(job.target, experiment, estimator.params_, overwrite=overwrite)
-    if job.partial is not None:
+    if job.partial is not None and ours:
         shutil.rmtree(job.partial, ignore_errors=True)
     return RunResult(path, estimator, experiment.summary())
 

@@ -66,7 +66,7 @@ def actor_handle(cls: type, address: str, key: str) -> Actor:
     """A handle to the actor ``key`` of class ``cls`` living on the worker at ``address``.
 
     Lets a task reach an actor from a plain (class, address, key) triple instead of receiving
-    a handle in its arguments (see :class:`downpour_dask.ps.server.ActorRef` for why).
+    a handle in its arguments (see :class:`downpour_dask.ps.refs.ActorRef` for why).
 
     Relies on the constructor ``distributed.Actor(cls, address, key)``, which Dask itself uses
     to unpickle handles (``Actor.__reduce__``) but does not document for users (checked:

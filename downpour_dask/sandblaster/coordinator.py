@@ -8,10 +8,23 @@ the shards.  Evaluations of ``eval_data`` run on a worker while the coordinator 
 Everything the fit records -- events with structured data, one push row per counted portion,
 one evaluation row per iteration, progress snapshots -- goes through a
 :class:`~downpour_dask.base.RunRecorder`.
+
+**Shard loss.**  After every iteration the coordinator keeps the iterate ``x`` (one vector, the
+only one it ever gathers during the fit).  When a shard is lost (its worker dies or stops
+answering: :class:`~downpour_dask.ps.protocol.ShardLostError` from a pass, see
+:mod:`~downpour_dask.sandblaster.portions`), it starts new shards holding that iterate, records
+a ``shard_restored`` event and continues L-BFGS from there with the iterations and seconds
+left.  The curvature history and the search direction were on the lost shard's range too, so
+the restarted L-BFGS begins with an empty history (its first step is a gradient step); nothing
+already counted is lost, but the iterations after a restore may differ from an undisturbed
+run's.  After :attr:`Coordinator.MAX_RESTORES` restores the error is raised.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +37,9 @@ from ..core import optim
 from ..core.lbfgs import LBFGS, LBFGSResult
 from ..core.models import Model, from_config
 from ..core.params import DTYPE, split_range
+from ..core.protocol import TrainableModel
 from ..log import Experiment, Progress, PushRow
+from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from .portions import Portions
@@ -65,6 +80,9 @@ class Coordinator:
     experiment : Experiment
     """
 
+    #: Lost-shard restores one fit makes before it fails with the loss.
+    MAX_RESTORES = 3
+
     def __init__(
         self,
         est: ParamServerEstimator,
@@ -81,7 +99,12 @@ class Coordinator:
         self.model = est.model if model is None else model  # the model built at fit
         self.start = initial  # warm start: the previous fit's parameters
         self.evaluation, self.delay, self.callback = evaluation, delay, callback
-        self.token = uuid.uuid4().hex[:12]
+        self.token = ""  # the current attempt's (see _attempt); workers cache parameters by it
+        self.tokens: list[str] = []
+        self.x_last: np.ndarray | None = None  # the iterate of the last completed iteration
+        self.done_iter = -1  # ... and its number
+        self._offset = 0  # iterations completed before the current attempt
+        self._spent = 0.0  # seconds L-BFGS ran in earlier attempts (max_seconds counts them)
         self.worker_index: dict[str, int] = {}
         self.metric = "accuracy" if self.model.is_classifier else "r2"
         self._pending_eval: tuple[dict[str, Any], Future] | None = None
@@ -129,7 +152,7 @@ class Coordinator:
 
     def execute(self) -> None:
         """Run the fit: start the shards, optimise, gather the result, build the experiment."""
-        est, client, model = self.est, self.client, self.model
+        client, model = self.client, self.model
         workers = cluster_workers(client)
         if not workers:
             raise RuntimeError("the Dask cluster has no workers")
@@ -140,63 +163,61 @@ class Coordinator:
             if len(shape) == 2:
                 lo, hi = model.layout.offsets[name]
                 mask[lo:hi] = model.l2
-        self.server = ParameterServer.create(
-            client, self.initial, est.n_shards, optim.sgd(1.0), sorted(workers), est.timeout,
-            shard_class=SandblasterShard, l2mask=mask,
-        )  # fmt: skip
+        self.mask = mask
+        self.server: ParameterServer | None = None
         try:
             self._optimise(rows, workers)
         finally:
-            try:  # first: straggling portions stop before their shards go away
-                client.run(forget_run, self.token)
-            except Exception:  # a worker that died with the run has nothing to forget
-                pass
-            self.server.close()
+            self._end_attempt()
         self.experiment = self._experiment(sorted(workers))
+
+    def _end_attempt(self) -> None:
+        """Release the current shards; straggling portions of the attempt stop first."""
+        for token in self.tokens:
+            with contextlib.suppress(Exception):  # a worker that died has nothing to forget
+                self.client.run(forget_run, token)
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
     def _optimise(self, rows: list[list], workers: dict) -> None:
         est, client = self.est, self.client
         flat = [idx for batch in rows for idx in batch]
-        # A built-in model's L2 penalty is added once, on the shards (``l2mask``).
+        # A built-in model's L2 penalty is added once, on the shards (``l2mask``).  The model is
+        # small: it goes with each task, by value.  (A broadcast scatter of it hung for good when
+        # a worker died during the scatter.)
         data_model = (
             from_config({**self.model.get_config(), "l2": 0.0})
             if isinstance(self.model, Model)
             else self.model
         )
-        [model_future] = client.scatter([data_model], broadcast=True, hash=False)
         self._eval_future = None
         if self.evaluation is not None:
-            [self._eval_future] = client.scatter([self.evaluation], hash=False)
+            [self._eval_future] = client.scatter([self.evaluation], hash=False, timeout=est.timeout)
         ids, k = [], 0
         for batch in rows:
             ids.append(list(range(k, k + len(batch))))
             k += len(batch)
-        self.portions = Portions(
-            client, self.server, self.X, self.y, ids, flat, model_future, self,
-            token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
-            delay=self.delay,
-        )  # fmt: skip
         self.event(
             "start",
             f"{len(flat)} portions in {len(rows)} batch(es), {est.n_shards} shards on "
             f"{len(workers)} workers",
             portions=len(flat), batches=len(rows), shards=est.n_shards, workers=len(workers),
         )  # fmt: skip
-        optimizer = LBFGS(
-            self.portions, history=est.history, max_iter=est.max_iter, tol=est.tol,
-            n_batches=len(rows), c1=est.c1, c2=est.c2, max_seconds=est.max_seconds,
-            precision=float(np.finfo(DTYPE).eps),  # workers evaluate in float32
-            log=self.event, on_iteration=self._on_iteration,
-        )  # fmt: skip
-        self.result: LBFGSResult = optimizer.minimize()
+        restores = 0
+        while True:
+            try:
+                self._attempt(ids, flat, data_model)
+                break
+            except ShardLostError as err:
+                restores += 1
+                if restores > self.MAX_RESTORES:
+                    raise
+                self._restore(err, restores)
         self.event(
             "stop", f"{self.result.reason} after {self.result.n_iter} iteration(s)",
             reason=self.result.reason, iterations=self.result.n_iter,
         )  # fmt: skip
-        x = self.server.call_all(SandblasterShard.vector, "x", timeout=est.timeout)
-        g = self.server.call_all(SandblasterShard.vector, "g", timeout=est.timeout)
-        self.params = np.concatenate(x).astype(DTYPE)
-        self.gradient = np.concatenate(g)
         self._finish_eval()
         evals = self.recorder.evals
         if self._eval_future is not None and np.isnan(evals[-1]["loss"]):  # score the result
@@ -204,19 +225,84 @@ class Coordinator:
             self._finish_eval()
         if self.callback is not None and evals:
             self.callback(self._progress(evals[-1], "done"))
-        extra = [f for f in (model_future, self._eval_future) if f is not None]
+        extra = [] if self._eval_future is None else [self._eval_future]
         client.cancel(self.portions.blocks + extra)
+
+    def _attempt(self, ids: list[list[int]], flat: list, data_model: TrainableModel) -> None:
+        """Start shards at the last completed iterate (the initial point at first) and run
+        L-BFGS with the iterations and seconds left; gather the result."""
+        est, client = self.est, self.client
+        start = self.initial if self.x_last is None else self.x_last
+        self.server = ParameterServer.create(
+            client, start, est.n_shards, optim.sgd(1.0), sorted(cluster_workers(client)),
+            est.timeout, shard_class=SandblasterShard, l2mask=self.mask, x=start,
+        )  # fmt: skip
+        self.token = uuid.uuid4().hex[:12]
+        self.tokens.append(self.token)
+        self._offset = max(0, self.done_iter)
+        self.portions = Portions(
+            client, self.server, self.X, self.y, ids, flat, data_model, self,
+            token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
+            delay=self.delay,
+        )  # fmt: skip
+        seconds = est.max_seconds  # counted while L-BFGS runs, over all attempts
+        if seconds is not None:
+            seconds = max(0.0, seconds - self._spent)
+        optimizer = LBFGS(
+            self.portions, history=est.history, max_iter=est.max_iter - self._offset, tol=est.tol,
+            n_batches=len(ids), c1=est.c1, c2=est.c2, max_seconds=seconds,
+            precision=float(np.finfo(DTYPE).eps),  # workers evaluate in float32
+            log=self.event, on_iteration=self._on_iteration,
+        )  # fmt: skip
+        started = time.time()
+        try:
+            result = optimizer.minimize()
+        finally:
+            self._spent += time.time() - started
+        x = self.server.call_all(SandblasterShard.vector, "x", timeout=est.timeout)
+        g = self.server.call_all(SandblasterShard.vector, "g", timeout=est.timeout)
+        self.params = np.concatenate(x).astype(DTYPE)
+        self.gradient = np.concatenate(g)
+        self.result: LBFGSResult = dataclasses.replace(result, n_iter=self._offset + result.n_iter)
+
+    def _restore(self, error: ShardLostError, restores: int) -> None:
+        """After ``error``: drop the attempt's shards, portions and pending evaluation; the next
+        attempt starts new shards at the last completed iterate."""
+        if self._pending_eval is not None:
+            self._pending_eval[1].release()
+            self._pending_eval = None
+        old = self.portions if hasattr(self, "portions") else None
+        self._end_attempt()
+        if old is not None:
+            with contextlib.suppress(Exception):
+                self.client.cancel([*old.inflight, *old.blocks])
+        iteration = max(0, self.done_iter)
+        self.event(
+            "shard_restored",
+            f"{error}; all shards restarted from iteration {iteration}'s point (L-BFGS history "
+            f"reset), restore {restores} of at most {self.MAX_RESTORES}",
+            shard=error.shard, iteration=iteration, restores=restores,
+        )  # fmt: skip
 
     def _on_iteration(self, record: dict[str, Any]) -> None:
         """Log one evals row per iteration; score ``eval_data`` on a worker every
         ``eval_every_iter`` iterations."""
+        iteration = self._offset + record["iteration"]
+        if iteration <= self.done_iter:  # a restored attempt's start: recorded already
+            return
         self._finish_eval()
+        if record["iteration"] == 0:  # the attempt's starting point, which the driver has
+            self.x_last = self.initial if self.x_last is None else self.x_last
+        else:
+            x = self.server.call_all(SandblasterShard.vector, "x", timeout=self.est.timeout)
+            self.x_last = np.concatenate(x)
+        self.done_iter = iteration  # ... and x_last is what a restore starts at
         row = self.recorder.evaluation(
-            version=record["iteration"], examples_seen=self.portions.examples_seen,
+            version=iteration, examples_seen=self.portions.examples_seen,
             loss=np.nan, **{self.metric: np.nan}, objective=record["objective"],
             grad_norm=record["grad_norm"], step=record.get("step", 0.0),
         )  # fmt: skip
-        if self._eval_future is not None and record["iteration"] % self.est.eval_every_iter == 0:
+        if self._eval_future is not None and iteration % self.est.eval_every_iter == 0:
             self._submit_eval(row)
         if self.callback is not None:
             self.callback(self._progress(row, "training"))

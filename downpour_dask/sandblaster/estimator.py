@@ -115,9 +115,11 @@ class SandblasterLBFGS(ParamServerEstimator):
     Notes
     -----
     A worker that dies mid-batch costs nothing but time: Dask re-runs its portions elsewhere, the
-    driver re-scatters the data blocks it held, and the shards count every portion once.  Shards
-    themselves are not recovered (a lost shard fails the run), so on small clusters keep them on
-    workers you expect to live; they go to the first ``n_shards`` workers by sorted address.
+    driver re-scatters the data blocks it held, and the shards count every portion once.  A lost
+    shard is detected at once (its worker left) or within ``timeout`` (it stopped answering);
+    the coordinator then starts new shards at the iterate of the last completed iteration and
+    continues with an empty L-BFGS history (``shard_restored`` event), at most 3 times per fit.
+    Shards go to the first ``n_shards`` workers by sorted address.
 
     A fit that ends at ``max_iter`` or ``max_seconds`` without meeting ``tol``, or whose line
     search fails, warns with :class:`sklearn.exceptions.ConvergenceWarning`, as scikit-learn's

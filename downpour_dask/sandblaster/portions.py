@@ -7,6 +7,12 @@ copies of stragglers near the end of a batch on idle workers, re-sends data bloc
 worker, and counts every portion once.  The tasks themselves are in
 :mod:`downpour_dask.sandblaster.tasks`.
 
+A lost *shard* is not a lost portion: when a shard's worker leaves the cluster, a portion fails,
+or a batch runs out of time while a shard does not answer, the pass raises
+:class:`~downpour_dask.ps.protocol.ShardLostError` naming the shard (the coordinator restores
+it, see :mod:`~downpour_dask.sandblaster.coordinator`) instead of waiting on portions that
+cannot finish.
+
 What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the tests): events
 with structured data, and each counted portion.
 """
@@ -24,6 +30,8 @@ import numpy as np
 from distributed import Client, Future, wait
 
 from ..core.lbfgs import Program, sum_replies
+from ..core.models import Model
+from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
@@ -67,8 +75,8 @@ class Portions:
         The portion ids of every batch.
     rows : list
         Rows of every portion (a slice or an index array into ``X``), by portion id.
-    model : Future
-        The model (with ``l2 = 0``) scattered to every worker.
+    model : Model
+        The model with ``l2 = 0`` (small: it goes with every portion task).
     observer : PassObserver
         Receives the events and the counted portions.
     token : str
@@ -91,7 +99,7 @@ class Portions:
         y: np.ndarray,
         batches: list[list[int]],
         rows: list,
-        model: Future,
+        model: Model,
         observer: PassObserver,
         *,
         token: str,
@@ -156,6 +164,7 @@ class Portions:
                 self._refresh()
                 last_progress = time.time()
             if time.time() - t_start > self.timeout:
+                self._check_shards(seconds=min(5.0, self.timeout))  # the usual reason
                 raise RuntimeError(
                     f"batch {batch} did not finish within timeout={self.timeout} s: "
                     f"{len(done)} of {len(self.batches[batch])} portions done; "
@@ -176,6 +185,7 @@ class Portions:
         copy = self.inflight.pop(future)
         self.load[copy.worker] -= 1
         if future.status == "error":
+            self._check_shards(seconds=min(5.0, self.timeout))  # a lost shard fails portions
             raise RuntimeError(f"portion {copy.portion} failed: {future.exception(timeout=5)!r}")
         result: PortionResult | None = None
         if future.status == "finished":
@@ -217,15 +227,35 @@ class Portions:
         ]
         return "still running: " + ("; ".join(running) if running else "nothing")
 
+    def _check_shards(self, workers: Mapping[str, Any] | None = None, seconds: float = 0.0) -> None:
+        """Raise :class:`ShardLostError` naming the first shard whose worker has left the
+        cluster (``workers``: the live ones), or, with ``seconds``, that does not answer within
+        that long."""
+        lost = []
+        if workers is not None:
+            lost = [i for i, w in enumerate(self.server.workers) if w not in workers]
+        if not lost and seconds:
+            lost = self.server.lost_shards(timeout=seconds)
+        if lost:
+            i = lost[0]
+            raise ShardLostError(
+                f"Sandblaster shard {i} (on worker {self.server.workers[i]}) was lost: "
+                + ("its worker left the cluster" if workers is not None else
+                   f"it did not answer within {seconds} s"),
+                i,
+            )  # fmt: skip
+
     # -- scheduling ---------------------------------------------------------------------------
     def _refresh(self, first: bool = False) -> None:
-        """Re-read the live workers (a killed one disappears, its restarted successor appears)."""
+        """Re-read the live workers (a killed one disappears, its restarted successor appears);
+        raise :class:`ShardLostError` if one of them held a shard."""
         workers = cluster_workers(self.client)
         if not first:
             for gone in set(self.capacity) - set(workers):
                 self.observer.event(
                     "worker_lost", f"{gone}: its portions are re-run elsewhere", worker=gone
                 )
+            self._check_shards(workers)
         self.capacity = {w: self.DEPTH * info.get("nthreads", 1) for w, info in workers.items()}
         try:  # where each block is: only a hint for data-local dispatch
             who = self.client.who_has([b for b in self.blocks if b.status == "finished"])

@@ -33,10 +33,11 @@ class SandblasterShard(ParameterServerShard):
         rule: optim.UpdateRule,
         *,
         l2mask: np.ndarray,
+        x: np.ndarray | None = None,
     ):
         super().__init__(shard_id, start, stop, values, rule)  # the rule is never applied
         self.store = VectorStore(stop - start)
-        self.store.set("x", values)
+        self.store.set("x", values if x is None else x)  # x: float64, exact (a restore)
         self.store.set("l2mask", l2mask)
         self.store.run([("zero", "acc")])
         self._accepted: set[int] = set()
