@@ -107,7 +107,7 @@ def free_port() -> int:
         (["--dataset", "imagenet"], "dataset 'imagenet' is neither a shipped dataset"),
         (["--n-replicas", "two"], "argument --n-replicas: expected an integer, got 'two'"),
         (["--model", "mlp:64,x"], "hidden widths must be integers"),
-        (["--model", "cnn"], "unknown model 'cnn'"),
+        (["--model", "resnet"], "unknown model 'resnet'"),
         (["--optimizer", "rmsprop"], "optimizer"),
         (["--algorithm", "hogwild"], "invalid choice: 'hogwild'"),
         (["--scheduler", "tcp://127.0.0.1:{port}", "--connect-timeout", "2"], "cannot reach"),

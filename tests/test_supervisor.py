@@ -295,7 +295,9 @@ def _run(
         tasks.start_replica(
             r, [where] if partitions == 1 else where, (f"X{r}", f"y{r}"), [], configs
         )
-    recovery = ShardRecovery(cluster, server, checkpoints, recorder, timeout=5.0)
+    recovery = ShardRecovery(
+        cluster, server, checkpoints, recorder, timeout=5.0, reported_acks=tasks.acked_version
+    )
     supervisor = Supervisor(cluster, server, tasks, recovery, recorder, n_push, timeout=5.0)
     loop = SupervisionLoop(
         cluster,
@@ -473,6 +475,22 @@ def test_a_shard_that_stopped_answering_but_can_be_retired_is_restored_from_itse
     assert (restored["version"], restored["lost_updates"], restored["generation"]) == (9, 0, 1)
     assert run.server.retired == {(1, 0): 9}  # retired before the replacement started
     assert run.server.replaced[0][3]["version"] == 9
+
+
+def test_acknowledgements_a_finished_replica_reported_count_when_its_worker_dies_with_the_shard():
+    """A replica that finished on the lost shard's worker took the worker-side record of what
+    the shard acknowledged along; its result, already in the driver's hands, still counts."""
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w1", "w2"])
+    run.checkpoints.replaced(1, {"values": np.zeros(SHARD_SIZE), "rule_state": {}, "version": 10})
+    run.checkpoints.observe([0, 12])  # the driver's last poll
+    run.tasks.tasks[0].finish(
+        {"replica": 0, "partition": 0, "steps": 10, "acknowledged": {"1": {"0": [20, 19]}}}
+    )
+    run.supervisor.check()  # the result is gathered
+    run.cluster.alive.remove("w1")  # shard 1 and replica 0's worker
+    run.supervisor.check()
+    [restored] = _events(run, "shard_restored")
+    assert (restored["acknowledged"], restored["lost_updates"]) == (19, 9)
 
 
 def test_a_stopped_shard_is_replaced_then_fenced_when_it_comes_back_and_the_count_corrected():

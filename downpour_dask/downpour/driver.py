@@ -154,8 +154,9 @@ class Driver:
                 None if publication is None else functools.partial(publication.republish, server)
             )
             recovery = ShardRecovery(
-                self.cluster, view, checkpoints, recorder, fit.timeout, republish
-            )
+                self.cluster, view, checkpoints, recorder, fit.timeout, republish,
+                reported_acks=tasks.acked_version,
+            )  # fmt: skip
             supervisor = Supervisor(
                 self.cluster, view, tasks, recovery, recorder, fit.n_push, fit.timeout
             )

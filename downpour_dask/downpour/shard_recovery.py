@@ -71,7 +71,10 @@ class ShardRecovery:
     and records ``shard_lost`` / ``shard_restored`` / ``shard_fenced`` events.
 
     ``on_replaced`` is called after a shard was replaced (a published run re-publishes itself,
-    so that attached views follow).
+    so that attached views follow).  ``reported_acks(shard, generation)`` is the newest version
+    that incarnation acknowledged according to the replica results the driver already holds: a
+    replica that finished on the lost shard's worker took its worker-side record along, but its
+    result says what it saw.
     """
 
     def __init__(
@@ -82,9 +85,11 @@ class ShardRecovery:
         recorder: RunRecorder,
         timeout: float,
         on_replaced: Callable[[], None] | None = None,
+        reported_acks: Callable[[int, int], int] | None = None,
     ):
         self.cluster, self.server, self.checkpoints = cluster, server, checkpoints
         self.recorder, self.timeout, self.on_replaced = recorder, timeout, on_replaced
+        self.reported_acks = reported_acks
         #: Every replaced incarnation, in order.
         self.retired: list[Retired] = []
         self._fences: dict[int, Any] = {}  # index in ``retired`` -> its retirement in flight
@@ -135,6 +140,8 @@ class ShardRecovery:
             state, source, where = self._freshest(shard, lost_key, survivors)
             polled = self.checkpoints.known_versions[shard]
             acknowledged = max(polled, self.cluster.acknowledged(shard, lost_key) or 0)
+            if self.reported_acks is not None:
+                acknowledged = max(acknowledged, self.reported_acks(shard, generation))
         version = int(state["version"])
         record = Retired(shard, generation, lost_worker, version, acknowledged, final is not None)
         record.final_version = None if final is None else acknowledged

@@ -89,6 +89,15 @@ class ReplicaTasks:
         """Whether any task has not ended."""
         return any(not task.done() for task in self.tasks)
 
+    def acked_version(self, shard: int, generation: int) -> int:
+        """The newest version generation ``generation`` of ``shard`` acknowledged to a replica
+        whose result is in hand (0 if none)."""
+        versions = [
+            int(result.get("acknowledged", {}).get(str(shard), {}).get(str(generation), (0, 0))[1])
+            for result in self.results.values()
+        ]
+        return max(versions, default=0)
+
     def ordered_results(self) -> list[dict[str, Any]]:
         """Every slot's result, in slot order (all must be gathered)."""
         return [self.results[i] for i in range(len(self.tasks))]
