@@ -296,6 +296,9 @@ class Coordinator:
         ``eval_every_iter`` iterations."""
         iteration = self._offset + record["iteration"]
         if iteration <= self.done_iter:  # a restored attempt's start: recorded already
+            row, due = self.recorder.evals[-1], iteration % self.est.eval_every_iter == 0
+            if self._eval_future is not None and np.isnan(row["loss"]) and due:
+                self._submit_eval(row)  # its evaluation died with the lost shard
             return
         self._finish_eval()
         if record["iteration"] == 0:  # the attempt's starting point, which the driver has
