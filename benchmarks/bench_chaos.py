@@ -189,7 +189,7 @@ def main() -> None:
         if name.endswith("clean") and rs
     }
     print(f"\n{'scenario':<22}{'finished':>9}{'accuracy':>10}{'vs clean':>10}"
-          f"{'lost reported':>15}{'gap measured':>14}{'acked, not kept':>17}{'fenced':>9}"
+          f"{'lost reported':>15}{'gap measured':>14}{'acked, not kept':>17}{'fenced':>14}"
           f"{'run s':>7}")  # fmt: skip
     for name, results, errors, seconds in rows:
         base = clean.get(name.startswith("Sandblaster"))
@@ -202,7 +202,7 @@ def main() -> None:
             fen = " ".join(r["fenced"] for r in results)
             print(
                 f"{name:<22}{f'{len(results)}/{len(results) + len(errors)}':>9}{acc:>10.4f}{vs:>10}"
-                f"{_joined(rep):>15}{_joined(gap):>14}{_joined(mea):>17}{fen:>9}{seconds:>7.1f}"
+                f"{_joined(rep):>15}{_joined(gap):>14}{_joined(mea):>17}{fen:>14}{seconds:>7.1f}"
             )
         else:
             print(f"{name:<22}{f'0/{len(errors)}':>9}")
