@@ -414,11 +414,14 @@ def test_callback_gets_a_snapshot_per_iteration_and_a_final_one(client, digits_b
 def test_a_killed_shard_worker_is_restored_from_the_last_iteration_or_named(
     digits_binary, monkeypatch
 ):
-    """SIGKILL of the worker holding shard 0, from the callback after iteration 2 (so the kill
-    lands mid-fit without timing): the fit restores the shards at iteration 2's point and
-    finishes every iteration, the objective still decreasing; with restores disabled the error
-    names the lost shard (it used to stall for ``timeout`` and blame portions)."""
-    (X, y), _ = digits_binary
+    """SIGKILL, from the callback after iteration 2 (so the kill lands mid-fit without timing),
+    of the worker holding the evaluation data; with 3 shards on 3 workers it holds a shard too.
+    The fit restores the shards at iteration 2's point, scatters the evaluation data again and
+    finishes every iteration, each one scored, the objective still decreasing; with restores
+    disabled the error names the lost shard (it used to stall for ``timeout`` and blame
+    portions).  Before the evaluation data was restored, the fit failed with the evaluation
+    cancelled for lost dependencies."""
+    (X, y), test = digits_binary
     model = models.LogisticRegression(64, l2=1e-2)
     with (
         LocalCluster(
@@ -426,34 +429,44 @@ def test_a_killed_shard_worker_is_restored_from_the_last_iteration_or_named(
         ) as cluster,
         Client(cluster) as client,
     ):
-        outcomes = []
+        outcomes, victims = [], []
         for restores in (3, 0):
             client.wait_for_workers(3, timeout=60)
-            victim = sorted(cluster_workers(client))[0]  # shard 0 goes to the first worker
-            pid = client.run(os.getpid, workers=[victim])[victim]
+            workers = sorted(cluster_workers(client))  # shard i goes to worker i
+            pids = client.run(os.getpid, workers=workers)
             seen = []
 
-            def kill_after_iteration_2(progress, pid=pid, seen=seen):
+            def kill_eval_holder(progress, workers=workers, pids=pids, seen=seen):
                 seen.append(progress)
                 if len(seen) == 3:  # iterations 0, 1, 2 are done
-                    os.kill(pid, signal.SIGKILL)
+                    [holder] = [
+                        ws[0] for key, ws in client.who_has().items()
+                        if str(key).startswith("sandblaster-eval-")
+                    ]  # fmt: skip
+                    victims.append(workers.index(holder))
+                    os.kill(pids[holder], signal.SIGKILL)
 
             monkeypatch.setattr(Coordinator, "MAX_RESTORES", restores)
-            est = SandblasterLBFGS(model, n_shards=2, max_iter=8, tol=0.0, random_state=0,
+            est = SandblasterLBFGS(model, n_shards=3, max_iter=8, tol=0.0, random_state=0,
                                    timeout=60)  # fmt: skip
             try:
-                outcomes.append(est.fit(X, y, client=client, callback=kill_after_iteration_2))
+                outcomes.append(
+                    est.fit(X, y, eval_data=test, client=client, callback=kill_eval_holder)
+                )
             except ShardLostError as err:
                 outcomes.append(err)
     restored, named = outcomes
     assert isinstance(restored, SandblasterLBFGS), restored
     events = restored.experiment_.events
     [event] = events.loc[events["kind"] == "shard_restored", "data"]
-    assert event["shard"] == 0 and event["iteration"] == 2 and event["restores"] == 1
+    assert event["shard"] == victims[0] and event["iteration"] == 2 and event["restores"] == 1
+    assert any(d.get("evaluation") for d in events.loc[events["kind"] == "data_restored", "data"])
     evals = restored.experiment_.evals
     assert evals["version"].tolist() == list(range(9)) and restored.n_iter_ == 8
+    assert evals["accuracy"].notna().all()  # iteration 2's evaluation, lost, was run again
     assert (np.diff(evals["objective"]) < 0).all()  # still descending across the restore
     loss, grad = serial_objective(model, restored.params_, X, y)
     assert restored.objective_ == pytest.approx(loss, rel=1e-5)  # the result is consistent
-    assert isinstance(named, ShardLostError) and named.shard == 0
-    assert "shard 0" in str(named) and "lost" in str(named) and "portion" not in str(named)
+    assert isinstance(named, ShardLostError) and named.shard == victims[1]
+    assert f"shard {victims[1]}" in str(named) and "lost" in str(named)
+    assert "portion" not in str(named)

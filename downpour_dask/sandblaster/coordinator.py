@@ -17,7 +17,11 @@ a ``shard_restored`` event and continues L-BFGS from there with the iterations a
 left.  The curvature history and the search direction were on the lost shard's range too, so
 the restarted L-BFGS begins with an empty history (its first step is a gradient step); nothing
 already counted is lost, but the iterations after a restore may differ from an undisturbed
-run's.  After :attr:`Coordinator.MAX_RESTORES` restores the error is raised.
+run's.  After :attr:`Coordinator.MAX_RESTORES` restores the error is raised.  The new shards,
+data blocks and evaluation data go only to workers the scheduler lists that never held a lost
+shard: the scheduler may still list a worker that was just killed, and an actor placed there
+never starts.  The evaluation data lives on one worker; when that worker dies it is scattered
+again from the driver's copy (``data_restored`` event), as the training blocks are.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from typing import Any
 
 import numpy as np
@@ -108,6 +113,8 @@ class Coordinator:
         self.worker_index: dict[str, int] = {}
         self.metric = "accuracy" if self.model.is_classifier else "r2"
         self._pending_eval: tuple[dict[str, Any], Future] | None = None
+        self._eval_future: Future | None = None
+        self.lost_workers: set[str] = set()  # workers that held a lost shard: never used again
 
     # -- what the passes report (the PassObserver of portions.py) ---------------------------------
     def event(self, kind: str, detail: str = "", **data: Any) -> object:
@@ -173,9 +180,9 @@ class Coordinator:
 
     def _end_attempt(self) -> None:
         """Release the current shards; straggling portions of the attempt stop first."""
-        for token in self.tokens:
+        for token in self.tokens:  # (not on a lost shard's worker: it may be dead, not yet gone)
             with contextlib.suppress(Exception):  # a worker that died has nothing to forget
-                self.client.run(forget_run, token)
+                self.client.run(forget_run, token, workers=self.survivors())
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -191,9 +198,7 @@ class Coordinator:
             if isinstance(self.model, Model)
             else self.model
         )
-        self._eval_future = None
-        if self.evaluation is not None:
-            [self._eval_future] = client.scatter([self.evaluation], hash=False, timeout=est.timeout)
+        self._scatter_eval(restored=False)
         ids, k = [], 0
         for batch in rows:
             ids.append(list(range(k, k + len(batch))))
@@ -234,8 +239,8 @@ class Coordinator:
         est, client = self.est, self.client
         start = self.initial if self.x_last is None else self.x_last
         self.server = ParameterServer.create(
-            client, start, est.n_shards, optim.sgd(1.0), sorted(cluster_workers(client)),
-            est.timeout, shard_class=SandblasterShard, l2mask=self.mask, x=start,
+            client, start, est.n_shards, optim.sgd(1.0), self.survivors(), est.timeout,
+            shard_class=SandblasterShard, l2mask=self.mask, x=start,
         )  # fmt: skip
         self.token = uuid.uuid4().hex[:12]
         self.tokens.append(self.token)
@@ -243,7 +248,7 @@ class Coordinator:
         self.portions = Portions(
             client, self.server, self.X, self.y, ids, flat, data_model, self,
             token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
-            delay=self.delay,
+            delay=self.delay, workers=self.survivors(),
         )  # fmt: skip
         seconds = est.max_seconds  # counted while L-BFGS runs, over all attempts
         if seconds is not None:
@@ -271,6 +276,8 @@ class Coordinator:
         if self._pending_eval is not None:
             self._pending_eval[1].release()
             self._pending_eval = None
+        if self.server is not None:
+            self.lost_workers.add(self.server.workers[error.shard])
         old = self.portions if hasattr(self, "portions") else None
         self._end_attempt()
         if old is not None:
@@ -289,6 +296,9 @@ class Coordinator:
         ``eval_every_iter`` iterations."""
         iteration = self._offset + record["iteration"]
         if iteration <= self.done_iter:  # a restored attempt's start: recorded already
+            row, due = self.recorder.evals[-1], iteration % self.est.eval_every_iter == 0
+            if self._eval_future is not None and np.isnan(row["loss"]) and due:
+                self._submit_eval(row)  # its evaluation died with the lost shard
             return
         self._finish_eval()
         if record["iteration"] == 0:  # the attempt's starting point, which the driver has
@@ -319,21 +329,62 @@ class Coordinator:
             fraction=1.0 if phase == "done" else min(1.0, max(fractions)), phase=phase,
         )  # fmt: skip
 
-    def _submit_eval(self, row: dict[str, Any]) -> None:
-        """Score a snapshot of ``x`` on a worker while the coordinator goes on iterating."""
-        self.portions.run([("copy", "x", "xe")])  # the next iterations may move x
+    def survivors(self) -> list[str]:
+        """The workers to place shards and data on: the live ones (sorted) that never held a
+        lost shard (all the live ones if that leaves none)."""
+        workers = sorted(cluster_workers(self.client))
+        return [w for w in workers if w not in self.lost_workers] or workers
+
+    def _scatter_eval(self, restored: bool) -> None:
+        """Send the evaluation data (if any) to one surviving worker, under a readable key."""
+        if self.evaluation is None:
+            return
+        key = f"sandblaster-eval-{uuid.uuid4().hex[:12]}"
+        data = {key: self.evaluation}
+        scattered = self.client.scatter(data, workers=self.survivors(), timeout=self.est.timeout)
+        self._eval_future = scattered[key]
+        if restored:
+            self.event("data_restored", "the evaluation data scattered again", evaluation=True)
+
+    def _submit_eval(self, row: dict[str, Any], snapshot: bool = True) -> None:
+        """Score a snapshot of ``x`` on a worker while the coordinator goes on iterating; the
+        evaluation data is scattered again first if its worker died."""
+        if snapshot:
+            self.portions.run([("copy", "x", "xe")])  # the next iterations may move x
+        if self._eval_future is None or self._eval_future.status != "finished":
+            self._scatter_eval(restored=True)
         future = self.client.submit(
             evaluate_task, self.server.portable(), self.model, self._eval_future,
-            self.est.timeout, pure=False,
+            self.est.timeout, self.token, pure=False,
         )  # fmt: skip
         self._pending_eval = (row, future)
 
     def _finish_eval(self) -> None:
-        """Wait for the pending evaluation, if any, and fill in its row."""
-        if self._pending_eval is not None:
+        """Wait for the pending evaluation, if any, and fill in its row.
+
+        If it failed, a lost shard is the usual reason (raised as :class:`ShardLostError`, so
+        the fit restores it); else, if its data died with a worker, it runs once more on data
+        scattered again (the snapshot ``xe`` on the shards is unchanged until the next one).
+        """
+        for again in (True, False):
+            if self._pending_eval is None:
+                return
             row, future = self._pending_eval
-            row["loss"], row[self.metric] = future.result(timeout=self.est.timeout)
-            self._pending_eval = None
+            try:
+                row["loss"], row[self.metric] = future.result(timeout=self.est.timeout)
+                self._pending_eval = None
+                return
+            except Exception as err:
+                lost = self.server.lost_shards(timeout=min(5.0, self.est.timeout))
+                if lost:
+                    i = lost[0]
+                    raise ShardLostError(
+                        f"Sandblaster shard {i} (on worker {self.server.workers[i]}) was lost "
+                        f"during an evaluation ({type(err).__name__})", i,
+                    ) from err  # fmt: skip
+                if not (again and isinstance(err, CancelledError)):
+                    raise
+                self._submit_eval(row, snapshot=False)
 
     def _experiment(self, workers: list[str]) -> Experiment:
         est = self.est

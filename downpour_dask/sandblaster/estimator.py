@@ -108,9 +108,10 @@ class SandblasterLBFGS(ParamServerEstimator):
         ``grad_norm`` and ``step``; ``loss``/score on ``eval_data`` if given) and ``events``
         (``start``, ``batch_start``/``batch_done``, ``backup_launched``, ``duplicate_discarded``,
         ``line_search``, ``history_reset``, ``history_skipped``, ``worker_lost``, ``data_restored``,
-        ``converged``, ``stop``), each with its facts as plain values in ``data`` (e.g.
-        ``backup_launched``: ``portion``, ``worker``; ``worker_lost``: ``worker``;
-        ``converged``: ``iteration``, ``objective``).
+        ``shard_restored``, ``converged``, ``stop``), each with its facts as plain values in
+        ``data`` (e.g. ``backup_launched``: ``portion``, ``worker``; ``worker_lost``: ``worker``;
+        ``converged``: ``iteration``, ``objective``; ``shard_restored``: ``shard``, ``iteration``,
+        ``restores``; ``data_restored``: ``portion`` or ``evaluation``).
 
     Notes
     -----
@@ -119,6 +120,9 @@ class SandblasterLBFGS(ParamServerEstimator):
     shard is detected at once (its worker left) or within ``timeout`` (it stopped answering);
     the coordinator then starts new shards at the iterate of the last completed iteration and
     continues with an empty L-BFGS history (``shard_restored`` event), at most 3 times per fit.
+    The new shards go to workers that never held a lost shard.  ``eval_data`` lives on one
+    worker; if that worker dies it is scattered again from the driver (``data_restored`` event
+    with ``evaluation``), and an evaluation lost with a shard is run again after the restore.
     Shards go to the first ``n_shards`` workers by sorted address.
 
     A fit that ends at ``max_iter`` or ``max_seconds`` without meeting ``tol``, or whose line

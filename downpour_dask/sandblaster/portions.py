@@ -87,6 +87,9 @@ class Portions:
         Whether to copy stragglers near the end of a batch.
     delay : mapping of worker address to seconds, optional
         Fault injection: portions on that worker sleep this long first.
+    workers : list of str, optional
+        The workers the data blocks are first scattered to (default: any); the coordinator
+        leaves out a worker whose shard was lost, which the scheduler may still list.
     """
 
     DEPTH = 2  # portions queued per worker thread, so a worker never waits for the driver
@@ -106,13 +109,14 @@ class Portions:
         timeout: float,
         backup_tasks: bool = True,
         delay: Mapping[str, float] | None = None,
+        workers: list[str] | None = None,
     ):
         self.client, self.server, self.X, self.y = client, server, X, y
         self.batches, self.rows, self.model, self.observer = batches, rows, model, observer
         self.token, self.timeout, self.backup_tasks = token, timeout, backup_tasks
         self.delay = dict(delay or {})
         self.blocks = client.scatter(
-            [(X[idx], y[idx]) for idx in rows], hash=False, timeout=timeout
+            [(X[idx], y[idx]) for idx in rows], workers=workers, hash=False, timeout=timeout
         )  # spread over the workers; views when the rows are contiguous
         self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
         self.load: dict[str, int] = {}

@@ -4,7 +4,8 @@
   per batch per worker (a cache keyed by run and version) and adds its gradient to the shards'
   accumulator directly, worker to worker, never through the driver; it returns scalars only
   (:class:`PortionResult`).
-* :func:`evaluate_task` scores a snapshot of the iterate on the evaluation data.
+* :func:`evaluate_task` scores a snapshot of the iterate on the evaluation data (and, like a
+  portion, stops waiting for shards once its attempt ended).
 * :func:`forget_run` (run on every worker when a fit ends) drops the run's cached parameters and
   makes its straggling portions stop instead of waiting for shards that are gone.
 """
@@ -132,12 +133,17 @@ def run_portion(
 
 
 def evaluate_task(
-    server: ParameterServer, model: TrainableModel, data: tuple, timeout: float
+    server: ParameterServer, model: TrainableModel, data: tuple, timeout: float, token: str
 ) -> tuple:
     """Dask task: loss and score of the snapshot ``xe`` of an iterate on ``data`` (vectors stay
-    off the driver: the worker pulls ``xe`` from the shards)."""
+    off the driver: the worker pulls ``xe`` from the shards).
+
+    Like a portion it stops as soon as its attempt ``token`` ends: one waiting ``timeout`` for
+    a dead shard would hold the worker's thread, and the replacement shard to be started on
+    that worker could not start.
+    """
     server = server.opened()  # actor handles from the references the task was given
     calls = [shard.vector("xe") for shard in server.shards]
-    params = np.concatenate([c.result(timeout=timeout) for c in calls]).astype(DTYPE)
+    params = np.concatenate([_reply(c, token, timeout) for c in calls]).astype(DTYPE)
     X, y = data
     return protocol.loss(model, params, X, y), model.score(params, X, y)
