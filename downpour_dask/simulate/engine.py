@@ -78,8 +78,20 @@ class Trace:
 
 class _Replica:
     __slots__ = (
-        "step", "accrual", "base", "version", "pull", "inflight", "fetched", "final",
-        "blocked", "pending_fetch", "link_free", "durations", "finished", "started",
+        "step",
+        "accrual",
+        "base",
+        "version",
+        "pull",
+        "inflight",
+        "fetched",
+        "final",
+        "blocked",
+        "pending_fetch",
+        "link_free",
+        "durations",
+        "finished",
+        "started",
     )
 
     def __init__(self, durations: np.ndarray):
