@@ -36,7 +36,7 @@ from ..core.guard import GuardedUpdate
 from ..core.model import Model
 from ..core.optim import UpdateRule
 from ..log import Experiment
-from .predict import predict
+from .predict import predict, steady_window
 from .timing import Setup, Timing
 
 #: The file :meth:`Calibration.save` writes into a run directory.
@@ -174,14 +174,11 @@ def measured(experiment: Experiment) -> dict[str, float]:
 
 
 def steady_throughput(pushes: Any) -> float:
-    """Examples/s over the pushes acknowledged while every replica was pushing (from the last
-    replica's first push to the first replica's last), as :func:`~.predict.summarise` measures
-    a simulation; over the whole log if that window is empty."""
-    times = pushes.groupby("replica")["time"]
-    lo, hi = float(times.min().max()), float(times.max().min())
-    if hi <= lo:
-        lo, hi = float(pushes["time"].min()), float(pushes["time"].max())
-    inside = pushes[(pushes["time"] > lo) & (pushes["time"] <= hi)]
+    """Examples/s acknowledged over the run's steady window (its middle half by push count, as
+    :func:`~.predict.summarise` measures a simulation)."""
+    times = pushes["time"].to_numpy()
+    lo, hi = steady_window(times)
+    inside = pushes[(times > lo) & (times <= hi)]
     return float(inside["examples"].sum()) / max(hi - lo, 1e-9)
 
 

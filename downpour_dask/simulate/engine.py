@@ -147,7 +147,7 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
     m_start: list[float] = []
     m_end: list[float] = []
     next_seq = [0] * R
-    shard = {"free": 0.0, "version": 0, "pulls": 0}
+    shard = {"free": 0.0, "version": 0, "pulls": 0, "released": 0}
     events = 0
 
     def schedule(t: float, kind: int, r: int, payload: tuple = ()) -> None:
@@ -267,6 +267,14 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
             if not end(t, r, rep):
                 return
 
+    def release(t: float) -> None:
+        """Let the replicas waiting for the warmstart go (once)."""
+        if shard["released"]:
+            return
+        shard["released"] = 1
+        for other in range(1, R):
+            schedule(t, _START, other)
+
     def arrive(t: float, r: int, kind: int, pid: int, pull: int) -> None:
         begin = max(t, shard["free"])
         end = begin + service[kind]
@@ -285,8 +293,7 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
             if rep.blocked == pid:
                 schedule(end + latency, _RESUME, r)
             if gate and shard["version"] == gate:
-                for other in range(1, R):
-                    schedule(end + latency, _START, other)
+                release(end + latency)
         if kind != _PUSH:
             if obs is not None:
                 obs.on_snapshot(r, pull)
@@ -316,6 +323,8 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
         else:  # _START
             rep.started = t
             start_fetch(t, r, rep)
+        if gate and reps[0].finished and not shard["released"]:
+            release(t)  # replica 0 ran out of steps before the warmstart's end (as the driver)
 
     order = [a[0] for a in applied]
     ack = np.asarray(p_ack)

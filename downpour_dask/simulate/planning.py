@@ -48,7 +48,7 @@ def recommend(
     """
     if not 0 < max_utilisation <= 1:
         raise ValueError(f"max_utilisation must be in (0, 1], got {max_utilisation!r}")
-    steps = int(np.clip(SWEEP_STEP_BUDGET // max(n_replicas, 1), 10, 400))
+    steps = int(np.clip(SWEEP_STEP_BUDGET // max(n_replicas, 1), 5, 400))
     last = None
     for n_shards in sorted(int(c) for c in choices):
         one = setup.with_(n_replicas=int(n_replicas), n_shards=n_shards, steps=steps)

@@ -2,8 +2,8 @@
 
 :func:`predict` runs the event simulation (:mod:`.engine`) and summarises it as a
 :class:`Prediction` -- examples/s, pushes/s per shard, shard utilisation, queueing and the
-staleness distribution -- measured over the *steady window*, when every replica has started and
-none has finished, so start-up and wind-down do not dilute the rates.  :func:`sweep` does it for
+staleness distribution -- measured over the *steady window*, the middle half of the run by push
+count, so start-up and wind-down do not dilute the rates.  :func:`sweep` does it for
 a grid of replica and shard counts and returns a pandas table.
 """
 
@@ -19,7 +19,7 @@ from .engine import Trace, run
 from .timing import Setup, Timing
 
 #: Steps per replica :func:`sweep` simulates: enough for a steady window, bounded in total.
-SWEEP_STEP_BUDGET = 20_000
+SWEEP_STEP_BUDGET = 10_000
 
 
 @dataclass(frozen=True)
@@ -43,18 +43,26 @@ class Prediction:
         return asdict(self)
 
 
-def steady_window(trace: Trace) -> tuple[float, float]:
-    """From the last replica's start to the first replica's end (the whole run if empty)."""
-    lo, hi = float(trace.replica_start.max()), float(trace.replica_end.min())
-    if hi - lo <= 0:
-        lo, hi = 0.0, float(trace.replica_end.max())
-    return lo, hi
+#: The steady window: from this fraction of a run's pushes to ``1 - STEADY`` of them.
+STEADY = 0.25
+
+
+def steady_window(times: np.ndarray) -> tuple[float, float]:
+    """The middle half of a run, by push count: from the time its pushes (acknowledged or
+    applied at ``times``) reach 25% of the total to the time they reach 75%, so neither the
+    start-up (first fetches, a warmstart) nor the end (replicas finishing at different times)
+    dilutes the rates.  The real log is measured the same way
+    (:func:`~.calibration.steady_throughput`)."""
+    if len(times) < 2:
+        return 0.0, float(times.max()) if len(times) else 1.0
+    lo, hi = np.quantile(np.sort(times), [STEADY, 1 - STEADY])
+    return float(lo), float(hi)
 
 
 def summarise(trace: Trace) -> Prediction:
     """A :class:`Prediction` from a trace, over its :func:`steady_window`."""
     setup = trace.setup
-    lo, hi = steady_window(trace)
+    lo, hi = steady_window(trace.push_applied)
     span = max(hi - lo, 1e-300)
     inside = (trace.push_applied > lo) & (trace.push_applied <= hi)
     busy = np.clip(trace.msg_end, lo, hi) - np.clip(trace.msg_start, lo, hi)
@@ -102,12 +110,12 @@ def sweep(
     replicas, shards : iterable of int
     seed : int
     steps : int, optional
-        Steps per replica; default ``SWEEP_STEP_BUDGET / n_replicas`` clipped to [10, 400], so
+        Steps per replica; default ``SWEEP_STEP_BUDGET / n_replicas`` clipped to [5, 400], so
         the large configurations stay cheap while keeping a steady window of many pushes.
     """
     rows = []
     for n_replicas in replicas:
-        n = steps or int(np.clip(SWEEP_STEP_BUDGET // max(n_replicas, 1), 10, 400))
+        n = steps or int(np.clip(SWEEP_STEP_BUDGET // max(n_replicas, 1), 5, 400))
         for n_shards in shards:
             one = setup.with_(n_replicas=int(n_replicas), n_shards=int(n_shards), steps=n)
             rows.append(predict(one, timing, seed).as_dict())
