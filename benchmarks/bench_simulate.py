@@ -92,11 +92,13 @@ def main() -> None:
                 "real staleness": seen["staleness_mean"],
                 "sim staleness": sim.staleness_mean,
                 "staleness error": (sim.staleness_mean - seen["staleness_mean"])
-                / max(seen["staleness_mean"], 1e-9),
+                / seen["staleness_mean"]
+                if seen["staleness_mean"] > 0
+                else np.nan,  # a relative error to 0 means nothing
             }
         )
     table = pd.DataFrame(rows)
-    fmt = {c: "{:+.0%}".format for c in ("ex/s error", "staleness error")}
+    fmt = {c: (lambda v: "-" if v != v else f"{v:+.0%}") for c in ("ex/s error", "staleness error")}
     fmt.update({c: "{:,.0f}".format for c in ("real ex/s", "sim ex/s")})
     fmt.update({c: "{:.2f}".format for c in ("real staleness", "sim staleness")})
     print(table.to_string(index=False, formatters=fmt))
@@ -104,7 +106,7 @@ def main() -> None:
     print(
         "median |error| excluding the calibration run: examples/s "
         f"{np.median(np.abs(errs['ex/s error'])):.0%}, staleness "
-        f"{np.median(np.abs(errs['staleness error'])):.0%}"
+        f"{np.nanmedian(np.abs(errs['staleness error'])):.0%}"
     )
     print(f"load after: {os.getloadavg()}")
 
