@@ -4,8 +4,8 @@ It reads the run directory's ``simulation.json`` (the calibrated timings, see
 :mod:`downpour_dask.simulate.calibration`) or, the first time, calibrates from the run's log and
 writes it there; then prints the timing mode's prediction for every replica x shard count and,
 for each replica count, the fewest shards that keep every shard at most ``--max-utilisation``
-busy.  Replicas are assumed to have machines of their own (``Timing.cores`` None), unlike the
-local run they were calibrated on.
+busy.  Replicas are assumed to have machines of their own (``Timing.cores`` None, no replica
+calling a shard in-process), unlike the local run they were calibrated on.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ def simulate(args: argparse.Namespace) -> int:
     else:
         fitted = calibration.load(run_dir)
     timing = fitted.timing.with_(cores=None)
+    setup = fitted.setup.with_(local_replicas=0)  # every replica on a machine of its own
     print(f"timing: {timing}")
-    table = sweep(fitted.setup, timing, replicas, shards)
+    table = sweep(setup, timing, replicas, shards)
     print(_format(table))
-    advice = planning.plan(fitted.setup, timing, replicas, args.max_utilisation)
+    advice = planning.plan(setup, timing, replicas, args.max_utilisation)
     print(f"\nfewest shards keeping each below {args.max_utilisation:.0%} utilisation:")
     for _, row in advice.iterrows():
         n = row["recommended_shards"]

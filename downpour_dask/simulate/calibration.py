@@ -10,7 +10,9 @@ Three sources, each for what it can tell:
   the copy a pull makes, each on a tiny slice and on the run's slice size, so the fixed and the
   per-parameter costs separate;
 * the one cost neither shows -- the round trip of a message (latency plus the wire's handling)
-  -- is **fitted**: the latency whose simulation of the run gives the run's mean staleness.
+  -- is **fitted**: the latency whose simulation of the run comes closest to the run's mean
+  staleness and throughput (the sum of their log-ratio errors; latency moves both, and matching
+  staleness alone can pick an absurd latency when the run's replicas barely overlapped).
 
 When the run had more replicas than the machine has cores (an oversubscribed local cluster), the
 per-step time is taken as shared among ``cores`` (``Timing.cores``); set ``cores=None`` on the
@@ -97,6 +99,10 @@ def setup_of(experiment: Experiment, model: Model | None = None) -> Setup:
         max_inflight=int(config.get("max_inflight", 4)),
         steps=max(1, int(np.median(steps))),
         warmstart_steps=int(config.get("warmstart_steps", 0)),
+        local_replicas=sum(  # replicas that reached every shard in-process
+            all(t == "local" for t in kinds)
+            for kinds in (config.get("replica_transports") or {}).values()
+        ),
     )
 
 
@@ -228,7 +234,9 @@ def calibrate(
     best = None
     for latency in LATENCY_GRID:
         guess = predict(short, base.with_(latency=latency), seed)
-        error = abs(guess.staleness_mean - seen["staleness_mean"])
+        error = abs(math.log1p(guess.staleness_mean) - math.log1p(seen["staleness_mean"])) + abs(
+            math.log(max(guess.examples_per_s, 1e-9) / max(seen["examples_per_s"], 1e-9))
+        )
         if best is None or error < best[0]:
             best = (error, latency, guess)
     _, latency, guess = best

@@ -7,10 +7,12 @@ fetch, looks for arrived replies only at the top of a step (installing a fetched
 own pushes the slice lacks counted on top, as ``PushLedger.replay`` does), starts a fetch every
 ``n_fetch`` steps unless one is in flight, pushes every ``n_push`` steps (an ``exchange`` when
 the next fetch is due), waits for its oldest push when ``max_inflight`` are unacknowledged, and
-pushes what it accrued when its steps run out.  Replicas other than 0 start when the shards'
-version reaches replica 0's warmstart pushes.  A shard serves messages first come, first served;
-its version counts applied pushes and a push's staleness is ``version - base version`` as in
-:meth:`~downpour_dask.ps.shard.ParameterServerShard.apply_push`.
+pushes what it accrued when its steps run out.  The first ``Setup.local_replicas`` replicas
+share a worker with every shard and call them in-process, as the real loop does: no latency or
+transfer, and the replica waits (in the shards' queue) until its call is served.  Replicas other
+than 0 start when the shards' version reaches replica 0's warmstart pushes.  A shard serves
+messages first come, first served; its version counts applied pushes and a push's staleness is
+``version - base version`` as in :meth:`~downpour_dask.ps.shard.ParameterServerShard.apply_push`.
 
 Shards are symmetric: equal slices, the same deterministic service times, and every message of a
 replica goes to all of them over one FIFO link, so every shard sees the same arrivals at the same
@@ -89,12 +91,14 @@ class _Replica:
         "blocked",
         "pending_fetch",
         "link_free",
+        "local",
+        "busy_until",
         "durations",
         "finished",
         "started",
     )
 
-    def __init__(self, durations: np.ndarray):
+    def __init__(self, durations: np.ndarray, local: bool):
         self.step = self.accrual = self.base = self.version = 0
         self.pull: list | None = None  # [pull id, pushes sent before it, reply time, version]
         self.inflight: deque[int] = deque()  # global push ids not acknowledged yet
@@ -104,6 +108,8 @@ class _Replica:
         self.link_free = 0.0  # the link is FIFO: a message arrives after the one before it
         self.durations = durations
         self.started = 0.0
+        self.local = local  # on the shards' own worker: calls them in-process
+        self.busy_until = 0.0  # when its last in-process call returned
 
 
 def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None = None) -> Trace:
@@ -126,7 +132,7 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
         durations = rng.gamma(k, mean / k, size=(R, steps))
     else:
         durations = np.full((R, steps), mean)
-    reps = [_Replica(durations[r]) for r in range(R)]
+    reps = [_Replica(durations[r], r < setup.local_replicas) for r in range(R)]
     push_s, pull_s = timing.push_service(setup), timing.pull_service(setup)
     service = (push_s, pull_s, push_s + pull_s)
     transfer, latency = timing.transfer(setup), timing.latency
@@ -157,6 +163,9 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
 
     def send(t: float, r: int, kind: int, pid: int, pull: int) -> None:
         rep = reps[r]
+        if rep.local:  # an in-process call: served now (after the queue), the replica waits
+            rep.busy_until = arrive(t, r, kind, pid, pull)
+            return
         arrival = max(t + transfer, rep.link_free)
         rep.link_free = arrival
         schedule(arrival, _ARRIVE, r, (kind, pid, pull))
@@ -254,6 +263,7 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
             s = rep.step
             if s % n_fetch == 0 and s > 0 and not rep.fetched and rep.pull is None:
                 start_fetch(t, r, rep)
+                t = max(t, rep.busy_until)
             rep.fetched = False
             if rep.accrual == 0:
                 rep.base = rep.version
@@ -266,6 +276,7 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
                 return
             if not end(t, r, rep):
                 return
+            t = max(t, rep.busy_until)
 
     def release(t: float) -> None:
         """Let the replicas waiting for the warmstart go (once)."""
@@ -275,7 +286,8 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
         for other in range(1, R):
             schedule(t, _START, other)
 
-    def arrive(t: float, r: int, kind: int, pid: int, pull: int) -> None:
+    def arrive(t: float, r: int, kind: int, pid: int, pull: int) -> float:
+        """Serve a message arriving at ``t``; return when the shards are done with it."""
         begin = max(t, shard["free"])
         end = begin + service[kind]
         shard["free"] = end
@@ -283,24 +295,26 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
         m_start.append(begin)
         m_end.append(end)
         rep = reps[r]
+        back, fetched = (0.0, 0.0) if rep.local else (latency, transfer)
         if kind != _PULL:
             staleness = max(0, shard["version"] - p_base[pid])
             shard["version"] += 1
             applied.append((pid, end, staleness))
             if obs is not None:
                 obs.on_apply(end, r, p_seq[pid], staleness)
-            p_ack[pid] = end + latency
+            p_ack[pid] = end + back
             if rep.blocked == pid:
-                schedule(end + latency, _RESUME, r)
+                schedule(end + back, _RESUME, r)
             if gate and shard["version"] == gate:
-                release(end + latency)
+                release(end + back)
         if kind != _PUSH:
             if obs is not None:
                 obs.on_snapshot(r, pull)
-            rep.pull[2] = end + transfer
+            rep.pull[2] = end + fetched
             rep.pull[3] = shard["version"]
             if rep.step == 0 and rep.accrual == 0 and kind == _PULL and not rep.finished:
-                schedule(end + transfer, _STEP, r)  # the first fetch: step 0 may begin
+                schedule(end + fetched, _STEP, r)  # the first fetch: step 0 may begin
+        return end
 
     schedule(0.0, _START, 0)
     if not gate:
@@ -316,10 +330,10 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
             step(t, r, rep, True)
         elif kind == _END:
             if end(t, r, rep):
-                step(t, r, rep, False)
+                step(max(t, rep.busy_until), r, rep, False)
         elif kind == _RESUME:
             if push(t, r, rep, rep.pending_fetch):
-                after_push(t, r, rep)
+                after_push(max(t, rep.busy_until), r, rep)
         else:  # _START
             rep.started = t
             start_fetch(t, r, rep)

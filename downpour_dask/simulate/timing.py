@@ -46,6 +46,9 @@ class Setup:
         Steps each replica takes (``max_steps``).
     warmstart_steps : int
         Steps replica 0 takes alone before the others start.
+    local_replicas : int
+        How many replicas (the first ones) run on a worker holding every shard and so call the
+        shards in-process (a local cluster with one shard); 0 on a real cluster.
     """
 
     n_replicas: int = 1
@@ -57,11 +60,12 @@ class Setup:
     max_inflight: int = 4
     steps: int = 100
     warmstart_steps: int = 0
+    local_replicas: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            low = 0 if f.name == "warmstart_steps" else 1
+            low = 0 if f.name in ("warmstart_steps", "local_replicas") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Setup.{f.name} must be an int >= {low}, got {value!r}")
 
