@@ -24,7 +24,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import DownpourSGD  # noqa: E402
 from downpour_dask.data.shipped import load  # noqa: E402
-from downpour_dask.simulate import predict  # noqa: E402
+from downpour_dask.simulate import predict, sweep  # noqa: E402
 from downpour_dask.simulate.calibration import calibrate, measured, setup_of  # noqa: E402
 
 
@@ -107,6 +107,14 @@ def main() -> None:
         "median |error| excluding the calibration run: examples/s "
         f"{np.median(np.abs(errs['ex/s error'])):.0%}, staleness "
         f"{np.nanmedian(np.abs(errs['staleness error'])):.0%}"
+    )
+    setup, timing = cal.setup.with_(local_replicas=0), cal.timing.with_(cores=None)
+    grid = ([10, 100, 1000, 10000], [1, 4, 16, 64, 256])
+    start = time.perf_counter()
+    swept = sweep(setup, timing, *grid)
+    print(
+        f"sweep of {len(swept)} configurations (10..10,000 replicas x 1..256 shards): "
+        f"{time.perf_counter() - start:.1f} s, {swept.events.sum():,} events"
     )
     print(f"load after: {os.getloadavg()}")
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..core import models, optim
 from ..core.guard import GuardedUpdate
@@ -124,6 +125,11 @@ def microbenchmark(setup: Setup, model: Model, rule: UpdateRule, repeats: int = 
     ``push_fixed``/``push_per_param`` (a guarded update on slices of 16 and of the run's slice
     size, as a line) and ``pull_fixed``/``pull_per_param`` (the same for the pull's copy).
     """
+    with threadpool_limits(1):  # as Dask's nanny pins BLAS to one thread in every worker
+        return _microbenchmark(setup, model, rule, repeats)
+
+
+def _microbenchmark(setup: Setup, model: Model, rule: UpdateRule, repeats: int) -> dict:
     rng = np.random.default_rng(0)
     params = model.init(rng)
     n_inputs = int(model.get_config().get("n_inputs", 1))
