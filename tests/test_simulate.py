@@ -163,8 +163,7 @@ def _fit(client, n_replicas):
 
 
 def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, tmp_path):
-    # Calibrated on a run where replicas reach a shard over the wire (one replica alone sits on
-    # its shard's worker and calls it in-process, a cost the simulator does not model).
+    # Calibrated on a run with replicas on both workers: one reaches the shard over the wire.
     two, four = _fit(client, 2), _fit(client, 4)
     fitted = calibration.calibrate(two, cores=2, repeats=5)
     fitted.save(tmp_path)
@@ -173,12 +172,12 @@ def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, t
     seen = calibration.measured(four)
     predicted = predict(calibration.setup_of(four), again.timing)
     # Generous: the machine is shared and busy (see benchmarks/README.md for measured errors).
-    assert 0.33 < predicted.examples_per_s / seen["examples_per_s"] < 3, (
-        fitted.timing,
-        fitted.fit,
-        fitted.setup,
-    )
-    assert abs(predicted.staleness_mean - seen["staleness_mean"]) < max(3.0, seen["staleness_mean"])
+    ratio = predicted.examples_per_s / seen["examples_per_s"]
+    print(f"throughput ratio {ratio:.2f}; staleness {predicted.staleness_mean:.2f} (predicted)")
+    print(f"vs {seen['staleness_mean']:.2f} (real)")
+    assert 0.33 < ratio < 3, (fitted.timing, fitted.fit)
+    stale = (predicted.staleness_mean + 1) / (seen["staleness_mean"] + 1)
+    assert 0.33 < stale < 3, (fitted.timing, fitted.fit)
 
 
 def test_simulate_command_prints_the_table_and_the_plan(client, tmp_path, capsys):
