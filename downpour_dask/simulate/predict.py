@@ -111,7 +111,9 @@ def sweep(
     seed : int
     steps : int, optional
         Steps per replica; default ``SWEEP_STEP_BUDGET / n_replicas`` clipped to [5, 400], so
-        the large configurations stay cheap while keeping a steady window of many pushes.
+        the large configurations stay cheap while keeping a steady window of many pushes.  With
+        thousands of replicas that is only a few steps each, so staleness there describes a short
+        run (each replica's first pushes); give ``steps`` for a longer one.
     """
     rows = []
     for n_replicas in replicas:
