@@ -24,6 +24,7 @@ RANKS = {
     "liveplot": 2,
     "report": 2,
     "runtime": 2,
+    "simulate": 2,
     "ps": 3,
     "base": 4,
     "publishing": 4,
@@ -37,7 +38,7 @@ RANKS = {
     "__main__": 10,
 }
 #: Layers that must run without Dask: plain numpy (and pyarrow/pandas for data files).
-NO_DASK = ("core", "data", "log", "checkpoint", "progress", "liveplot", "report")
+NO_DASK = ("core", "data", "log", "checkpoint", "progress", "liveplot", "report", "simulate")
 #: Third-party imports that may be deferred into a function: optional extras.  matplotlib draws
 #: plots; the two JAX modules of core import jax at their top, and ``models.from_jax`` / ``cnn`` /
 #: ``jax_mlp`` / ``from_config`` reach them only when a JAX model is built, so that

@@ -14,6 +14,7 @@ def test_the_notebooks_are_there():
         "01-quickstart.ipynb",
         "02-paper-comparison.ipynb",
         "03-your-own-model.ipynb",
+        "04-scale.ipynb",
     ]
 
 

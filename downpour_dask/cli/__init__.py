@@ -1,4 +1,4 @@
-"""The ``downpour-dask`` command: ``train``, ``watch``, ``synthetic`` and ``report``.
+"""The ``downpour-dask`` command: ``train``, ``watch``, ``synthetic``, ``report`` and ``simulate``.
 
 ::
 
@@ -8,12 +8,13 @@
     downpour-dask report runs/a runs/b --target 0.9
     downpour-dask synthetic big/ --rows 10000000 --features 256 --classes 10
     downpour-dask watch mnist --scheduler tcp://10.0.0.5:8786 --wait   # fit(..., publish="mnist")
+    downpour-dask simulate --from runs/a --replicas 10,100,1000 --shards 1,4,16
 
 :func:`main` answers ``--version`` at once, before the estimators -- and with them Dask -- are
 imported (a deliberate deferred import, allowed by ``tests/test_layers.py``); everything else is
 :mod:`.app` (exit statuses), :mod:`.parser` (commands and flags), :mod:`.flags` (a flag per
 estimator argument), :mod:`.commands` (what each command does) and :mod:`.connection`
-(reaching ``--scheduler``).
+(reaching ``--scheduler``) and :mod:`.simulation` (``simulate``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from .commands import compare, synthetic, train, watch
 from .connection import add_connection_flags
 from .flags import FLAGLESS_ARGUMENTS, add_estimator_flags
 from .program import PROG, VERSION
+from .simulation import add_arguments as _simulate_arguments
+from .simulation import simulate
 
 __all__ = ["FLAGLESS_ARGUMENTS", "PROG", "build_parser"]
 
@@ -197,5 +199,13 @@ _COMMANDS: dict[str, tuple[Any, str, str, Callable[[argparse.ArgumentParser], No
         "Print one summary row per run and write summary.csv and comparison "
         "plots (accuracy and loss against time, staleness histogram).",
         _report_arguments,
+    ),
+    "simulate": (
+        simulate,
+        "predict a finished run at other scales and plan its shards",
+        "Calibrate a discrete-event simulator on RUN_DIR (once; saved as simulation.json) and "
+        "print predicted throughput, shard utilisation and staleness for each replica and "
+        "shard count, and the fewest shards keeping each shard below --max-utilisation.",
+        _simulate_arguments,
     ),
 }

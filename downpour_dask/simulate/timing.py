@@ -1,0 +1,163 @@
+"""What the simulator needs to know about a run: its shape (:class:`Setup`) and its costs
+(:class:`Timing`).
+
+A :class:`Setup` is the part of a :class:`~downpour_dask.DownpourSGD` configuration that decides
+*when* things happen: replicas, shards, the parameter count, ``n_fetch``, ``n_push``,
+``max_inflight``, ``warmstart_steps`` and how many steps each replica takes.  A :class:`Timing`
+holds the costs, in seconds: a replica's compute time per step (a gamma distribution with a mean
+and a coefficient of variation), a shard's service time per push and per pull (a fixed part plus
+a part per parameter of its slice), and every link's latency and bandwidth.  Both are plain
+dataclasses that round-trip through JSON (:meth:`Timing.to_dict`), so calibrated timings are
+saved next to the run they came from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+#: Bytes per parameter on the wire (float32).
+BYTES_PER_PARAM = 4
+
+
+def _check(name: str, value: float, low: float = 0.0, allow_inf: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or value < low or (math.isinf(value) and not allow_inf):
+        inf = " (inf allowed)" if allow_inf else ""
+        raise ValueError(f"{name} must be a finite number >= {low:g}{inf}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The shape of a simulated Downpour run (the same meanings as :class:`DownpourSGD`'s).
+
+    Parameters
+    ----------
+    n_replicas, n_shards : int
+    n_params : int
+        Length of the flat parameter vector; each shard owns about ``n_params / n_shards``.
+    batch_size : int
+        Examples per step (only for examples/s).
+    n_fetch, n_push, max_inflight : int
+        As in the replica loop (:mod:`downpour_dask.downpour.replica_loop`).
+    steps : int
+        Steps each replica takes (``max_steps``).
+    warmstart_steps : int
+        Steps replica 0 takes alone before the others start.
+    local_replicas : int
+        How many replicas (the first ones) run on a worker holding every shard and so call the
+        shards in-process (a local cluster with one shard); 0 on a real cluster.
+    """
+
+    n_replicas: int = 1
+    n_shards: int = 1
+    n_params: int = 7850
+    batch_size: int = 32
+    n_fetch: int = 1
+    n_push: int = 1
+    max_inflight: int = 4
+    steps: int = 100
+    warmstart_steps: int = 0
+    local_replicas: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            low = 0 if f.name in ("warmstart_steps", "local_replicas") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Setup.{f.name} must be an int >= {low}, got {value!r}")
+
+    @property
+    def slice_params(self) -> float:
+        """Parameters per shard (the mean slice: shards differ by at most one)."""
+        return self.n_params / self.n_shards
+
+    def with_(self, **changes: Any) -> Setup:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Costs of a run, in seconds (see the module docstring).
+
+    Parameters
+    ----------
+    step_seconds : float
+        Mean compute time of one replica step (a minibatch's gradient and the local update).
+    step_cv : float
+        Coefficient of variation of a step's time (gamma distributed; 0: every step the same).
+    push_fixed, push_per_param : float
+        A shard's service time for one push: ``push_fixed + push_per_param * slice``.
+    pull_fixed, pull_per_param : float
+        The same for one pull (an ``exchange`` costs a push plus a pull).
+    latency : float
+        One-way latency of every replica-shard link.
+    bandwidth : float
+        Bytes per second of every replica's link (inf: no transfer time).
+    cores : int or None
+        None: every replica has its own processor (a real cluster).  An int: all replicas share
+        that many cores, so a step takes ``step_seconds * max(1, n_replicas / cores)`` (processor
+        sharing; used to compare with oversubscribed runs on one machine).
+    """
+
+    step_seconds: float = 1e-3
+    step_cv: float = 0.0
+    push_fixed: float = 0.0
+    push_per_param: float = 0.0
+    pull_fixed: float = 0.0
+    pull_per_param: float = 0.0
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    cores: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "cores":
+                _check(f"Timing.{f.name}", getattr(self, f.name), allow_inf=f.name == "bandwidth")
+        if self.step_seconds <= 0:
+            raise ValueError(f"Timing.step_seconds must be > 0, got {self.step_seconds!r}")
+        if self.bandwidth <= 0:
+            raise ValueError(f"Timing.bandwidth must be > 0, got {self.bandwidth!r}")
+        if self.cores is not None and (not isinstance(self.cores, int) or self.cores < 1):
+            raise ValueError(f"Timing.cores must be None or an int >= 1, got {self.cores!r}")
+
+    def push_service(self, setup: Setup) -> float:
+        """A shard's seconds to apply one push to its slice."""
+        return self.push_fixed + self.push_per_param * setup.slice_params
+
+    def pull_service(self, setup: Setup) -> float:
+        """A shard's seconds to copy its slice for one pull."""
+        return self.pull_fixed + self.pull_per_param * setup.slice_params
+
+    def transfer(self, setup: Setup) -> float:
+        """Seconds for a replica's full gradient (or parameters) to cross its link."""
+        return self.latency + BYTES_PER_PARAM * setup.n_params / self.bandwidth
+
+    def step_scale(self, setup: Setup) -> float:
+        """How much slower a step is because replicas share ``cores`` (1 without)."""
+        return 1.0 if self.cores is None else max(1.0, setup.n_replicas / self.cores)
+
+    def with_(self, **changes: Any) -> Timing:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (inf bandwidth as the string ``"inf"``)."""
+        out = asdict(self)
+        out["bandwidth"] = "inf" if math.isinf(self.bandwidth) else self.bandwidth
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timing:
+        """The inverse of :meth:`to_dict`; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown Timing fields {unknown}; allowed: {sorted(known)}")
+        values = dict(data)
+        if values.get("bandwidth") == "inf":
+            values["bandwidth"] = math.inf
+        return cls(**values)
