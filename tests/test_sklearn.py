@@ -31,7 +31,7 @@ from downpour_dask.runtime import cluster as cluster_module
 #: Small, quick settings: one replica and shard, enough epochs for sklearn's accuracy checks.
 FAST_DOWNPOUR = dict(n_replicas=1, n_shards=1, max_epochs=20, batch_size=16, learning_rate=0.1,
                      random_state=0)  # fmt: skip
-FAST_SANDBLASTER = dict(n_shards=1, max_iter=20, portions_per_batch=2, random_state=0)
+FAST_SANDBLASTER = dict(n_shards=1, max_iter=10, portions_per_batch=1, random_state=0)
 
 
 @pytest.fixture(scope="module")
