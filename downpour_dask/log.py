@@ -131,6 +131,45 @@ def empty_frame(columns: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype=t) for c, t in columns.items()})
 
 
+def is_run_directory(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory a run wrote: it holds a ``config.json`` whose content is
+    a JSON object (what :meth:`Experiment.save` writes)."""
+    config = Path(path) / "config.json"
+    if Path(path).is_symlink() or not config.is_file():
+        return False
+    try:
+        return isinstance(json.loads(config.read_text()), dict)
+    except (ValueError, OSError):
+        return False
+
+
+def check_replaceable(target: str | os.PathLike[str], overwrite: bool) -> None:
+    """Refuse to write run directory ``target`` over something it may not replace.
+
+    Raises
+    ------
+    FileExistsError
+        If ``target`` exists and ``overwrite`` is False, or it exists and is not a run
+        directory (see :func:`is_run_directory`): ``overwrite`` replaces only a run directory.
+        Nothing is deleted either way.
+    """
+    target = Path(target)
+    if not (target.exists() or target.is_symlink()):
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"run directory {str(target)!r} exists; choose another name or pass overwrite=True"
+        )
+    if not is_run_directory(target):
+        what = "a directory" if target.is_dir() else "a file"
+        raise FileExistsError(
+            f"{str(target)!r} exists and is {what} without a run's config.json, so it is not a "
+            f"run directory: --overwrite (overwrite=True) replaces only a run directory; "
+            f"nothing was deleted, choose another name or remove it yourself"
+        )
+
+
+
 class Experiment:
     """Pushes, evaluations and events of one run, plus the run's configuration.
 
@@ -223,11 +262,11 @@ class Experiment:
         Raises
         ------
         FileExistsError
-            If ``path`` exists and ``overwrite`` is False.
+            If ``path`` exists and ``overwrite`` is False, or it is not a run directory
+            (:func:`check_replaceable`: ``overwrite`` never replaces a user's directory).
         """
         target = Path(path)
-        if target.exists() and not overwrite:
-            raise FileExistsError(f"run directory {str(target)!r} exists; pass overwrite=True")
+        check_replaceable(target, overwrite)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         tmp.chmod(directory_mode())  # mkdtemp makes it private; a run directory is not
@@ -239,7 +278,8 @@ class Experiment:
             events = self.events.astype({"kind": str, "detail": str})
             events["data"] = [_dump_data(d) for d in events["data"]]
             events.to_parquet(tmp / "events.parquet", index=False)
-            if target.exists():
+            if target.exists() or target.is_symlink():
+                check_replaceable(target, overwrite)  # it may have changed meanwhile
                 shutil.rmtree(target)
             os.replace(tmp, target)
         except BaseException:

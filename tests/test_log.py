@@ -78,6 +78,19 @@ def test_save_refuses_to_overwrite_and_leaves_nothing_half_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
 
 
+def test_overwrite_replaces_a_run_directory_and_never_a_users_directory(tmp_path):
+    run = _experiment()
+    run.save(tmp_path / "a")
+    assert run.save(tmp_path / "a", overwrite=True) == tmp_path / "a"  # a run: replaced
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    with pytest.raises(FileExistsError, match="not a run directory.*nothing was deleted"):
+        run.save(mine, overwrite=True)
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "mine"]  # no staging left
+
+
 def test_load_names_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a run directory: missing config.json"):
         Experiment.load(tmp_path)

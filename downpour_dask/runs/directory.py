@@ -6,8 +6,8 @@ is installed, ``accuracy_vs_time.png`` and ``loss_vs_time.png``.  The config hol
 ``get_config()`` (or, for a model without one, a description: :func:`load_run` then needs the
 model).  While a Downpour job runs, its settings and checkpoints live in a partial directory
 next to it (:func:`partial_directory`).
-``overwrite`` replaces only a run directory (:func:`check_replaceable`): never a user's
-directory that happens to have the same name.
+``overwrite`` replaces only a run directory (:func:`~downpour_dask.log.check_replaceable`):
+never a user's directory that happens to have the same name.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core import models
 from ..core.protocol import check_model
-from ..log import Experiment
+from ..log import Experiment, check_replaceable
 from ..report import plot_runs
 
 
@@ -31,42 +31,6 @@ def partial_directory(target: str | os.PathLike[str]) -> Path:
     """Where a job writing run directory ``target`` keeps its settings and checkpoints."""
     target = Path(target)
     return target.parent / f".{target.name}.partial"
-
-
-def is_run_directory(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a directory a run wrote: it holds a ``config.json`` whose content is
-    a JSON object (what :meth:`Experiment.save` writes)."""
-    config = Path(path) / "config.json"
-    if Path(path).is_symlink() or not config.is_file():
-        return False
-    try:
-        return isinstance(json.loads(config.read_text()), dict)
-    except (ValueError, OSError):
-        return False
-
-
-def check_replaceable(target: str | os.PathLike[str], overwrite: bool) -> None:
-    """Refuse to write run directory ``target`` over something it may not replace.
-
-    Raises
-    ------
-    FileExistsError
-        If ``target`` exists and ``overwrite`` is False, or it exists and is not a run
-        directory (see :func:`is_run_directory`): ``overwrite`` replaces only a run directory.
-        Nothing is deleted either way.
-    """
-    target = Path(target)
-    if not (target.exists() or target.is_symlink()):
-        return
-    if not overwrite:
-        raise FileExistsError(f"run directory {str(target)!r} exists; choose another name")
-    if not is_run_directory(target):
-        what = "a directory" if target.is_dir() else "a file"
-        raise FileExistsError(
-            f"{str(target)!r} exists and is {what} without a run's config.json, so it is not a "
-            f"run directory: --overwrite (overwrite=True) replaces only a run directory; "
-            f"nothing was deleted, choose another name or remove it yourself"
-        )
 
 
 def write_json(path: Path, value: Any) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 from ..checkpoint import has_checkpoint, read_checkpoint
 from ..live import check_name
-from ..log import Progress
-from .directory import check_replaceable, partial_directory, save_run, write_json
+from ..log import Progress, check_replaceable
+from .directory import partial_directory, save_run, write_json
 from .settings import (
     ALGORITHM_DEFAULTS,
     DEFAULTS,
