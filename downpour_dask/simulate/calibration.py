@@ -9,15 +9,22 @@ Three sources, each for what it can tell:
   guarded update of the run's update rule (:class:`~downpour_dask.core.guard.GuardedUpdate`) and
   the copy a pull makes, each on a tiny slice and on the run's slice size, so the fixed and the
   per-parameter costs separate;
-* the one cost neither shows -- the round trip of a message (latency plus the wire's handling)
+* the **gap** between the two -- the log's step against ``loss_and_grad`` and the shards'
+  service: the loop around the step, encoding and decoding messages on both sides, the shards'
+  connection threads -- is split by :func:`split_step`: half is added to the replica's step
+  and half becomes the shards' CPU per parameter that crosses the wire
+  (``Timing.wire_per_param``), which competes for the same cores as the replicas.  Half and half
+  (``REPLICA_SHARE``) is an assumption: every message is encoded on one side and decoded on the
+  other, and one run cannot separate the two;
+* the one cost none shows -- the round trip of a message (latency plus the wire's handling)
   -- is **fitted**: the latency whose simulation of the run comes closest to the run's mean
   staleness and throughput (the sum of their log-ratio errors; latency moves both, and matching
   staleness alone can pick an absurd latency when the run's replicas barely overlapped).
 
-When the run had more replicas than the machine has cores (an oversubscribed local cluster), the
-per-step time is taken as shared among ``cores`` (``Timing.cores``); set ``cores=None`` on the
-result to plan for machines of their own.  :meth:`Calibration.save` writes ``simulation.json``
-into the run directory and :func:`load` reads it back.
+On a local cluster the replicas' steps, the shards' messages and the links' latency are taken as
+sharing the machine's ``cores`` (``Timing.cores``); set ``cores=None`` on the result to plan for
+machines of their own.  :meth:`Calibration.save` writes ``simulation.json`` into the run
+directory and :func:`load` reads it back.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from .timing import Setup, Timing
 FILENAME = "simulation.json"
 #: Latencies (s) :func:`calibrate` tries: log-spaced from 1 microsecond to 0.1 s.
 LATENCY_GRID = tuple(float(x) for x in np.geomspace(1e-6, 1e-1, 31))
+#: The part of a message's wire CPU the replica pays (the shard pays the rest).
+REPLICA_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,9 @@ def setup_of(experiment: Experiment, model: Model | None = None) -> Setup:
         raise ValueError(f"can only calibrate DownpourSGD runs, not {config.get('estimator')!r}")
     model = model or models.from_config(config["model"])
     steps = config.get("replica_steps") or [int(experiment.pushes["step"].max()) + 1]
+    transports = list((config.get("replica_transports") or {}).values())
+    # in-process shards of the replicas that reached some shard over the wire
+    mixed = [kinds.count("local") for kinds in transports if "wire" in kinds]
     return Setup(
         n_replicas=int(config["n_replicas"]),
         n_shards=int(config["n_shards"]),
@@ -100,10 +112,8 @@ def setup_of(experiment: Experiment, model: Model | None = None) -> Setup:
         max_inflight=int(config.get("max_inflight", 4)),
         steps=max(1, int(np.median(steps))),
         warmstart_steps=int(config.get("warmstart_steps", 0)),
-        local_replicas=sum(  # replicas that reached every shard in-process
-            all(t == "local" for t in kinds)
-            for kinds in (config.get("replica_transports") or {}).values()
-        ),
+        local_replicas=sum(all(t == "local" for t in kinds) for kinds in transports),
+        local_shards=int(round(np.mean(mixed))) if mixed else 0,
     )
 
 
@@ -194,6 +204,35 @@ def steady_throughput(pushes: Any) -> float:
     return float(inside["examples"].sum()) / max(hi - lo, 1e-9)
 
 
+def split_step(setup: Setup, timing: Timing, observed: float) -> Timing:
+    """``timing`` with the costs that make a simulated step last ``observed``.
+
+    ``timing.step_seconds`` is the model's own step (the micro-benchmark); the rest of the log's
+    step (the loop around it, the messages' encoding on both sides, the shards' connection
+    threads) is split: ``REPLICA_SHARE`` of it is added to the replica's step, the rest is the
+    shards' wire CPU (``Timing.wire_per_param``), which with ``timing.cores`` slows the steps too
+    (:meth:`Timing.step_scale`).  A run without wire messages puts it all into the step.
+    """
+    wired = setup.local_replicas < setup.n_replicas and setup.wire_fraction > 0
+    params = setup.n_params * setup.wire_fraction * (1 / setup.n_push + 1 / setup.n_fetch)
+    share = REPLICA_SHARE if wired else 1.0
+
+    def step_with(extra: float) -> tuple[Timing, float]:
+        t = timing.with_(
+            step_seconds=timing.step_seconds + share * extra,
+            wire_per_param=(1 - share) * extra / params if wired else 0.0,
+        )
+        return t, t.step_seconds * t.step_scale(setup)
+
+    low, high = 0.0, max(observed, 1e-12) / share
+    if step_with(low)[1] >= observed:
+        return timing
+    for _ in range(60):  # the simulated step grows with the extra cost: bisect
+        mid = (low + high) / 2
+        low, high = (mid, high) if step_with(mid)[1] < observed else (low, mid)
+    return step_with((low + high) / 2)[0]
+
+
 def calibrate(
     experiment: Experiment,
     *,
@@ -226,15 +265,18 @@ def calibrate(
     cores = cores or os.cpu_count() or 1
     bench = microbenchmark(setup, model, rule, repeats)
     seen = measured(experiment)
-    share = max(1.0, setup.n_replicas / cores)  # the log's steps were shared among the cores
-    base = Timing(
-        step_seconds=seen["step_seconds"] / share,
-        step_cv=min(seen["step_cv"], 2.0),
-        push_fixed=bench["push_fixed"],
-        push_per_param=bench["push_per_param"],
-        pull_fixed=bench["pull_fixed"],
-        pull_per_param=bench["pull_per_param"],
-        cores=cores,
+    base = split_step(
+        setup,
+        Timing(
+            step_seconds=min(bench["step"], seen["step_seconds"]),
+            step_cv=min(seen["step_cv"], 2.0),
+            push_fixed=bench["push_fixed"],
+            push_per_param=bench["push_per_param"],
+            pull_fixed=bench["pull_fixed"],
+            pull_per_param=bench["pull_per_param"],
+            cores=cores,
+        ),
+        seen["step_seconds"],
     )
     short = setup.with_(steps=min(setup.steps, 300))
     best = None

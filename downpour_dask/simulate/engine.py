@@ -8,11 +8,12 @@ own pushes the slice lacks counted on top, as ``PushLedger.replay`` does), start
 ``n_fetch`` steps unless one is in flight, pushes every ``n_push`` steps (an ``exchange`` when
 the next fetch is due), waits for its oldest push when ``max_inflight`` are unacknowledged, and
 pushes what it accrued when its steps run out.  The first ``Setup.local_replicas`` replicas
-share a worker with every shard and call them in-process, as the real loop does: no latency or
-transfer, and the replica waits (in the shards' queue) until its call is served.  Replicas other
-than 0 start when the shards' version reaches replica 0's warmstart pushes.  A shard serves
-messages first come, first served; its version counts applied pushes and a push's staleness is
-``version - base version`` as in :meth:`~downpour_dask.ps.shard.ParameterServerShard.apply_push`.
+share a worker with every shard and call them in-process, as the real loop does: no latency,
+transfer or wire CPU (``Timing.wire_per_param``), and the replica waits (in the shards' queue)
+until its call is served.  Replicas other than 0 start when the shards' version reaches replica
+0's warmstart pushes.  A shard serves messages first come, first served; its version counts
+applied pushes and a push's staleness is ``version - base version`` as in
+:meth:`~downpour_dask.ps.shard.ParameterServerShard.apply_push`.
 
 Shards are symmetric: equal slices, the same deterministic service times, and every message of a
 replica goes to all of them over one FIFO link, so every shard sees the same arrivals at the same
@@ -134,8 +135,10 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
         durations = np.full((R, steps), mean)
     reps = [_Replica(durations[r], r < setup.local_replicas) for r in range(R)]
     push_s, pull_s = timing.push_service(setup), timing.pull_service(setup)
-    service = (push_s, pull_s, push_s + pull_s)
-    transfer, latency = timing.transfer(setup), timing.latency
+    service = (push_s, pull_s, push_s + pull_s)  # in-process calls
+    wire = timing.wire_cost(setup)
+    wire_service = (push_s + wire, pull_s + wire, push_s + pull_s + 2 * wire)
+    transfer, latency = timing.transfer(setup), timing.link_latency(setup)
     gate = -(-setup.warmstart_steps // setup.n_push) if R > 1 and setup.warmstart_steps else 0
     n_fetch, n_push, max_inflight = setup.n_fetch, setup.n_push, setup.max_inflight
     obs = observer
@@ -288,13 +291,13 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
 
     def arrive(t: float, r: int, kind: int, pid: int, pull: int) -> float:
         """Serve a message arriving at ``t``; return when the shards are done with it."""
+        rep = reps[r]
         begin = max(t, shard["free"])
-        end = begin + service[kind]
+        end = begin + (service if rep.local else wire_service)[kind]
         shard["free"] = end
         m_arr.append(t)
         m_start.append(begin)
         m_end.append(end)
-        rep = reps[r]
         back, fetched = (0.0, 0.0) if rep.local else (latency, transfer)
         if kind != _PULL:
             staleness = max(0, shard["version"] - p_base[pid])

@@ -6,7 +6,10 @@ A :class:`Setup` is the part of a :class:`~downpour_dask.DownpourSGD` configurat
 ``max_inflight``, ``warmstart_steps`` and how many steps each replica takes.  A :class:`Timing`
 holds the costs, in seconds: a replica's compute time per step (a gamma distribution with a mean
 and a coefficient of variation), a shard's service time per push and per pull (a fixed part plus
-a part per parameter of its slice), and every link's latency and bandwidth.  Both are plain
+a part per parameter of its slice), the shard's CPU per parameter that crosses the wire
+(decoding a push, encoding a reply: its connection's thread), and every link's latency and
+bandwidth.  When replicas and shards share a machine's cores (``Timing.cores``), the shards' CPU
+counts against the replicas' too (:meth:`Timing.step_scale`).  Both are plain
 dataclasses that round-trip through JSON (:meth:`Timing.to_dict`), so calibrated timings are
 saved next to the run they came from.
 """
@@ -49,6 +52,9 @@ class Setup:
     local_replicas : int
         How many replicas (the first ones) run on a worker holding every shard and so call the
         shards in-process (a local cluster with one shard); 0 on a real cluster.
+    local_shards : int
+        How many shards each of the other replicas reaches in-process (on a local cluster a
+        replica's worker holds some of the shards); 0 on a real cluster.
     """
 
     n_replicas: int = 1
@@ -61,11 +67,12 @@ class Setup:
     steps: int = 100
     warmstart_steps: int = 0
     local_replicas: int = 0
+    local_shards: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            low = 0 if f.name in ("warmstart_steps", "local_replicas") else 1
+            low = 0 if f.name in ("warmstart_steps", "local_replicas", "local_shards") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Setup.{f.name} must be an int >= {low}, got {value!r}")
 
@@ -73,6 +80,11 @@ class Setup:
     def slice_params(self) -> float:
         """Parameters per shard (the mean slice: shards differ by at most one)."""
         return self.n_params / self.n_shards
+
+    @property
+    def wire_fraction(self) -> float:
+        """The part of a (non-local) replica's messages that crosses the wire."""
+        return max(0.0, 1.0 - self.local_shards / self.n_shards)
 
     def with_(self, **changes: Any) -> Setup:
         """A copy with some fields changed."""
@@ -86,21 +98,26 @@ class Timing:
     Parameters
     ----------
     step_seconds : float
-        Mean compute time of one replica step (a minibatch's gradient and the local update).
+        Mean CPU time of one replica step (a minibatch's gradient, the local update, the loop
+        around them and the replica's side of its messages).
     step_cv : float
         Coefficient of variation of a step's time (gamma distributed; 0: every step the same).
     push_fixed, push_per_param : float
         A shard's service time for one push: ``push_fixed + push_per_param * slice``.
     pull_fixed, pull_per_param : float
         The same for one pull (an ``exchange`` costs a push plus a pull).
+    wire_per_param : float
+        A shard's CPU seconds per parameter of a message that crosses the wire (a push's
+        gradient in, a pull's values out; an exchange both), on top of its service; messages of
+        in-process calls (``Setup.local_replicas``, ``Setup.local_shards``) do not pay it.
     latency : float
         One-way latency of every replica-shard link.
     bandwidth : float
         Bytes per second of every replica's link (inf: no transfer time).
     cores : int or None
-        None: every replica has its own processor (a real cluster).  An int: all replicas share
-        that many cores, so a step takes ``step_seconds * max(1, n_replicas / cores)`` (processor
-        sharing; used to compare with oversubscribed runs on one machine).
+        None: every replica has its own processor (a real cluster).  An int: all replicas and
+        shards share that many cores (one machine), so steps are stretched by the CPU demand of
+        both (:meth:`step_scale`; used to compare with oversubscribed local runs).
     """
 
     step_seconds: float = 1e-3
@@ -109,6 +126,7 @@ class Timing:
     push_per_param: float = 0.0
     pull_fixed: float = 0.0
     pull_per_param: float = 0.0
+    wire_per_param: float = 0.0
     latency: float = 0.0
     bandwidth: float = math.inf
     cores: int | None = None
@@ -132,13 +150,41 @@ class Timing:
         """A shard's seconds to copy its slice for one pull."""
         return self.pull_fixed + self.pull_per_param * setup.slice_params
 
+    def link_latency(self, setup: Setup) -> float:
+        """One-way latency of a link; with ``cores`` stretched as the steps are
+        (:meth:`step_scale`): on one machine a message waits for its threads to get a core."""
+        return self.latency * self.step_scale(setup)
+
     def transfer(self, setup: Setup) -> float:
         """Seconds for a replica's full gradient (or parameters) to cross its link."""
-        return self.latency + BYTES_PER_PARAM * setup.n_params / self.bandwidth
+        return self.link_latency(setup) + BYTES_PER_PARAM * setup.n_params / self.bandwidth
+
+    def wire_cost(self, setup: Setup) -> float:
+        """A shard's wire CPU for one whole message of one direction (its slice) of a replica
+        that is not local, averaged over its local and wire shards."""
+        return self.wire_per_param * setup.slice_params * setup.wire_fraction
+
+    def shard_step(self, setup: Setup, local: bool) -> float:
+        """The shards' CPU seconds (summed over shards) that one step of a replica causes."""
+        per_step = 1.0 / setup.n_push + 1.0 / setup.n_fetch  # messages of each direction
+        service = self.push_service(setup) / setup.n_push + self.pull_service(setup) / setup.n_fetch
+        wire = 0.0 if local else self.wire_cost(setup) * per_step
+        return (service + wire) * setup.n_shards
 
     def step_scale(self, setup: Setup) -> float:
-        """How much slower a step is because replicas share ``cores`` (1 without)."""
-        return 1.0 if self.cores is None else max(1.0, setup.n_replicas / self.cores)
+        """How much slower a step is because replicas and shards share ``cores`` (1 without).
+
+        Processor sharing by CPU balance: if every step is stretched by ``k``, the replicas and
+        the shard CPU their steps cause use ``sum(1 + shards' / step_seconds) / k`` cores; ``k``
+        is the smallest factor >= 1 that keeps that within ``cores``.
+        """
+        if self.cores is None:
+            return 1.0
+        local = min(setup.local_replicas, setup.n_replicas)
+        demand = local * (1 + self.shard_step(setup, True) / self.step_seconds) + (
+            setup.n_replicas - local
+        ) * (1 + self.shard_step(setup, False) / self.step_seconds)
+        return max(1.0, demand / self.cores)
 
     def with_(self, **changes: Any) -> Timing:
         """A copy with some fields changed."""
