@@ -76,6 +76,38 @@ def test_a_replica_on_the_shards_worker_waits_for_its_calls_and_sees_no_stalenes
     assert remote.pushes_per_s == pytest.approx(1 / 1e-3, rel=0.02)  # pushes overlap steps
 
 
+def test_shards_wire_cpu_slows_crowded_cores_but_not_a_lone_replica():
+    # 2 cores shared: a lone replica leaves a core to the shards' connection threads, 8 do not.
+    timing = Timing(step_seconds=1e-3, push_fixed=1e-5, cores=2)
+    wired = timing.with_(wire_per_param=2e-9)  # 0.2 ms per 100k-parameter message
+    for replicas, slower in ((1, False), (8, True)):
+        setup = Setup(n_replicas=replicas, n_shards=2, n_params=100_000, steps=200)
+        plain, busy = predict(setup, timing), predict(setup, wired)
+        assert (busy.examples_per_s < 0.9 * plain.examples_per_s) is slower, (replicas, busy)
+    # 8 replicas: step stretched by the CPU balance, 8 * (1 + 0.4 ms shard CPU / 1 ms) / 2 cores
+    setup = Setup(n_replicas=8, n_shards=2, n_params=100_000)
+    assert wired.step_scale(setup) == pytest.approx(8 * (1 + 0.4 + 0.02) / 2)
+    # an in-process link costs no wire CPU: one shard of two local halves it
+    half = setup.with_(local_shards=1)
+    assert wired.wire_cost(half) == pytest.approx(wired.wire_cost(setup) / 2)
+    assert wired.step_scale(setup.with_(local_replicas=8)) == pytest.approx(8 * 1.02 / 2)
+
+
+def test_split_step_gives_the_log_step_back_with_half_on_the_shards():
+    setup = Setup(n_replicas=2, n_shards=2, n_params=100_000)
+    model_only = Timing(step_seconds=2e-4, push_fixed=1e-5, cores=2)
+    fitted = calibration.split_step(setup, model_only, 9e-4)
+    assert fitted.step_seconds * fitted.step_scale(setup) == pytest.approx(9e-4)
+    replica_part = fitted.step_seconds - model_only.step_seconds
+    shard_part = fitted.shard_step(setup, False) - model_only.shard_step(setup, False)
+    assert replica_part > 0 and shard_part == pytest.approx(replica_part)
+    # a lone replica is then predicted faster than the log's shared step
+    assert fitted.step_seconds * fitted.step_scale(setup.with_(n_replicas=1)) < 9e-4
+    # no wire (every replica in-process): the whole step is the replica's
+    local = calibration.split_step(setup.with_(local_replicas=2), model_only, 9e-4)
+    assert local.wire_per_param == 0 and local.step_seconds > model_only.step_seconds
+
+
 def test_fetching_less_often_makes_pushes_staler():
     timing = Timing(step_seconds=1e-3, push_fixed=1e-4, latency=1e-4)
     every = predict(Setup(n_replicas=8, steps=200), timing)
@@ -169,6 +201,7 @@ def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, t
     fitted.save(tmp_path)
     again = calibration.load(tmp_path)
     assert again.timing == fitted.timing and again.setup == fitted.setup
+    assert fitted.timing.wire_per_param > 0  # the wire replica's messages cost the shard CPU
     seen = calibration.measured(four)
     predicted = predict(calibration.setup_of(four), again.timing)
     # Generous: the machine is shared and busy (see benchmarks/README.md for measured errors).
