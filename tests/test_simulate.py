@@ -90,6 +90,8 @@ def test_shards_wire_cpu_slows_crowded_cores_but_not_a_lone_replica():
     # an in-process link costs no wire CPU: one shard of two local halves it
     half = setup.with_(local_shards=1)
     assert wired.wire_cost(half) == pytest.approx(wired.wire_cost(setup) / 2)
+    # ... on one machine; on machines of their own every link is a wire
+    assert wired.with_(cores=None).wire_cost(half) == pytest.approx(wired.wire_cost(setup))
     assert wired.step_scale(setup.with_(local_replicas=8)) == pytest.approx(8 * 1.02 / 2)
 
 

@@ -213,8 +213,9 @@ def split_step(setup: Setup, timing: Timing, observed: float) -> Timing:
     shards' wire CPU (``Timing.wire_per_param``), which with ``timing.cores`` slows the steps too
     (:meth:`Timing.step_scale`).  A run without wire messages puts it all into the step.
     """
-    wired = setup.local_replicas < setup.n_replicas and setup.wire_fraction > 0
-    params = setup.n_params * setup.wire_fraction * (1 / setup.n_push + 1 / setup.n_fetch)
+    fraction = 1.0 if timing.cores is None else setup.wire_fraction  # as Timing.wire_cost
+    wired = setup.local_replicas < setup.n_replicas and fraction > 0
+    params = setup.n_params * fraction * (1 / setup.n_push + 1 / setup.n_fetch)
     share = REPLICA_SHARE if wired else 1.0
 
     def step_with(extra: float) -> tuple[Timing, float]:

@@ -54,7 +54,8 @@ class Setup:
         shards in-process (a local cluster with one shard); 0 on a real cluster.
     local_shards : int
         How many shards each of the other replicas reaches in-process (on a local cluster a
-        replica's worker holds some of the shards); 0 on a real cluster.
+        replica's worker holds some of the shards).  Only counted when the replicas share one
+        machine (``Timing.cores`` set): on machines of their own every link is a wire.
     """
 
     n_replicas: int = 1
@@ -161,8 +162,10 @@ class Timing:
 
     def wire_cost(self, setup: Setup) -> float:
         """A shard's wire CPU for one whole message of one direction (its slice) of a replica
-        that is not local, averaged over its local and wire shards."""
-        return self.wire_per_param * setup.slice_params * setup.wire_fraction
+        that is not local, averaged over its local and wire shards (all wire without ``cores``:
+        machines of their own)."""
+        fraction = 1.0 if self.cores is None else setup.wire_fraction
+        return self.wire_per_param * setup.slice_params * fraction
 
     def shard_step(self, setup: Setup, local: bool) -> float:
         """The shards' CPU seconds (summed over shards) that one step of a replica causes."""
