@@ -27,7 +27,7 @@ from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from .checkpoints import read_resumable
 from .driver import Driver
-from .settings import FitSettings
+from .settings import FitSettings, replica_subsets
 
 #: Values of ``DownpourSGD(transport=...)``.
 TRANSPORTS = ("auto", "dask")
@@ -256,18 +256,6 @@ class DownpourSGD(ParamServerEstimator):
             return split_range(model.n_params, self.n_shards)
         return plan.shard_ranges(self.n_shards)
 
-    def _subsets(self, model: TrainableModel, train: Any) -> Any:
-        """The replicas' data: contiguous in-memory subsets, or the ShardedDataset as it is."""
-        if not isinstance(train, ShardedDataset):
-            return Dataset(*train).partition(self.n_replicas)  # raises if a replica gets no rows
-        n_rows = train.n_rows
-        if n_rows is not None and n_rows < self.n_replicas:  # Dask: checked once persisted
-            raise ValueError(
-                f"cannot give each of {self.n_replicas} replicas its own data: the dataset has "
-                f"only {n_rows} rows; use n_replicas <= {n_rows}"
-            )
-        return train
-
     # -- fitting ---------------------------------------------------------------------------------
     def fit(
         self,
@@ -331,8 +319,8 @@ class DownpourSGD(ParamServerEstimator):
                 resumed = read_resumable(resume_from, ranges, self.partitions, model)
             settings = self._settings(model, rule, self.checkpoint_dir or resume_from)
             driver = Driver(
-                settings, active, self._subsets(model, train), evaluation, resumed, callback,
-                publish,
+                settings, active, replica_subsets(train, self.n_replicas), evaluation, resumed,
+                callback, publish,
             )  # fmt: skip
             driver.execute()
         self.model_ = model

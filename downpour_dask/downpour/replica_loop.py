@@ -30,7 +30,6 @@ what must outlive it through a :class:`ReplicaSink`; it imports no Dask.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,6 +41,7 @@ from ..core.params import DTYPE
 from ..log import PushRow
 from ..ps.protocol import PullReply, PushReply, ShardChannel, ShardLostError
 from .pushes import Push, PushLedger
+from .scaling import gradient_scale
 
 
 @dataclass(frozen=True)
@@ -66,24 +66,6 @@ class ReplicaConfig:
     transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
     start_after_version: int = 0  # wait for replica 0's warmstart: every shard's version
     wire_secret: bytes = field(default=b"", repr=False)  # the run's, for ps/service.py
-
-
-def gradient_scale(model: Model, alpha: float) -> float:
-    """What a replica asks ``model.loss_and_grad`` to multiply its gradient by: ``alpha``, so
-    that the local step ``params -= alpha * g`` is one pass with no scratch pass, or 1.
-
-    1 when ``alpha`` is 0 (no local step), when the model's ``loss_and_grad`` takes no
-    ``scale=`` (a user's subclass may override it without), and when ``alpha`` is so far outside
-    any learning rate's range that the scaled float32 gradient could under- or overflow before
-    the push divides it back out.
-    """
-    if not 1e-10 <= alpha <= 1e10:
-        return 1.0
-    try:
-        takes_scale = "scale" in inspect.signature(model.loss_and_grad).parameters
-    except (TypeError, ValueError):
-        takes_scale = False
-    return float(alpha) if takes_scale else 1.0
 
 
 class ReplicaSink(Protocol):

@@ -17,6 +17,7 @@ import numpy as np
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
+from ..data.datasets import Dataset, ShardedDataset
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,17 @@ class FitSettings:
     def partitions(self) -> int:
         """Partitions of each replica."""
         return 1 if self.plan is None else self.plan.partitions
+
+
+def replica_subsets(train: Any, n_replicas: int) -> Any:
+    """The replicas' data: contiguous in-memory subsets of ``train``, or the ShardedDataset as
+    it is (each replica streams its own part of it)."""
+    if not isinstance(train, ShardedDataset):
+        return Dataset(*train).partition(n_replicas)  # raises if a replica gets no rows
+    n_rows = train.n_rows
+    if n_rows is not None and n_rows < n_replicas:  # Dask: checked once persisted
+        raise ValueError(
+            f"cannot give each of {n_replicas} replicas its own data: the dataset has "
+            f"only {n_rows} rows; use n_replicas <= {n_rows}"
+        )
+    return train
