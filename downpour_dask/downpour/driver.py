@@ -283,6 +283,8 @@ class Driver:
             transport=fit.transport,
             start_after_version=gate,
             wire_secret=self.wire_secret,
+            staleness_bound=fit.consistency.bound,
+            n_replicas=fit.n_replicas,
         )
 
     def _limits(self, n_rows: int | None) -> Limits:

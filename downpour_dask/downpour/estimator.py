@@ -17,7 +17,7 @@ from distributed import Client, Security
 
 from .. import live
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..core import optim
+from ..core import consistency, optim
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
@@ -115,6 +115,12 @@ class DownpourSGD(ParamServerEstimator):
         (so no shard waits for the others).  Whatever it is, a push whose update would make
         parameters or update-rule state non-finite is refused (``gradient_refused``), and a fit
         that ends diverged raises ``FloatingPointError``.
+    consistency : {"async", "ssp", "bsp"}, default "async"
+        How far replicas may drift apart (:mod:`downpour_dask.core.consistency`): ``"async"`` is
+        Downpour's; ``"ssp"`` blocks a replica more than ``staleness_bound`` pushes ahead of the
+        slowest (on the shards' clock); ``"bsp"`` is ``staleness_bound=0``, synchronous SGD.
+    staleness_bound : int, optional
+        SSP's bound ``s`` (default 3); only with ``consistency="ssp"`` (``"bsp"`` is 0).
 
     Attributes
     ----------
@@ -171,6 +177,8 @@ class DownpourSGD(ParamServerEstimator):
         verbose: int = 0,
         warm_start: bool = False,
         max_grad_norm: float | None = None,
+        consistency: str = "async",
+        staleness_bound: int | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -197,6 +205,7 @@ class DownpourSGD(ParamServerEstimator):
         self.verbose = verbose
         self.warm_start = warm_start
         self.max_grad_norm = max_grad_norm
+        self.consistency, self.staleness_bound = consistency, staleness_bound
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
@@ -229,6 +238,7 @@ class DownpourSGD(ParamServerEstimator):
         check_positive("timeout", self.timeout)
         check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
         check_security(self.security)
+        self._consistency()
         check_positive("checkpoint_every", self.checkpoint_every)
         path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
         if self.checkpoint_dir is not None and not path_like:
@@ -369,6 +379,7 @@ class DownpourSGD(ParamServerEstimator):
             config=self._config(model),
             initial=self._initial_params(),
             max_grad_norm=self.max_grad_norm,
+            consistency=self._consistency(),
         )
 
     def _config(self, model: TrainableModel) -> dict[str, Any]:
@@ -379,4 +390,9 @@ class DownpourSGD(ParamServerEstimator):
             config["checkpoint_dir"] = str(config["checkpoint_dir"])
         if isinstance(self.optimizer, optim.UpdateRule):
             config["optimizer"] = self.optimizer.get_config()
-        return config
+        return {**config, **self._consistency().config()}  # the bound SSP runs with
+
+    def _consistency(self) -> consistency.Consistency:
+        """The checked ``consistency`` / ``staleness_bound`` (see core/consistency.py)."""
+        args = (self.consistency, self.staleness_bound, self.warmstart_steps, self.partitions)
+        return consistency.resolve(*args)

@@ -66,6 +66,8 @@ class ReplicaConfig:
     transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
     start_after_version: int = 0  # wait for replica 0's warmstart: every shard's version
     wire_secret: bytes = field(default=b"", repr=False)  # the run's, for ps/service.py
+    staleness_bound: int | None = None  # SSP's s (0: BSP); None: asynchronous (clocked_loop.py)
+    n_replicas: int = 1  # replicas whose clocks an SSP/BSP replica waits on
 
 
 class ReplicaSink(Protocol):

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.consistency import ASYNC, Consistency
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
@@ -48,6 +49,7 @@ class FitSettings:
     config: dict[str, Any]  # the estimator's part of the experiment's config
     initial: np.ndarray | None = None  # where to start (warm_start), in the model's layout
     max_grad_norm: float | None = None  # each shard clips a push's slice to this norm
+    consistency: Consistency = ASYNC  # async, SSP or BSP (core/consistency.py)
 
     @property
     def partitions(self) -> int:

@@ -35,6 +35,7 @@ from ..core.guard import GuardedUpdate, clip_norm
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
 from ..runtime.malloc import tune_malloc
+from .clock import ReplicaClocks
 from .fencing import Incarnation
 from .ordering import InOrder, SeqTracker
 from .protocol import PullReply, PushReply
@@ -54,7 +55,7 @@ def _tcp_host() -> str | None:
     return host.strip("[]")
 
 
-class ParameterServerShard(InOrder, Incarnation):
+class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
     """A Dask actor owning parameters ``[start, stop)``, their update-rule state and a version.
 
     Parameters
@@ -227,6 +228,7 @@ class ParameterServerShard(InOrder, Incarnation):
                 self.duplicates += 1
                 return self._reply(staleness, False)
             tracker.add(seq)
+        self._tick(replica)  # the replica's clock (ps/clock.py), for SSP/BSP runs
         # One fast float32 sum: it is NaN or inf if any element is.  Huge finite values can make
         # it overflow too; only then is every element checked (a temporary the grad's size).
         if not math.isfinite(float(np.add.reduce(grad))) and not np.isfinite(grad).all():
@@ -288,6 +290,7 @@ class ParameterServerShard(InOrder, Incarnation):
         self.examples = int(counters.get("examples", 0))
         self.staleness_sum = int(counters.get("staleness_sum", 0))
         self.staleness_max = int(counters.get("staleness_max", 0))
+        self._restore_clocks(counters)
 
     async def export_state(self) -> dict[str, Any]:
         """A consistent copy of everything a replacement shard needs: ``values``, ``rule_state``,
@@ -304,6 +307,7 @@ class ParameterServerShard(InOrder, Incarnation):
                     "examples": self.examples,
                     "staleness_sum": self.staleness_sum,
                     "staleness_max": self.staleness_max,
+                    **self._clock_counters(),
                 },
             }
 
