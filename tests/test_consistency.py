@@ -8,29 +8,44 @@ one test runs BSP on the session's real local cluster.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 from test_replica import LR, MODEL, Batches, FakeChannel, Sink, config, data, shards_for
 
-from downpour_dask import DownpourSGD, optim
+from downpour_dask import DownpourSGD, datasets, models, optim, runs
 from downpour_dask.core.consistency import max_staleness, resolve
 from downpour_dask.downpour.clocked_loop import ClockedReplicaLoop
 from downpour_dask.downpour.replica_loop import ReplicaLoop
 from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.runtime.cluster import cluster_workers
 
 INITIAL = MODEL.init(np.random.default_rng(1))
 
 
 class Slow:
-    """``model`` with ``delay`` seconds added to every gradient (a slow replica's machine)."""
+    """``model`` with ``delay`` seconds added to every gradient (a slow replica's machine); its
+    first gradient also waits (at most ``patience`` s) for replica 1 to push ``ahead`` times."""
 
-    def __init__(self, model, delay):
-        self.model, self.delay = model, delay
+    def __init__(self, model, delay, shard=None, ahead=0, patience=0.3):
+        self.model, self.delay, self.shard, self.ahead = model, delay, shard, ahead
+        self.patience = patience
 
     def loss_and_grad(self, params, X, y, out=None, **kw):
+        if self.ahead:
+            target = self.shard.accepted_by_replica[1] + self.ahead
+            deadline = time.monotonic() + self.patience
+            while self.shard.accepted_by_replica[1] < target and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self.ahead = 0
         time.sleep(self.delay)
         return self.model.loss_and_grad(params, X, y, out=out, **kw)
 
@@ -45,7 +60,7 @@ class Spy(ParameterServerShard):
     def _apply_push(self, grad, fetched_version, replica, *args):
         reply = super()._apply_push(grad, fetched_version, replica, *args)
         pushes, _, finished = self._clocks()  # under the lock the push holds
-        active = [r for r in range(self.n_replicas) if r not in finished]
+        active = [r for r in range(self.n_replicas) if r not in finished]  # fakes: run ""
         self.gaps.append(pushes.get(replica, 0) - min(pushes.get(r, 0) for r in active))
         return reply
 
@@ -97,22 +112,23 @@ def test_bsp_with_two_replicas_and_one_shard_is_synchronous_minibatch_sgd(local_
 
 @pytest.mark.parametrize("bound", [0, 2])
 def test_with_a_slowed_replica_no_push_exceeds_the_bound_and_async_does(bound):
-    batches = [data(30, seed=1), data(30, seed=2)]
-    models = [MODEL, Slow(MODEL, 0.003)]
+    batches = [data(20, seed=1), data(40, seed=2)]  # replica 0 is the slow one
 
-    def spies():
-        return [Spy(0, 0, INITIAL.size, INITIAL, optim.sgd(LR), n_replicas=2)]
+    def spy():
+        return Spy(0, 0, INITIAL.size, INITIAL, optim.sgd(LR), n_replicas=2)
 
-    shards = spies()
-    _, sinks = run_replicas(shards, batches, models=models, staleness_bound=bound, max_epochs=1)
+    shard = spy()
+    models = [Slow(MODEL, 0.003, shard, ahead=10), MODEL]
+    _, sinks = run_replicas([shard], batches, models=models, staleness_bound=bound, max_epochs=1)
     staleness = [row.staleness for sink in sinks for row in sink.rows]
     assert len(staleness) == 60
-    assert max(shards[0].gaps) <= bound + 1  # a push at clock c+1 after a fetch within s
+    assert max(shard.gaps) <= bound + 1  # a push at clock c+1 after a fetch within s
     assert max(staleness) <= max_staleness(bound, 2)
-    free = spies()  # the same replicas asynchronously: the fast one runs away
-    _, sinks = run_replicas(free, batches, ReplicaLoop, models=models, max_epochs=1)
-    assert max(free[0].gaps) > bound + 1
-    assert max(row.staleness for sink in sinks for row in sink.rows) > max_staleness(bound, 2)
+    free = spy()  # the same replicas asynchronously: the fast one runs away
+    models = [Slow(MODEL, 0.003, free, ahead=10), MODEL]
+    _, sinks = run_replicas([free], batches, ReplicaLoop, models=models, max_epochs=1)
+    assert max(free.gaps) > bound + 1
+    assert max(row.staleness for row in sinks[0].rows) > max_staleness(bound, 2)
 
 
 def test_a_replica_whose_peers_never_come_times_out_naming_the_clocks():
@@ -138,6 +154,7 @@ def test_a_finished_replica_holds_nobody_back_and_clocks_survive_a_restore():
     )
     assert copy.clock_state(1, 2) == saved == (9, 9, 9, False)  # both finished: nobody waits
     assert copy.clock_state(1, 3) == (9, 0, -1, False)  # a third replica would hold it back
+    assert copy.clock_state(1, 2, run="resumed") == (9, 3, 2, False)  # a new fit: none finished
 
 
 @pytest.mark.parametrize(
@@ -173,3 +190,64 @@ def test_bsp_on_a_real_cluster_keeps_replicas_in_step(client):
     assert est.experiment_.config["consistency"] == "bsp"
     assert est.experiment_.config["staleness_bound"] == 0
     assert est.score(X, y) > 0.8
+
+
+def test_an_ssp_fit_resumes_from_its_checkpoint_within_the_bound(client, tmp_path):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(400, 5)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(int)
+    kw = dict(model="softmax", n_replicas=2, n_shards=2, batch_size=20, consistency="ssp",
+              staleness_bound=1, random_state=0, timeout=30)  # fmt: skip
+    DownpourSGD(max_steps=5, checkpoint_dir=tmp_path, **kw).fit(X, y, client=client)
+    est = DownpourSGD(max_steps=10, **kw).fit(X, y, client=client, resume_from=tmp_path)
+    pushes = est.experiment_.pushes
+    assert sorted(pushes.groupby("replica")["step"].max()) == [9, 9]  # it went on from step 5
+    assert pushes["staleness"].max() <= max_staleness(1, 2)
+    assert est.server_status_["accepted"].sum() == 2 * 2 * 10  # each shard: every replica's step
+
+
+def test_a_job_with_ssp_takes_no_default_warmstart(tmp_path):
+    settings = {"dataset": "digits", "out": str(tmp_path)}
+    assert runs.prepare(settings).estimator.warmstart_steps == 100  # the async default
+    job = runs.prepare({**settings, "consistency": "ssp", "staleness_bound": 1})
+    assert (job.estimator.warmstart_steps, job.estimator.staleness_bound) == (0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_train_command_runs_bsp_and_records_it(tmp_path):
+    command = [sys.executable, "-m", "downpour_dask", "train", "--dataset", "digits", "--model",
+               "softmax", "--n-replicas", "2", "--max-steps", "10", "--consistency", "bsp",
+               "--out", str(tmp_path), "--name", "bsp"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=170, check=False)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "bsp" / "config.json").read_text())
+    assert (config["consistency"], config["staleness_bound"]) == ("bsp", 0)
+    pushes = pd.read_parquet(tmp_path / "bsp" / "pushes.parquet")
+    assert len(pushes) == 20 and pushes["staleness"].max() <= max_staleness(0, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ssp_survives_a_killed_shard_worker_and_keeps_the_bound(three_workers):
+    client = three_workers
+    train, test = datasets.load("mnist5k")
+    workers = sorted(cluster_workers(client))
+    pid = client.run(os.getpid, workers=[workers[1]])[workers[1]]  # shard 1 and replica 1
+    killed = []
+
+    def kill(progress):
+        if not killed and progress.pushes >= 150:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(progress.pushes)
+
+    est = DownpourSGD(
+        models.MLP(784, (64,), 10), n_replicas=3, n_shards=2, batch_size=32, max_epochs=6,
+        consistency="ssp", staleness_bound=2, random_state=0, checkpoint_every=0.5, timeout=60,
+    ).fit(train, eval_data=test, client=client, callback=kill)  # fmt: skip
+    kinds = list(est.experiment_.events["kind"])
+    assert killed and "shard_restored" in kinds and kinds[-1] == "stop"
+    steps = -(-(train.n_rows // 3) // 32) * 6
+    assert set(est.experiment_.config["replica_steps"]) <= {steps, steps + 6}  # all trained
+    assert est.experiment_.pushes["staleness"].max() <= max_staleness(2, 3)
+    assert est.score(test) >= 0.8

@@ -44,7 +44,7 @@ class ClockedReplicaLoop(ReplicaLoop):
         result = super().run(source)
         for channel in self.channels:  # finished: hold nobody back
             with contextlib.suppress(ShardLostError, TimeoutError):
-                channel.wait(finish_clock(channel), channel.key, time.monotonic())
+                channel.wait(finish_clock(channel, self.cfg.run), channel.key, time.monotonic())
         return result
 
     def _push(self, step: int, fetch: bool = False) -> None:
@@ -76,7 +76,7 @@ class ClockedReplicaLoop(ReplicaLoop):
             while True:
                 key, sent = channel.key, time.monotonic()
                 try:
-                    call = poll_clock(channel, cfg.n_replicas, read)
+                    call = poll_clock(channel, cfg.n_replicas, read, cfg.run)
                     own, slowest, slowest_read, stopped = channel.wait(call, key, sent)
                 except ShardLostError as err:
                     self._switch(s, key, err)

@@ -4,7 +4,8 @@
 each shard counts, per replica, the pushes it received (accepted or refused, duplicates not):
 that replica's *clock*.  It also remembers the clock at which each replica last fetched (its
 *read clock*, recorded when the replica asks with ``read=True`` right after a fetch), and which
-replicas have finished (they no longer hold anyone back).  A replica asks with
+replicas have finished (they no longer hold anyone back; noted with the fit's token, so the
+replicas of a fit resumed from a checkpoint are not taken for finished).  A replica asks with
 :meth:`~ReplicaClocks.clock_state` (``(own clock, slowest clock, slowest read clock,
 stopped)``); the rules that decide whether it may go on are in
 :mod:`downpour_dask.core.consistency`.  Shards keep the clock, not the driver: a replica asks
@@ -34,11 +35,11 @@ class ReplicaClocks:
     """Per-replica push and read clocks of one shard (module docstring).  The host class
     provides ``_lock``, ``_serving()`` (fencing) and ``stopped``."""
 
-    def _clocks(self) -> tuple[dict[int, int], dict[int, int], set[int]]:
+    def _clocks(self) -> tuple[dict[int, int], dict[int, int], dict[int, str]]:
         if not hasattr(self, "_clock_pushes"):
             self._clock_pushes: dict[int, int] = {}
             self._clock_reads: dict[int, int] = {}
-            self._clock_finished: set[int] = set()
+            self._clock_finished: dict[int, str] = {}  # replica: the token of the fit
         return self._clock_pushes, self._clock_reads, self._clock_finished
 
     def _tick(self, replica: int) -> None:
@@ -46,33 +47,38 @@ class ReplicaClocks:
         pushes = self._clocks()[0]
         pushes[replica] = pushes.get(replica, 0) + 1
 
-    def clock_state(self, replica: int, n_replicas: int, read: bool = False) -> ClockState:
-        """``(own, slowest, slowest_read, stopped)`` for ``replica`` among ``n_replicas``; with
-        ``read``, first record that ``replica`` just fetched at its current clock.  Finished
-        replicas do not count (with all finished, the slowest is ``own``)."""
+    def clock_state(
+        self, replica: int, n_replicas: int, read: bool = False, run: str = ""
+    ) -> ClockState:
+        """``(own, slowest, slowest_read, stopped)`` for ``replica`` among ``n_replicas`` of
+        the fit ``run``; with ``read``, first record that ``replica`` just fetched at its
+        current clock.  Replicas that finished in this fit do not count (with all finished, the
+        slowest is ``own``)."""
         with self._lock:  # type: ignore[attr-defined]
             self._serving()  # type: ignore[attr-defined]
             pushes, reads, finished = self._clocks()
             own = pushes.get(replica, 0)
             if read:
                 reads[replica] = own
-            active = [r for r in range(n_replicas) if r not in finished]
+            active = [r for r in range(n_replicas) if finished.get(r) != run]
             slowest = min((pushes.get(r, 0) for r in active), default=own)
             slowest_read = min((reads.get(r, -1) for r in active), default=own)
             return own, slowest, slowest_read, bool(self.stopped)  # type: ignore[attr-defined]
 
-    def clock_finished(self, replica: int) -> None:
-        """``replica`` ran out of steps: it no longer holds the others back."""
+    def clock_finished(self, replica: int, run: str = "") -> None:
+        """``replica`` of the fit ``run`` ran out of steps: it no longer holds the others back."""
         with self._lock:  # type: ignore[attr-defined]
-            self._clocks()[2].add(int(replica))
+            self._clocks()[2][int(replica)] = str(run)
 
-    async def poll_clock(self, replica: int, n_replicas: int, read: bool = False) -> ClockState:
+    async def poll_clock(
+        self, replica: int, n_replicas: int, read: bool = False, run: str = ""
+    ) -> ClockState:
         """:meth:`clock_state` as an actor call."""
-        return self.clock_state(replica, n_replicas, read)
+        return self.clock_state(replica, n_replicas, read, run)
 
-    async def finish_clock(self, replica: int) -> None:
+    async def finish_clock(self, replica: int, run: str = "") -> None:
         """:meth:`clock_finished` as an actor call."""
-        self.clock_finished(replica)
+        self.clock_finished(replica, run)
 
     def _clock_counters(self) -> dict[str, Any]:
         """The clocks as JSON-able counters (see ``export_state``)."""
@@ -80,14 +86,14 @@ class ReplicaClocks:
         return {
             "clock_pushes": {str(r): n for r, n in pushes.items()},
             "clock_reads": {str(r): n for r, n in reads.items()},
-            "clock_finished": sorted(finished),
+            "clock_finished": {str(r): run for r, run in finished.items()},
         }
 
     def _restore_clocks(self, counters: dict[str, Any]) -> None:
         pushes, reads, finished = self._clocks()
         pushes.update({int(r): int(n) for r, n in (counters.get("clock_pushes") or {}).items()})
         reads.update({int(r): int(n) for r, n in (counters.get("clock_reads") or {}).items()})
-        finished.update(int(r) for r in counters.get("clock_finished") or ())
+        finished.update({int(r): str(t) for r, t in (counters.get("clock_finished") or {}).items()})
 
 
 def _call(channel: Any, name: str, *args: Any) -> Any:
@@ -106,15 +112,14 @@ def _call(channel: Any, name: str, *args: Any) -> Any:
         raise
 
 
-def poll_clock(channel: Any, n_replicas: int, read: bool = False) -> Any:
-    """Start asking ``channel``'s shard for its :data:`ClockState`."""
-    if getattr(channel, "local", None) is not None:
-        return _call(channel, "clock_state", channel.replica, n_replicas, read)
-    return _call(channel, "poll_clock", channel.replica, n_replicas, read)
+def poll_clock(channel: Any, n_replicas: int, read: bool = False, run: str = "") -> Any:
+    """Start asking ``channel``'s shard for its :data:`ClockState` (in the fit ``run``)."""
+    local = getattr(channel, "local", None) is not None
+    name = "clock_state" if local else "poll_clock"
+    return _call(channel, name, channel.replica, n_replicas, read, run)
 
 
-def finish_clock(channel: Any) -> Any:
-    """Start telling ``channel``'s shard that this replica finished."""
-    if getattr(channel, "local", None) is not None:
-        return _call(channel, "clock_finished", channel.replica)
-    return _call(channel, "finish_clock", channel.replica)
+def finish_clock(channel: Any, run: str = "") -> Any:
+    """Start telling ``channel``'s shard that this replica of the fit ``run`` finished."""
+    local = getattr(channel, "local", None) is not None
+    return _call(channel, "clock_finished" if local else "finish_clock", channel.replica, run)
