@@ -17,7 +17,7 @@ from distributed import Client, Security
 
 from .. import live
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..core import consistency, optim
+from ..core import compensation, consistency, optim
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
@@ -50,7 +50,8 @@ class DownpourSGD(ParamServerEstimator):
         Parameter-server shards (Dask actors), placed on distinct workers where possible.
     optimizer : str or UpdateRule, default "adagrad"
         Update rule the shards apply: one of :data:`downpour_dask.optim.OPTIMIZERS`, or an
-        :class:`~downpour_dask.optim.UpdateRule` (then ``learning_rate`` must equal its rate).
+        :class:`~downpour_dask.optim.UpdateRule` (then ``learning_rate`` must equal its rate);
+        ``"dc_<name>"`` is that rule delay-compensated (DC-ASGD, :mod:`~.core.compensation`).
     learning_rate : float, default 0.05
         The rule's rate (Adagrad's gamma).
     batch_size : int, default 64
@@ -248,7 +249,7 @@ class DownpourSGD(ParamServerEstimator):
             )
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
-        return optim.resolve(self.optimizer, self.learning_rate)
+        return compensation.resolve(self.optimizer, self.learning_rate)
 
     def _check_model(self, model: TrainableModel) -> None:
         """Raise if ``model`` cannot take ``n_shards`` or ``partitions``."""

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from distributed import get_worker
 
+from ..core.compensation import DelayCompensated, FetchedCopies
 from ..core.guard import GuardedUpdate, clip_norm
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
@@ -124,6 +125,7 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
             self._restore(restore)
         self.started_at = self.version
         self._guard = GuardedUpdate(rule, self.values, self.state)
+        self._fetched = FetchedCopies() if isinstance(rule, DelayCompensated) else None  # DC-ASGD
         self._seqs: dict[tuple[int, str], SeqTracker] = {}
         self._sessions: set[str] = set()  # replica sessions that pulled or pushed here
         self._events: list[tuple[float, str, str, dict[str, Any]]] = []
@@ -181,6 +183,8 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
             if session:
                 self._sessions.add(session)
             np.copyto(out, self.values)
+            if self._fetched is not None:  # DC-ASGD: what this replica computes its gradient at
+                self._fetched.keep(replica, self.values)
             tracker = self._seqs.get((replica, session)) or SeqTracker()
             through, ahead = tracker.through, tuple(tracker.ahead)
             return PullReply(out, self.version, self.stopped, through, ahead, self.generation)
@@ -234,6 +238,8 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
         if not math.isfinite(float(np.add.reduce(grad))) and not np.isfinite(grad).all():
             bad = int(np.count_nonzero(~np.isfinite(grad)))
             return self._refuse(replica, staleness, f"pushed {bad} non-finite values", bad)
+        if self._fetched is not None:  # DC-ASGD: a new array, the caller's buffer stays as sent
+            grad = self._fetched.compensate(self.rule, replica, grad, self.values)
         if self.max_grad_norm is not None:
             grad = np.array(grad, copy=True)  # the caller's buffer (or wire.py's) stays as sent
             if clip_norm(grad, self.max_grad_norm) > self.max_grad_norm:
