@@ -27,7 +27,7 @@ from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from .checkpoints import read_resumable
 from .driver import Driver
-from .settings import FitSettings, replica_subsets
+from .settings import FitSettings, from_arguments, replica_subsets
 
 #: Values of ``DownpourSGD(transport=...)``.
 TRANSPORTS = ("auto", "dask")
@@ -355,33 +355,12 @@ class DownpourSGD(ParamServerEstimator):
         max_epochs = self.max_epochs
         if max_epochs is None and self.max_steps is None and self.max_seconds is None:
             max_epochs = 1
-        return FitSettings(
-            model=model,
-            rule=rule,
-            n_replicas=self.n_replicas,
-            n_shards=self.n_shards,
-            ranges=self._shard_ranges(model),
-            plan=self._plan(model),
-            batch_size=self.batch_size,
-            n_fetch=self.n_fetch,
-            n_push=self.n_push,
-            max_inflight=self.max_inflight,
-            local_learning_rate=alpha,
-            warmstart_steps=self.warmstart_steps,
-            max_epochs=max_epochs,
-            max_steps=self.max_steps,
-            max_seconds=self.max_seconds,
-            eval_every=self.eval_every,
-            random_state=self.random_state,
-            timeout=self.timeout,
-            checkpoint_every=self.checkpoint_every,
-            checkpoint_dir=checkpoint_dir,
-            transport=self.transport,
-            config=self._config(model),
-            initial=self._initial_params(),
-            max_grad_norm=self.max_grad_norm,
-            consistency=self._consistency(),
-        )
+        return from_arguments(
+            self.get_params(), model=model, rule=rule, ranges=self._shard_ranges(model),
+            plan=self._plan(model), local_learning_rate=alpha, max_epochs=max_epochs,
+            checkpoint_dir=checkpoint_dir, config=self._config(model),
+            initial=self._initial_params(), consistency=self._consistency(),
+        )  # fmt: skip
 
     def _config(self, model: TrainableModel) -> dict[str, Any]:
         """The estimator's part of the experiment's config (JSON-able): the shared part, with the

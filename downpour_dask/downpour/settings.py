@@ -9,7 +9,7 @@ these plain values, not on the estimator.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -69,3 +69,11 @@ def replica_subsets(train: Any, n_replicas: int) -> Any:
             f"only {n_rows} rows; use n_replicas <= {n_rows}"
         )
     return train
+
+
+def from_arguments(arguments: dict[str, Any], **resolved: Any) -> FitSettings:
+    """The settings of a fit: the estimator's ``arguments`` (``get_params()``) that are
+    :class:`FitSettings` fields as they are, the others (``model``, the rule, ranges, ...)
+    ``resolved`` by the estimator."""
+    names = {f.name for f in fields(FitSettings)}
+    return FitSettings(**{**{k: v for k, v in arguments.items() if k in names}, **resolved})
