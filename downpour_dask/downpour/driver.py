@@ -285,6 +285,7 @@ class Driver:
             wire_secret=self.wire_secret,
             staleness_bound=fit.consistency.bound,
             n_replicas=fit.n_replicas,
+            top_k=fit.top_k,
         )
 
     def _limits(self, n_rows: int | None) -> Limits:

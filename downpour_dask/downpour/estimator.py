@@ -17,7 +17,7 @@ from distributed import Client, Security
 
 from .. import live
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..core import compensation, consistency, optim
+from ..core import compensation, compression, consistency, optim
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
@@ -122,6 +122,10 @@ class DownpourSGD(ParamServerEstimator):
         slowest (on the shards' clock); ``"bsp"`` is ``staleness_bound=0``, synchronous SGD.
     staleness_bound : int, optional
         SSP's bound ``s`` (default 3); only with ``consistency="ssp"`` (``"bsp"`` is 0).
+    top_k : float, optional
+        Compressed pushes: send each shard only this share of its coordinates, the largest,
+        keeping the rest on the replica for later pushes (:mod:`~.core.compression`); the
+        push log's ``bytes_sent`` shows the saving.  None (the default) sends dense pushes.
 
     Attributes
     ----------
@@ -180,6 +184,7 @@ class DownpourSGD(ParamServerEstimator):
         max_grad_norm: float | None = None,
         consistency: str = "async",
         staleness_bound: int | None = None,
+        top_k: float | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -207,6 +212,7 @@ class DownpourSGD(ParamServerEstimator):
         self.warm_start = warm_start
         self.max_grad_norm = max_grad_norm
         self.consistency, self.staleness_bound = consistency, staleness_bound
+        self.top_k = top_k
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
@@ -240,6 +246,7 @@ class DownpourSGD(ParamServerEstimator):
         check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
         check_security(self.security)
         self._consistency()
+        compression.check_fraction(self.top_k)
         check_positive("checkpoint_every", self.checkpoint_every)
         path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
         if self.checkpoint_dir is not None and not path_like:

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..core.compression import TopK
 from ..core.models import Model
 from ..core.params import DTYPE
 from ..log import PushRow
@@ -68,6 +69,7 @@ class ReplicaConfig:
     wire_secret: bytes = field(default=b"", repr=False)  # the run's, for ps/service.py
     staleness_bound: int | None = None  # SSP's s (0: BSP); None: asynchronous (clocked_loop.py)
     n_replicas: int = 1  # replicas whose clocks an SSP/BSP replica waits on
+    top_k: float | None = None  # share of each shard's coordinates a push sends (compression.py)
 
 
 class ReplicaSink(Protocol):
@@ -133,6 +135,8 @@ class ReplicaLoop:
         self.stop = False
         self.rows: list[PushRow] = []
         self.acked: dict[int, dict[int, list[int]]] = {}  # shard, generation: [pushes, version]
+        self.topk = None if config.top_k is None else TopK(config.top_k, size)
+        self.sent_bytes: dict[int, int] = {}  # push number: bytes its gradient took
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, source: Any) -> dict[str, Any]:
@@ -314,17 +318,19 @@ class ReplicaLoop:
         if self.scale != 1.0:  # shards take the plain gradient
             grad *= DTYPE(1.0 / self.scale)
         seq = ledger.take_seq()
+        payloads = self._payloads(grad)
+        self.sent_bytes[seq] = sum(int(payload.nbytes) for payload in payloads)
         loss, examples = self.accrual_loss / self.accrual_steps, self.accrual_examples
         calls = []
         for s, channel in enumerate(self.channels):
             lo, hi = self.ranges[s]
             if fetch and (channel.in_process or self.pulls[s] is None):
                 pushed, self.pulls[s] = channel.exchange(
-                    grad[lo:hi], self.base_versions[s], seq, examples, loss, self.held[s]
+                    payloads[s], self.base_versions[s], seq, examples, loss, self.held[s]
                 )
                 self.pull_sent[s] = time.monotonic()
             else:
-                pushed = channel.push(grad[lo:hi], self.base_versions[s], seq, examples, loss)
+                pushed = channel.push(payloads[s], self.base_versions[s], seq, examples, loss)
             calls.append(pushed)
         keys = tuple(channel.key for channel in self.channels)
         needed_by = set(range(len(calls)))
@@ -332,6 +338,13 @@ class ReplicaLoop:
             Push(seq, step, grad, calls, loss, examples, False, needed_by, keys, time.monotonic())
         )
         self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
+
+    def _payloads(self, grad: np.ndarray) -> list[Any]:
+        """What a push sends each shard: its slice of ``grad``, or with ``top_k`` a sparse part
+        of it (``grad`` is left holding what is sent, for replays; see core/compression.py)."""
+        if self.topk is None:
+            return [grad[lo:hi] for lo, hi in self.ranges]
+        return self.topk.compress(grad, self.ranges)
 
     def _ack(self, p: Push, wait: bool = False) -> None:
         """Record a push whose replies arrived (waiting for them if ``wait``)."""
@@ -362,6 +375,7 @@ class ReplicaLoop:
             version=min((r.version for r in replies), default=0),
             accepted=not lost and all(r.accepted for r in replies),
             partition=self.cfg.partition,
+            bytes_sent=self.sent_bytes.pop(p.seq, 0),
         )
         self.rows.append(row)
         self.sink.keep_row(row)

@@ -50,6 +50,7 @@ class FitSettings:
     initial: np.ndarray | None = None  # where to start (warm_start), in the model's layout
     max_grad_norm: float | None = None  # each shard clips a push's slice to this norm
     consistency: Consistency = ASYNC  # async, SSP or BSP (core/consistency.py)
+    top_k: float | None = None  # share of each shard's coordinates a push sends
 
     @property
     def partitions(self) -> int:

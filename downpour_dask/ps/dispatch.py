@@ -28,6 +28,7 @@ def call(
     (which are left in ``out``)."""
     _, _, seq, fetched, examples, loss, _, _ = frames.REQUEST.unpack(head)
     parts = [frames.OK]
+    op = frames.SPARSE.get(op, op)  # a sparse push's gradient is a SparseGradient
     if op in (PUSH, EXCHANGE):
         kw = dict(seq=None if seq < 0 else seq, session=session, examples=examples, loss=loss)
         parts.append(frames.pushed(shard.apply_push(grad, fetched, replica, **kw)))

@@ -335,12 +335,17 @@ class ShardService:
             if problem is not None:  # the stream cannot be trusted after this
                 frames.send_error(conn, problem)
                 return
-            if n_values:
+            payload: Any = grad
+            if op in frames.SPARSE:  # (indices, values), see frames.py
+                payload = frames.recv_sparse(conn, n_values, size, grad)
+            elif n_values:
                 frames.recv_into(conn, grad)
             with reg.gate:  # nothing in here waits on the network: unregister waits for it
                 retired, failed = reg.retired, None
                 try:
-                    reply = b"" if retired else call(shard, op, grad, out, replica, session, head)
+                    reply = (
+                        b"" if retired else call(shard, op, payload, out, replica, session, head)
+                    )
                 except Exception as err:  # reported to the replica; the connection stays usable
                     failed = f"{type(err).__name__}: {err}"
             if retired:
@@ -350,7 +355,7 @@ class ShardService:
                 frames.send_error(conn, failed)
                 continue
             conn.sendall(reply)
-            if op in (PULL, EXCHANGE):
+            if frames.SPARSE.get(op, op) in (PULL, EXCHANGE):
                 conn.sendall(out)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from distributed import get_worker
 
 from ..core.compensation import DelayCompensated, FetchedCopies
+from ..core.compression import SparseGradient
 from ..core.guard import GuardedUpdate, clip_norm
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
@@ -217,6 +218,8 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
 
     def _apply_push(self, grad, fetched_version, replica, seq, session, examples, loss):
         self._serving()
+        if isinstance(grad, SparseGradient):  # a top-k push (core/compression.py)
+            grad = grad.dense()
         if grad.shape != self.values.shape:
             raise ValueError(
                 f"shard {self.shard_id} owns {self.values.shape[0]} parameters, got a gradient of "
