@@ -27,6 +27,7 @@ from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from .checkpoints import read_resumable
 from .driver import Driver
+from .elastic_loop import check_elastic
 from .settings import FitSettings, from_arguments, replica_subsets
 
 #: Values of ``DownpourSGD(transport=...)``.
@@ -126,6 +127,10 @@ class DownpourSGD(ParamServerEstimator):
         Compressed pushes: send each shard only this share of its coordinates, the largest,
         keeping the rest on the replica for later pushes (:mod:`~.core.compression`); the
         push log's ``bytes_sent`` shows the saving.  None (the default) sends dense pushes.
+    elastic_alpha : float, optional
+        Asynchronous EASGD instead of Downpour: replicas train their own variables and every
+        ``n_push`` steps (tau) exchange ``elastic_alpha * (x_i - centre)`` with the centre on
+        the shards (:mod:`~.downpour.elastic_loop`); needs ``optimizer="sgd"``.
 
     Attributes
     ----------
@@ -185,6 +190,7 @@ class DownpourSGD(ParamServerEstimator):
         consistency: str = "async",
         staleness_bound: int | None = None,
         top_k: float | None = None,
+        elastic_alpha: float | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -212,7 +218,7 @@ class DownpourSGD(ParamServerEstimator):
         self.warm_start = warm_start
         self.max_grad_norm = max_grad_norm
         self.consistency, self.staleness_bound = consistency, staleness_bound
-        self.top_k = top_k
+        self.top_k, self.elastic_alpha = top_k, elastic_alpha
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
@@ -256,7 +262,9 @@ class DownpourSGD(ParamServerEstimator):
             )
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
-        return compensation.resolve(self.optimizer, self.learning_rate)
+        rule = compensation.resolve(self.optimizer, self.learning_rate)
+        check_elastic(self.elastic_alpha, rule, self.consistency, self.top_k, self.partitions)
+        return rule
 
     def _check_model(self, model: TrainableModel) -> None:
         """Raise if ``model`` cannot take ``n_shards`` or ``partitions``."""

@@ -51,6 +51,7 @@ class FitSettings:
     max_grad_norm: float | None = None  # each shard clips a push's slice to this norm
     consistency: Consistency = ASYNC  # async, SSP or BSP (core/consistency.py)
     top_k: float | None = None  # share of each shard's coordinates a push sends
+    elastic_alpha: float | None = None  # EASGD's moving rate alpha (None: not EASGD)
 
     @property
     def partitions(self) -> int:
