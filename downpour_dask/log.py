@@ -40,9 +40,11 @@ class PushRow(NamedTuple):
     # Which partition of a model-parallel replica pushed (its own parameter range); 0 without
     # model parallelism.  A replica split in P partitions makes P rows per push, one each.
     partition: int = 0
+    bytes_sent: int = 0  # bytes of gradient the push sent over all shards (see top_k)
 
 
-_PUSH_DTYPES = ("float64", "int64", "int64", "float64", "int64", "int64", "int64", "bool", "int64")
+_PUSH_DTYPES = ("float64", "int64", "int64", "float64", "int64", "int64", "int64", "bool", "int64",
+                "int64")  # fmt: skip
 #: Columns of :attr:`Experiment.pushes` and their dtypes, one row per replica push.
 PUSH_COLUMNS = dict(zip(PushRow._fields, _PUSH_DTYPES))
 #: Columns of :attr:`Experiment.evals`; ``accuracy`` for classifiers, ``r2`` for regression.

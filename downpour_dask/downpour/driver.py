@@ -283,6 +283,11 @@ class Driver:
             transport=fit.transport,
             start_after_version=gate,
             wire_secret=self.wire_secret,
+            staleness_bound=fit.consistency.bound,
+            n_replicas=fit.n_replicas,
+            top_k=fit.top_k,
+            elastic_alpha=fit.elastic_alpha,
+            centre_rate=fit.rule.learning_rate,
         )
 
     def _limits(self, n_rows: int | None) -> Limits:

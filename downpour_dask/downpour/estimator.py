@@ -17,7 +17,7 @@ from distributed import Client, Security
 
 from .. import live
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..core import optim
+from ..core import compensation, compression, consistency, optim
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
@@ -27,7 +27,8 @@ from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from .checkpoints import read_resumable
 from .driver import Driver
-from .settings import FitSettings
+from .elastic_loop import check_elastic
+from .settings import FitSettings, from_arguments, replica_subsets
 
 #: Values of ``DownpourSGD(transport=...)``.
 TRANSPORTS = ("auto", "dask")
@@ -50,7 +51,8 @@ class DownpourSGD(ParamServerEstimator):
         Parameter-server shards (Dask actors), placed on distinct workers where possible.
     optimizer : str or UpdateRule, default "adagrad"
         Update rule the shards apply: one of :data:`downpour_dask.optim.OPTIMIZERS`, or an
-        :class:`~downpour_dask.optim.UpdateRule` (then ``learning_rate`` must equal its rate).
+        :class:`~downpour_dask.optim.UpdateRule` (then ``learning_rate`` must equal its rate);
+        ``"dc_<name>"`` is that rule delay-compensated (DC-ASGD, :mod:`~.core.compensation`).
     learning_rate : float, default 0.05
         The rule's rate (Adagrad's gamma).
     batch_size : int, default 64
@@ -115,6 +117,20 @@ class DownpourSGD(ParamServerEstimator):
         (so no shard waits for the others).  Whatever it is, a push whose update would make
         parameters or update-rule state non-finite is refused (``gradient_refused``), and a fit
         that ends diverged raises ``FloatingPointError``.
+    consistency : {"async", "ssp", "bsp"}, default "async"
+        How far replicas may drift apart (:mod:`downpour_dask.core.consistency`): ``"async"`` is
+        Downpour's; ``"ssp"`` blocks a replica more than ``staleness_bound`` pushes ahead of the
+        slowest (on the shards' clock); ``"bsp"`` is ``staleness_bound=0``, synchronous SGD.
+    staleness_bound : int, optional
+        SSP's bound ``s`` (default 3); only with ``consistency="ssp"`` (``"bsp"`` is 0).
+    top_k : float, optional
+        Compressed pushes: send each shard only this share of its coordinates, the largest,
+        keeping the rest on the replica for later pushes (:mod:`~.core.compression`); the
+        push log's ``bytes_sent`` shows the saving.  None (the default) sends dense pushes.
+    elastic_alpha : float, optional
+        Asynchronous EASGD instead of Downpour: replicas train their own variables and every
+        ``n_push`` steps (tau) exchange ``elastic_alpha * (x_i - centre)`` with the centre on
+        the shards (:mod:`~.downpour.elastic_loop`); needs ``optimizer="sgd"``.
 
     Attributes
     ----------
@@ -171,6 +187,10 @@ class DownpourSGD(ParamServerEstimator):
         verbose: int = 0,
         warm_start: bool = False,
         max_grad_norm: float | None = None,
+        consistency: str = "async",
+        staleness_bound: int | None = None,
+        top_k: float | None = None,
+        elastic_alpha: float | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -197,6 +217,8 @@ class DownpourSGD(ParamServerEstimator):
         self.verbose = verbose
         self.warm_start = warm_start
         self.max_grad_norm = max_grad_norm
+        self.consistency, self.staleness_bound = consistency, staleness_bound
+        self.top_k, self.elastic_alpha = top_k, elastic_alpha
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
@@ -229,6 +251,8 @@ class DownpourSGD(ParamServerEstimator):
         check_positive("timeout", self.timeout)
         check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
         check_security(self.security)
+        self._consistency()
+        compression.check_fraction(self.top_k)
         check_positive("checkpoint_every", self.checkpoint_every)
         path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
         if self.checkpoint_dir is not None and not path_like:
@@ -238,7 +262,9 @@ class DownpourSGD(ParamServerEstimator):
             )
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
-        return optim.resolve(self.optimizer, self.learning_rate)
+        rule = compensation.resolve(self.optimizer, self.learning_rate)
+        check_elastic(self.elastic_alpha, rule, self.consistency, self.top_k, self.partitions)
+        return rule
 
     def _check_model(self, model: TrainableModel) -> None:
         """Raise if ``model`` cannot take ``n_shards`` or ``partitions``."""
@@ -255,18 +281,6 @@ class DownpourSGD(ParamServerEstimator):
         if plan is None:
             return split_range(model.n_params, self.n_shards)
         return plan.shard_ranges(self.n_shards)
-
-    def _subsets(self, model: TrainableModel, train: Any) -> Any:
-        """The replicas' data: contiguous in-memory subsets, or the ShardedDataset as it is."""
-        if not isinstance(train, ShardedDataset):
-            return Dataset(*train).partition(self.n_replicas)  # raises if a replica gets no rows
-        n_rows = train.n_rows
-        if n_rows is not None and n_rows < self.n_replicas:  # Dask: checked once persisted
-            raise ValueError(
-                f"cannot give each of {self.n_replicas} replicas its own data: the dataset has "
-                f"only {n_rows} rows; use n_replicas <= {n_rows}"
-            )
-        return train
 
     # -- fitting ---------------------------------------------------------------------------------
     def fit(
@@ -331,8 +345,8 @@ class DownpourSGD(ParamServerEstimator):
                 resumed = read_resumable(resume_from, ranges, self.partitions, model)
             settings = self._settings(model, rule, self.checkpoint_dir or resume_from)
             driver = Driver(
-                settings, active, self._subsets(model, train), evaluation, resumed, callback,
-                publish,
+                settings, active, replica_subsets(train, self.n_replicas), evaluation, resumed,
+                callback, publish,
             )  # fmt: skip
             driver.execute()
         self.model_ = model
@@ -356,32 +370,12 @@ class DownpourSGD(ParamServerEstimator):
         max_epochs = self.max_epochs
         if max_epochs is None and self.max_steps is None and self.max_seconds is None:
             max_epochs = 1
-        return FitSettings(
-            model=model,
-            rule=rule,
-            n_replicas=self.n_replicas,
-            n_shards=self.n_shards,
-            ranges=self._shard_ranges(model),
-            plan=self._plan(model),
-            batch_size=self.batch_size,
-            n_fetch=self.n_fetch,
-            n_push=self.n_push,
-            max_inflight=self.max_inflight,
-            local_learning_rate=alpha,
-            warmstart_steps=self.warmstart_steps,
-            max_epochs=max_epochs,
-            max_steps=self.max_steps,
-            max_seconds=self.max_seconds,
-            eval_every=self.eval_every,
-            random_state=self.random_state,
-            timeout=self.timeout,
-            checkpoint_every=self.checkpoint_every,
-            checkpoint_dir=checkpoint_dir,
-            transport=self.transport,
-            config=self._config(model),
-            initial=self._initial_params(),
-            max_grad_norm=self.max_grad_norm,
-        )
+        return from_arguments(
+            self.get_params(), model=model, rule=rule, ranges=self._shard_ranges(model),
+            plan=self._plan(model), local_learning_rate=alpha, max_epochs=max_epochs,
+            checkpoint_dir=checkpoint_dir, config=self._config(model),
+            initial=self._initial_params(), consistency=self._consistency(),
+        )  # fmt: skip
 
     def _config(self, model: TrainableModel) -> dict[str, Any]:
         """The estimator's part of the experiment's config (JSON-able): the shared part, with the
@@ -391,4 +385,9 @@ class DownpourSGD(ParamServerEstimator):
             config["checkpoint_dir"] = str(config["checkpoint_dir"])
         if isinstance(self.optimizer, optim.UpdateRule):
             config["optimizer"] = self.optimizer.get_config()
-        return config
+        return {**config, **self._consistency().config()}  # the bound SSP runs with
+
+    def _consistency(self) -> consistency.Consistency:
+        """The checked ``consistency`` / ``staleness_bound`` (see core/consistency.py)."""
+        args = (self.consistency, self.staleness_bound, self.warmstart_steps, self.partitions)
+        return consistency.resolve(*args)

@@ -24,6 +24,8 @@ from ..log import PushRow, plain
 from ..ps.channel import open_channels
 from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
+from .clocked_loop import ClockedReplicaLoop
+from .elastic_loop import ElasticReplicaLoop
 from .registry import keep_acked, keep_row, remember_fetched, shard_variable
 from .replica_loop import ReplicaConfig, ReplicaLoop, gradient_scale
 
@@ -118,4 +120,10 @@ def run_replica(
     """
     secede()  # a replica runs for the whole fit; it must not hold one of the worker's task slots
     tune_malloc()  # see runtime/malloc.py: received messages must not be page-faulted afresh
-    return run_loop(server, model, config, make_source(data, config.batch_size, parts))
+    source = make_source(data, config.batch_size, parts)
+    loop: type[ReplicaLoop] = ReplicaLoop
+    if config.staleness_bound is not None:  # SSP or BSP: see clocked_loop.py
+        loop = ClockedReplicaLoop
+    elif config.elastic_alpha is not None:  # EASGD: see elastic_loop.py
+        loop = ElasticReplicaLoop
+    return run_loop(server, model, config, source, loop)

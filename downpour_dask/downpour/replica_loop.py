@@ -30,60 +30,19 @@ what must outlive it through a :class:`ReplicaSink`; it imports no Dask.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from ..core.compression import TopK
 from ..core.models import Model
 from ..core.params import DTYPE
 from ..log import PushRow
 from ..ps.protocol import PullReply, PushReply, ShardChannel, ShardLostError
+from .config import ReplicaConfig
 from .pushes import Push, PushLedger
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    """Settings of one replica's loop (see :class:`~downpour_dask.DownpourSGD` for meanings)."""
-
-    replica: int
-    batch_size: int
-    n_fetch: int
-    n_push: int
-    local_learning_rate: float
-    seed: int
-    t0: float  # wall-clock time at which fit started; log times are relative to it
-    max_epochs: int | None = None
-    max_steps: int | None = None
-    max_inflight: int = 4
-    timeout: float = 120.0
-    run: str = ""  # the fit's token: names the shard variables (see shard_variable)
-    start_step: int = 0  # a restarted replica skips the batches it already trained on
-    topic: str = ""  # a published run's event topic: the replica logs its metrics there
-    partition: int = 0  # which partition of a model-parallel replica this loop runs
-    transport: str = "auto"  # "auto": wire.py's direct connections where possible; "dask": actors
-    start_after_version: int = 0  # wait for replica 0's warmstart: every shard's version
-    wire_secret: bytes = field(default=b"", repr=False)  # the run's, for ps/service.py
-
-
-def gradient_scale(model: Model, alpha: float) -> float:
-    """What a replica asks ``model.loss_and_grad`` to multiply its gradient by: ``alpha``, so
-    that the local step ``params -= alpha * g`` is one pass with no scratch pass, or 1.
-
-    1 when ``alpha`` is 0 (no local step), when the model's ``loss_and_grad`` takes no
-    ``scale=`` (a user's subclass may override it without), and when ``alpha`` is so far outside
-    any learning rate's range that the scaled float32 gradient could under- or overflow before
-    the push divides it back out.
-    """
-    if not 1e-10 <= alpha <= 1e10:
-        return 1.0
-    try:
-        takes_scale = "scale" in inspect.signature(model.loss_and_grad).parameters
-    except (TypeError, ValueError):
-        takes_scale = False
-    return float(alpha) if takes_scale else 1.0
+from .scaling import gradient_scale
 
 
 class ReplicaSink(Protocol):
@@ -149,6 +108,8 @@ class ReplicaLoop:
         self.stop = False
         self.rows: list[PushRow] = []
         self.acked: dict[int, dict[int, list[int]]] = {}  # shard, generation: [pushes, version]
+        self.topk = None if config.top_k is None else TopK(config.top_k, size)
+        self.sent_bytes: dict[int, int] = {}  # push number: bytes its gradient took
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, source: Any) -> dict[str, Any]:
@@ -330,17 +291,19 @@ class ReplicaLoop:
         if self.scale != 1.0:  # shards take the plain gradient
             grad *= DTYPE(1.0 / self.scale)
         seq = ledger.take_seq()
+        payloads = self._payloads(grad)
+        self.sent_bytes[seq] = sum(int(payload.nbytes) for payload in payloads)
         loss, examples = self.accrual_loss / self.accrual_steps, self.accrual_examples
         calls = []
         for s, channel in enumerate(self.channels):
             lo, hi = self.ranges[s]
             if fetch and (channel.in_process or self.pulls[s] is None):
                 pushed, self.pulls[s] = channel.exchange(
-                    grad[lo:hi], self.base_versions[s], seq, examples, loss, self.held[s]
+                    payloads[s], self.base_versions[s], seq, examples, loss, self.held[s]
                 )
                 self.pull_sent[s] = time.monotonic()
             else:
-                pushed = channel.push(grad[lo:hi], self.base_versions[s], seq, examples, loss)
+                pushed = channel.push(payloads[s], self.base_versions[s], seq, examples, loss)
             calls.append(pushed)
         keys = tuple(channel.key for channel in self.channels)
         needed_by = set(range(len(calls)))
@@ -348,6 +311,13 @@ class ReplicaLoop:
             Push(seq, step, grad, calls, loss, examples, False, needed_by, keys, time.monotonic())
         )
         self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
+
+    def _payloads(self, grad: np.ndarray) -> list[Any]:
+        """What a push sends each shard: its slice of ``grad``, or with ``top_k`` a sparse part
+        of it (``grad`` is left holding what is sent, for replays; see core/compression.py)."""
+        if self.topk is None:
+            return [grad[lo:hi] for lo, hi in self.ranges]
+        return self.topk.compress(grad, self.ranges)
 
     def _ack(self, p: Push, wait: bool = False) -> None:
         """Record a push whose replies arrived (waiting for them if ``wait``)."""
@@ -378,6 +348,7 @@ class ReplicaLoop:
             version=min((r.version for r in replies), default=0),
             accepted=not lost and all(r.accepted for r in replies),
             partition=self.cfg.partition,
+            bytes_sent=self.sent_bytes.pop(p.seq, 0),
         )
         self.rows.append(row)
         self.sink.keep_row(row)

@@ -10,6 +10,13 @@ text), then the fixed-size parts of the op's answer, then for a pull the values 
 bytes.  The arrays are never pickled or copied into a message: they go from and into numpy
 buffers.
 
+**Sparse pushes** (top-k compression, :mod:`downpour_dask.core.compression`) are ops of their
+own, :data:`PUSH_SPARSE` and :data:`EXCHANGE_SPARSE`: the head's value count is the number k
+of coordinates sent (1 to the shard's size), and the body is k int32 indices followed by k
+float32 values (:func:`recv_sparse`); the replies are those of :data:`PUSH` and
+:data:`EXCHANGE`.  It is the only addition to the format, self-contained: a dense op is never
+read as a sparse one.
+
 This module imports no Dask.
 """
 
@@ -22,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.compression import INDEX, SparseGradient
 from ..core.params import DTYPE
 from .protocol import PullReply, PushReply
 
@@ -31,6 +39,9 @@ class WireError(RuntimeError):
 
 
 PULL, PUSH, EXCHANGE, POLL_WARMSTART = 1, 2, 3, 4
+PUSH_SPARSE, EXCHANGE_SPARSE = 5, 6
+#: Each sparse op and the dense op whose reply it gets.
+SPARSE = {PUSH_SPARSE: PUSH, EXCHANGE_SPARSE: EXCHANGE}
 #: op, replica, seq (-1: none), fetched_version, examples, loss, values that follow, session bytes
 REQUEST = struct.Struct("<BiqqqdqH")
 HELLO = struct.Struct("<HH")  # lengths of the shard id and of the run's secret that follow
@@ -48,7 +59,8 @@ MAX_KEY = 64
 MAX_SESSION = 64
 #: Largest push number, version or example count a request may carry (2**53: exact as float).
 MAX_COUNT = 2**53
-_OPS = {PULL: "pull", PUSH: "push", EXCHANGE: "exchange", POLL_WARMSTART: "warmstart poll"}
+_OPS = {PULL: "pull", PUSH: "push", EXCHANGE: "exchange", POLL_WARMSTART: "warmstart poll",
+        PUSH_SPARSE: "sparse push", EXCHANGE_SPARSE: "sparse exchange"}  # fmt: skip
 
 #: Ask the kernel for the whole buffer in one call where it can: a 1 MB array then costs one
 #: system call and one hand-back of the GIL instead of one per arriving segment.
@@ -96,7 +108,9 @@ def check_request(
     side answers with the text and closes the connection."""
     if op not in _OPS:
         return f"unknown op {op}; allowed: " + ", ".join(f"{k} ({v})" for k, v in _OPS.items())
-    want = size if op in (PUSH, EXCHANGE) else 0
+    if op in SPARSE and not 1 <= n_values <= size:
+        return f"a {_OPS[op]} to this shard carries 1 to {size} values, got {n_values}"
+    want = size if op in (PUSH, EXCHANGE) else n_values if op in SPARSE else 0
     if n_values != want:
         return f"a {_OPS[op]} to this shard carries {want} values (it owns {size}), got {n_values}"
     if n_session > MAX_SESSION:
@@ -111,6 +125,14 @@ def check_request(
         if not low <= value <= MAX_COUNT:
             return f"{name} must be in [{low}, 2**53], got {value}"
     return None
+
+
+def recv_sparse(sock: socket.socket, n: int, size: int, values: np.ndarray) -> SparseGradient:
+    """Read a sparse push's body: ``n`` indices, then ``n`` values into ``values[:n]``."""
+    indices = np.empty(n, dtype=INDEX)
+    recv_into(sock, indices)
+    recv_into(sock, values[:n])
+    return SparseGradient(indices, values[:n], size)
 
 
 def pushed(reply: PushReply) -> bytes:
@@ -173,6 +195,7 @@ def read_reply(sock: socket.socket, op: int, size: int, out: np.ndarray | None) 
     """Read the reply to one ``op`` request: a PushReply, a PullReply (values into ``out``, or
     a new array), both for an exchange, or the warmstart poll's triple."""
     check_status(sock)
+    op = SPARSE.get(op, op)
     push = pull = None
     if op in (PUSH, EXCHANGE):
         push = PushReply(*PUSHED.unpack(recv(sock, PUSHED.size)))

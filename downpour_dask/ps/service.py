@@ -42,7 +42,8 @@ import numpy as np
 
 from ..core.params import DTYPE
 from . import frames
-from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH
+from .dispatch import call
+from .frames import EXCHANGE, PULL
 
 __all__ = ["ShardService", "serve", "unregister"]
 
@@ -334,12 +335,17 @@ class ShardService:
             if problem is not None:  # the stream cannot be trusted after this
                 frames.send_error(conn, problem)
                 return
-            if n_values:
+            payload: Any = grad
+            if op in frames.SPARSE:  # (indices, values), see frames.py
+                payload = frames.recv_sparse(conn, n_values, size, grad)
+            elif n_values:
                 frames.recv_into(conn, grad)
             with reg.gate:  # nothing in here waits on the network: unregister waits for it
                 retired, failed = reg.retired, None
                 try:
-                    reply = b"" if retired else _call(shard, op, grad, out, replica, session, head)
+                    reply = (
+                        b"" if retired else call(shard, op, payload, out, replica, session, head)
+                    )
                 except Exception as err:  # reported to the replica; the connection stays usable
                     failed = f"{type(err).__name__}: {err}"
             if retired:
@@ -349,31 +355,8 @@ class ShardService:
                 frames.send_error(conn, failed)
                 continue
             conn.sendall(reply)
-            if op in (PULL, EXCHANGE):
+            if frames.SPARSE.get(op, op) in (PULL, EXCHANGE):
                 conn.sendall(out)
-
-
-def _call(
-    shard: Any,
-    op: int,
-    grad: np.ndarray,
-    out: np.ndarray,
-    replica: int,
-    session: str,
-    head: bytearray,
-) -> bytes:
-    """Make the checked request ``head``'s call on ``shard``; its reply but the pulled values
-    (which are left in ``out``)."""
-    _, _, seq, fetched, examples, loss, _, _ = frames.REQUEST.unpack(head)
-    parts = [frames.OK]
-    if op in (PUSH, EXCHANGE):
-        kw = dict(seq=None if seq < 0 else seq, session=session, examples=examples, loss=loss)
-        parts.append(frames.pushed(shard.apply_push(grad, fetched, replica, **kw)))
-    if op == POLL_WARMSTART:
-        parts.append(frames.polled(shard.warmstart_state()))
-    if op in (PULL, EXCHANGE):
-        parts.append(frames.pulled(shard.snapshot_into(out, replica, session)))
-    return b"".join(parts)
 
 
 _SERVICE: ShardService | None = None

@@ -31,10 +31,13 @@ from typing import Any
 import numpy as np
 from distributed import get_worker
 
+from ..core.compensation import DelayCompensated, FetchedCopies
+from ..core.compression import SparseGradient
 from ..core.guard import GuardedUpdate, clip_norm
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
 from ..runtime.malloc import tune_malloc
+from .clock import ReplicaClocks
 from .fencing import Incarnation
 from .ordering import InOrder, SeqTracker
 from .protocol import PullReply, PushReply
@@ -54,7 +57,7 @@ def _tcp_host() -> str | None:
     return host.strip("[]")
 
 
-class ParameterServerShard(InOrder, Incarnation):
+class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
     """A Dask actor owning parameters ``[start, stop)``, their update-rule state and a version.
 
     Parameters
@@ -123,6 +126,7 @@ class ParameterServerShard(InOrder, Incarnation):
             self._restore(restore)
         self.started_at = self.version
         self._guard = GuardedUpdate(rule, self.values, self.state)
+        self._fetched = FetchedCopies() if isinstance(rule, DelayCompensated) else None  # DC-ASGD
         self._seqs: dict[tuple[int, str], SeqTracker] = {}
         self._sessions: set[str] = set()  # replica sessions that pulled or pushed here
         self._events: list[tuple[float, str, str, dict[str, Any]]] = []
@@ -180,6 +184,8 @@ class ParameterServerShard(InOrder, Incarnation):
             if session:
                 self._sessions.add(session)
             np.copyto(out, self.values)
+            if self._fetched is not None:  # DC-ASGD: what this replica computes its gradient at
+                self._fetched.keep(replica, self.values)
             tracker = self._seqs.get((replica, session)) or SeqTracker()
             through, ahead = tracker.through, tuple(tracker.ahead)
             return PullReply(out, self.version, self.stopped, through, ahead, self.generation)
@@ -212,6 +218,8 @@ class ParameterServerShard(InOrder, Incarnation):
 
     def _apply_push(self, grad, fetched_version, replica, seq, session, examples, loss):
         self._serving()
+        if isinstance(grad, SparseGradient):  # a top-k push (core/compression.py)
+            grad = grad.dense()
         if grad.shape != self.values.shape:
             raise ValueError(
                 f"shard {self.shard_id} owns {self.values.shape[0]} parameters, got a gradient of "
@@ -227,11 +235,14 @@ class ParameterServerShard(InOrder, Incarnation):
                 self.duplicates += 1
                 return self._reply(staleness, False)
             tracker.add(seq)
+        self._tick(replica)  # the replica's clock (ps/clock.py), for SSP/BSP runs
         # One fast float32 sum: it is NaN or inf if any element is.  Huge finite values can make
         # it overflow too; only then is every element checked (a temporary the grad's size).
         if not math.isfinite(float(np.add.reduce(grad))) and not np.isfinite(grad).all():
             bad = int(np.count_nonzero(~np.isfinite(grad)))
             return self._refuse(replica, staleness, f"pushed {bad} non-finite values", bad)
+        if self._fetched is not None:  # DC-ASGD: a new array, the caller's buffer stays as sent
+            grad = self._fetched.compensate(self.rule, replica, grad, self.values)
         if self.max_grad_norm is not None:
             grad = np.array(grad, copy=True)  # the caller's buffer (or wire.py's) stays as sent
             if clip_norm(grad, self.max_grad_norm) > self.max_grad_norm:
@@ -288,6 +299,7 @@ class ParameterServerShard(InOrder, Incarnation):
         self.examples = int(counters.get("examples", 0))
         self.staleness_sum = int(counters.get("staleness_sum", 0))
         self.staleness_max = int(counters.get("staleness_max", 0))
+        self._restore_clocks(counters)
 
     async def export_state(self) -> dict[str, Any]:
         """A consistent copy of everything a replacement shard needs: ``values``, ``rule_state``,
@@ -304,6 +316,7 @@ class ParameterServerShard(InOrder, Incarnation):
                     "examples": self.examples,
                     "staleness_sum": self.staleness_sum,
                     "staleness_max": self.staleness_max,
+                    **self._clock_counters(),
                 },
             }
 

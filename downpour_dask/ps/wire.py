@@ -41,9 +41,18 @@ from typing import Any
 
 import numpy as np
 
+from ..core.compression import INDEX, SparseGradient
 from ..core.params import DTYPE
 from . import frames
-from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH, WireError
+from .frames import (
+    EXCHANGE,
+    EXCHANGE_SPARSE,
+    POLL_WARMSTART,
+    PULL,
+    PUSH,
+    PUSH_SPARSE,
+    WireError,
+)
 from .service import ShardService, serve, unregister
 
 __all__ = ["ShardService", "WireCall", "WireClient", "WireError", "serve", "unregister"]
@@ -107,9 +116,7 @@ class WireClient:
             raise
         self._sock = sock
         self._send_lock = threading.Lock()
-        self._outbox: queue.SimpleQueue[tuple[bytes, np.ndarray | None] | None] = (
-            queue.SimpleQueue()
-        )
+        self._outbox: queue.SimpleQueue[tuple[bytes, Any] | None] = queue.SimpleQueue()
         self._waiting: queue.SimpleQueue[WireCall | None] = queue.SimpleQueue()
         self._broken: BaseException | None = None
         for target in (self._send, self._receive):
@@ -123,11 +130,13 @@ class WireClient:
         until the reply is in), else into a new array."""
         return self._request(PULL, None, 0, replica, session=session, out=out)
 
-    def push(self, grad: np.ndarray, fetched_version: int, replica: int, **kw: Any) -> WireCall:
-        return self._request(PUSH, grad, fetched_version, replica, **kw)
+    def push(self, grad: Any, fetched_version: int, replica: int, **kw: Any) -> WireCall:
+        op = PUSH_SPARSE if isinstance(grad, SparseGradient) else PUSH
+        return self._request(op, grad, fetched_version, replica, **kw)
 
-    def exchange(self, grad: np.ndarray, fetched_version: int, replica: int, **kw: Any) -> WireCall:
-        return self._request(EXCHANGE, grad, fetched_version, replica, **kw)
+    def exchange(self, grad: Any, fetched_version: int, replica: int, **kw: Any) -> WireCall:
+        op = EXCHANGE_SPARSE if isinstance(grad, SparseGradient) else EXCHANGE
+        return self._request(op, grad, fetched_version, replica, **kw)
 
     def poll_warmstart(self) -> WireCall:
         return self._request(POLL_WARMSTART, None, 0, -1)
@@ -157,7 +166,10 @@ class WireClient:
         if out is not None and (out.dtype != DTYPE or out.shape != (self.size,)):
             raise ValueError(f"out must be a float32 array of shape ({self.size},)")
         call = WireCall(op, out)
-        if grad is not None and (
+        body: Any = grad
+        if isinstance(grad, SparseGradient):  # k indices, then k values (see frames.py)
+            body = _sparse_body(grad, self.size)
+        elif grad is not None and (
             grad.dtype != DTYPE or grad.shape != (self.size,) or not grad.flags.c_contiguous
         ):
             raise ValueError(
@@ -165,14 +177,14 @@ class WireClient:
                 f"float32 array of shape ({self.size},), got shape {grad.shape}, dtype "
                 f"{grad.dtype}"
             )
-        n_values = 0 if grad is None else self.size
+        n_values = 0 if grad is None else len(body[0]) if isinstance(body, tuple) else self.size
         head = frames.request(op, replica, fetched_version, n_values, **fields)
         with self._send_lock:  # the order of _waiting is the order of the requests sent
             if self._broken is not None:
                 call._finish(error=self._broken)
                 return call
             self._waiting.put(call)
-            self._outbox.put((head, grad))
+            self._outbox.put((head, body))
         return call
 
     def _send(self) -> None:
@@ -186,8 +198,10 @@ class WireClient:
             head, grad = item
             try:
                 self._sock.sendall(head)
-                if grad is not None:
-                    self._sock.sendall(grad)
+                for part in (
+                    grad if isinstance(grad, tuple) else (grad,) if grad is not None else ()
+                ):
+                    self._sock.sendall(part)
             except OSError as err:
                 self._fail(ConnectionError(f"sending to the shard failed: {err}"))
                 with contextlib.suppress(OSError):
@@ -223,3 +237,16 @@ class WireClient:
                 continue
             if not call.done():
                 call._finish(error=error)
+
+
+def _sparse_body(grad: SparseGradient, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse push's body, checked: contiguous int32 indices and float32 values, 1 to
+    ``size`` of them (the shard refuses an index outside its range)."""
+    indices = np.ascontiguousarray(grad.indices, dtype=INDEX)
+    values = np.ascontiguousarray(grad.values, dtype=DTYPE)
+    if indices.shape != values.shape or not 1 <= len(indices) <= size or grad.size != size:
+        raise ValueError(
+            f"a sparse push to a shard of {size} parameters carries 1 to {size} indices and as "
+            f"many values, got {indices.shape} and {values.shape} for size {grad.size}"
+        )
+    return indices, values

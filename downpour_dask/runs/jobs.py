@@ -78,6 +78,8 @@ def prepare(settings: dict[str, Any]) -> Job:
     defaults = dict(ALGORITHM_DEFAULTS[algorithm])
     if any(settings.get(limit) is not None for limit in LIMITS):  # the user's limits only
         defaults = {k: v for k, v in defaults.items() if k not in LIMITS}
+    if settings.get("consistency", "async") != "async":  # SSP/BSP: replica 0 cannot run alone
+        defaults.pop("warmstart_steps", None)
     job = {**DEFAULTS, **defaults, **settings}
     unknown = sorted(set(job) - set(accepted) - set(JOB_SETTINGS))
     if unknown:
