@@ -15,6 +15,7 @@ def test_the_notebooks_are_there():
         "02-paper-comparison.ipynb",
         "03-your-own-model.ipynb",
         "04-scale.ipynb",
+        "06-sparse.ipynb",
     ]
 
 
