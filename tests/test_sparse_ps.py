@@ -12,6 +12,7 @@ from downpour_dask.core.sparse import SparseBatch, table_rows
 from downpour_dask.core.sparse_models import EmbeddingMLP, FactorizationMachine
 from downpour_dask.core.sparse_serial import serial_train
 from downpour_dask.downpour.sparse_loop import run_sparse_replica
+from downpour_dask.ps.protocol import FencedError
 from downpour_dask.ps.rows import RowsLink, SparseLayout
 from downpour_dask.ps.table import SparseShard
 
@@ -133,3 +134,24 @@ def test_exports_are_incremental_and_restore_into_other_row_ranges():
                           np.concatenate([s.blocks[0].state["sum_sq"] for s in shards]))
     assert np.array_equal(np.concatenate([s.blocks[0].versions for s in restored]),
                           np.concatenate([s.blocks[0].versions for s in shards]))
+
+
+def test_a_retired_sparse_shard_is_fenced_and_its_final_state_carries_the_rows():
+    model = FactorizationMachine(100, 4, n_factors=2)
+    layout, (shard,) = shards_for(model, 1, optim.adagrad(0.1))
+    link = RowsLink(shard, 0, 0, 10.0)
+    run_sparse_replica(model, [link], layout, click_batches(3, n_rows=100, numeric=0))
+    final = asyncio.run(shard.retire(1))
+    rows = final["state"]["tables"][0]
+    assert np.array_equal(rows["ids"], np.flatnonzero(shard.blocks[0].versions))
+    with pytest.raises(FencedError, match="retired"):
+        link.wait(link.pull([np.array([1])]))
+    with pytest.raises(FencedError, match="retired"):
+        shard.apply_rows(np.zeros(1, np.float32), [(np.array([1]), np.ones((1, 3), np.float32))],
+                         0, 0)
+    # a replacement restored from the retired shard's final state has the same table
+    again = SparseShard(0, 0, 1, final["state"]["values"], optim.adagrad(0.1),
+                        tables=layout.shard_tables(0), seed=0, generation=1,
+                        restore=final["state"])
+    assert np.array_equal(again.blocks[0].values, shard.blocks[0].values)
+    assert again.version == shard.version
