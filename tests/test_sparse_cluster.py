@@ -65,3 +65,9 @@ def test_incremental_checkpoints_of_4_shards_restore_into_3(client, tmp_path):
                                                               [(3333, 5000)]]
     finally:
         again.close()
+
+
+def test_fewer_files_than_replicas_is_refused_before_any_work(client, tmp_path):
+    model = SparseLogisticRegression(100, 26, n_numeric=13)
+    with pytest.raises(ValueError, match="n_replicas=2 but the data has 1 file"):
+        fit_sparse(model, ([tmp_path / "a.parquet"], None), client=client, n_replicas=2)

@@ -138,6 +138,13 @@ def fit_sparse(
     ...).  ``optimizer``: sgd, momentum, adagrad or their staleness_aware_ variants.
     """
     check_sparse_model(model)
+    if not isinstance(data, SparseBatch):
+        paths, _ = data
+        if len(list(paths)) < n_replicas:
+            raise ValueError(
+                f"n_replicas={n_replicas} but the data has {len(list(paths))} file(s): each "
+                f"replica streams whole files, so give at least one file per replica"
+            )
     rule = optim.make(optimizer, learning_rate)
     layout = SparseLayout.build(model.n_dense, model.tables, n_shards)
     workers = sorted(cluster_workers(client))
