@@ -42,7 +42,8 @@ import numpy as np
 
 from ..core.params import DTYPE
 from . import frames
-from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH
+from .dispatch import call_shard
+from .frames import EXCHANGE, PULL
 
 __all__ = ["ShardService", "serve", "unregister"]
 
@@ -339,7 +340,8 @@ class ShardService:
             with reg.gate:  # nothing in here waits on the network: unregister waits for it
                 retired, failed = reg.retired, None
                 try:
-                    reply = b"" if retired else _call(shard, op, grad, out, replica, session, head)
+                    call = (shard, op, grad, out, replica, session, head)
+                    reply = b"" if retired else call_shard(*call)
                 except Exception as err:  # reported to the replica; the connection stays usable
                     failed = f"{type(err).__name__}: {err}"
             if retired:
@@ -351,29 +353,6 @@ class ShardService:
             conn.sendall(reply)
             if op in (PULL, EXCHANGE):
                 conn.sendall(out)
-
-
-def _call(
-    shard: Any,
-    op: int,
-    grad: np.ndarray,
-    out: np.ndarray,
-    replica: int,
-    session: str,
-    head: bytearray,
-) -> bytes:
-    """Make the checked request ``head``'s call on ``shard``; its reply but the pulled values
-    (which are left in ``out``)."""
-    _, _, seq, fetched, examples, loss, _, _ = frames.REQUEST.unpack(head)
-    parts = [frames.OK]
-    if op in (PUSH, EXCHANGE):
-        kw = dict(seq=None if seq < 0 else seq, session=session, examples=examples, loss=loss)
-        parts.append(frames.pushed(shard.apply_push(grad, fetched, replica, **kw)))
-    if op == POLL_WARMSTART:
-        parts.append(frames.polled(shard.warmstart_state()))
-    if op in (PULL, EXCHANGE):
-        parts.append(frames.pulled(shard.snapshot_into(out, replica, session)))
-    return b"".join(parts)
 
 
 _SERVICE: ShardService | None = None
