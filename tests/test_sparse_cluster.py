@@ -53,6 +53,8 @@ def test_incremental_checkpoints_of_4_shards_restore_into_3(client, tmp_path):
         pushes = fit.pushes
         assert set(pushes["shard"]) == {0, 1, 2, 3} and set(pushes["replica"]) == {0, 1}
         assert pushes["staleness"].max() >= 0 and "bytes" in pushes
+        # each replica has two shards on its own worker and two it reaches over the wire
+        assert set(pushes["transport"]) == {"local", "wire"}
     finally:
         fit.close()
     assert saved["increments"] == len(fit.checkpoints) >= 2

@@ -12,13 +12,14 @@ of shards.
 
 What it does not do yet, unlike the dense :class:`~downpour_dask.downpour.estimator.DownpourSGD`:
 replace a lost shard or restart a lost replica (a lost shard ends the fit with
-:class:`~downpour_dask.ps.protocol.ShardLostError`; restore from the last checkpoint), run
-``n_fetch``/``n_push`` other than 1, or use the direct wire.
+:class:`~downpour_dask.ps.protocol.ShardLostError`; restore from the last checkpoint), or run
+``n_fetch``/``n_push`` other than 1.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from distributed import Client, secede, wait
 from ..core import optim
 from ..core.sparse import SparseBatch, check_sparse_model, table_rows
 from ..data.hashing import HashSpec, minibatches, read_hashed
+from ..ps.frames import WireError
 from ..ps.refs import ActorRef, refer
 from ..ps.rows import RowsLink, SparseLayout
+from ..ps.rows_wire import RowsWireClient
 from ..ps.table import SparseShard
 from ..runtime.cluster import cluster_workers
 from .sparse_checkpoints import read_sparse, restore_arguments, write_increment
@@ -51,15 +54,36 @@ def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: 
             yield from read_hashed(list(paths)[replica::n_replicas], spec, batch_size, rng)
 
 
+def _link(ref: ActorRef, s: int, replica: int, timeout: float, n_tables: int,
+          secret: bytes | None) -> RowsLink:
+    """A line to shard ``s``: in-process if it is on this worker, else over the direct wire
+    when ``secret`` is given and the shard offers an endpoint, else actor messages."""
+    link = RowsLink(ref.open(), s, replica, timeout)
+    if link.local or secret is None:
+        return link
+    try:
+        endpoint = link.shard.open_wire().result(timeout=timeout)
+        if endpoint is not None:
+            link.wire = RowsWireClient(endpoint, n_tables, min(10.0, timeout), secret)
+    except (OSError, WireError):
+        link.wire = None  # actor messages, then
+    return link
+
+
 def replica_task(model: Any, refs: list[ActorRef], layout: SparseLayout, data: Any,
                  replica: int, n_replicas: int, batch_size: int, epochs: int,
                  max_steps: int | None, seed: int, timeout: float,
-                 started: float) -> list[dict[str, Any]]:
+                 started: float, secret: bytes | None = None) -> list[dict[str, Any]]:
     """One replica's whole run, as a Dask task (see :func:`fit_sparse`)."""
     secede()  # it runs for the whole fit: it must not hold one of the worker's task slots
-    links = [RowsLink(ref.open(), s, replica, timeout) for s, ref in enumerate(refs)]
-    batches = _batches(data, replica, n_replicas, batch_size, epochs, seed)
-    records = run_sparse_replica(model, links, layout, batches, replica, max_steps, started)
+    links = [_link(ref, s, replica, timeout, len(layout.specs), secret)
+             for s, ref in enumerate(refs)]
+    try:
+        batches = _batches(data, replica, n_replicas, batch_size, epochs, seed)
+        records = run_sparse_replica(model, links, layout, batches, replica, max_steps, started)
+    finally:
+        for link in links:
+            link.close()
     for record in records:
         record["transport"] = links[record["shard"]].transport
     return records
@@ -129,13 +153,17 @@ def fit_sparse(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: float = 60.0,
     restore: str | Path | None = None,
+    direct: bool = True,
 ) -> SparseFit:
     """Train ``model`` (a :class:`~downpour_dask.core.sparse.SparseModel`) with ``n_replicas``
     asynchronous replicas against ``n_shards`` table shards; see the module docstring.
 
     ``data`` is an in-memory :class:`SparseBatch` (replica r trains on rows r, r + R, ...) or
     ``(paths, spec)`` of parquet/CSV files hashed by ``spec`` (replica r streams files r, r + R,
-    ...).  ``optimizer``: sgd, momentum, adagrad or their staleness_aware_ variants.
+    ...).  ``optimizer``: sgd, momentum, adagrad or their staleness_aware_ variants.  With
+    ``direct`` a replica reaches a shard on another worker over a direct connection (the rows
+    frame kind of :mod:`~downpour_dask.ps.rows_frames`, authenticated by a secret made for this
+    fit) where the cluster's comm is plain TCP, else by actor messages.
     """
     check_sparse_model(model)
     if not isinstance(data, SparseBatch):
@@ -158,6 +186,7 @@ def fit_sparse(
             raise ValueError(f"the checkpoint in {restore} holds tables {saved['specs']}, the "
                              f"model has {[list(s) for s in layout.specs]}")
         seed, restored = saved["seed"], restore_arguments(saved, layout)
+    secret = uuid.uuid4().hex.encode()
     futures, placed = [], []
     for s, (lo, hi) in enumerate(layout.dense):
         address = workers[s % len(workers)]
@@ -165,7 +194,8 @@ def fit_sparse(
         extra = {} if restored is None else {"restore": restored[s]["restore"]}
         futures.append(client.submit(
             SparseShard, s, lo, hi, values, rule, tables=layout.shard_tables(s), seed=seed,
-            **extra, actor=True, workers=[address], allow_other_workers=False, pure=False))
+            wire_secret=secret, **extra, actor=True, workers=[address],
+            allow_other_workers=False, pure=False))
         placed.append(address)
     fit = SparseFit(client, model, layout, futures, placed, seed, timeout)
     refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, placed)]
@@ -178,7 +208,8 @@ def fit_sparse(
         parts = [data] * n_replicas
     tasks = [
         client.submit(replica_task, model, refs, layout, parts[r], r, n_replicas, batch_size,
-                      max_epochs, max_steps, seed, timeout, started, pure=False,
+                      max_epochs, max_steps, seed, timeout, started,
+                      secret if direct else None, pure=False,
                       workers=[workers[r % len(workers)]])
         for r in range(n_replicas)
     ]

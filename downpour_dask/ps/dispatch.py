@@ -1,5 +1,8 @@
 """What each request of a direct connection calls on its shard (the shard's side of
-:mod:`~downpour_dask.ps.wire`; :mod:`~downpour_dask.ps.service` reads and checks the requests).
+:mod:`~downpour_dask.ps.wire`; :mod:`~downpour_dask.ps.service` reads the requests): the
+checks of a request head, reading what follows it, and the call.  The ops of
+:mod:`~downpour_dask.ps.frames` carry a shard-sized dense vector; those of
+:mod:`~downpour_dask.ps.rows_frames` (sparse tables) a payload of a declared size.
 
 This module does not import Dask.
 """
@@ -10,8 +13,35 @@ from typing import Any
 
 import numpy as np
 
-from . import frames
+from . import frames, rows_frames
 from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH
+from .rows_frames import ROWS_OPS
+
+
+def check_request(
+    size: int, op: int, replica: int, seq: int, fetched: int, examples: int, n_values: int,
+    n_session: int,
+) -> str | None:
+    """What is wrong with a request head, or None (:func:`frames.check_request`; for a rows
+    op the value count is its payload's size in bytes)."""
+    if op in ROWS_OPS:
+        problem = rows_frames.check_rows_request(op, n_values)
+        n_values, op = 0, PULL  # the other fields are checked as a pull's
+        if problem is not None:
+            return problem
+    return frames.check_request(size, op, replica, seq, fetched, examples, n_values, n_session)
+
+
+def read_payload(conn: Any, op: int, n_values: int, grad: np.ndarray) -> Any:
+    """Read what follows a checked head: a dense gradient into ``grad`` (returned), or a rows
+    payload of ``n_values`` bytes."""
+    if op in ROWS_OPS:
+        payload = bytearray(n_values)
+        frames.recv_into(conn, payload)
+        return payload
+    if n_values:
+        frames.recv_into(conn, grad)
+    return grad
 
 
 def call_shard(
@@ -25,6 +55,8 @@ def call_shard(
 ) -> bytes:
     """Make the checked request ``head``'s call on ``shard``; its reply but the pulled values
     (which are left in ``out``)."""
+    if op in ROWS_OPS:
+        return rows_frames.answer(shard, op, grad, replica, session, head)
     _, _, seq, fetched, examples, loss, _, _ = frames.REQUEST.unpack(head)
     parts = [frames.OK]
     if op in (PUSH, EXCHANGE):

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..core.params import DTYPE
 from . import frames
-from .dispatch import call_shard
+from .dispatch import call_shard, check_request, read_payload
 from .frames import EXCHANGE, PULL
 
 __all__ = ["ShardService", "serve", "unregister"]
@@ -322,9 +322,7 @@ class ShardService:
             op, replica, seq, fetched, examples, _, n_values, n_session = frames.REQUEST.unpack(
                 head
             )
-            problem = frames.check_request(
-                size, op, replica, seq, fetched, examples, n_values, n_session
-            )
+            problem = check_request(size, op, replica, seq, fetched, examples, n_values, n_session)
             if problem is None and n_session:
                 text = frames.recv(conn, n_session).decode("ascii", "replace")
                 if session and text != session:
@@ -335,12 +333,11 @@ class ShardService:
             if problem is not None:  # the stream cannot be trusted after this
                 frames.send_error(conn, problem)
                 return
-            if n_values:
-                frames.recv_into(conn, grad)
+            payload = read_payload(conn, op, n_values, grad)  # grad, or a rows payload
             with reg.gate:  # nothing in here waits on the network: unregister waits for it
                 retired, failed = reg.retired, None
                 try:
-                    call = (shard, op, grad, out, replica, session, head)
+                    call = (shard, op, payload, out, replica, session, head)
                     reply = b"" if retired else call_shard(*call)
                 except Exception as err:  # reported to the replica; the connection stays usable
                     failed = f"{type(err).__name__}: {err}"
