@@ -16,6 +16,7 @@ def test_the_notebooks_are_there():
         "03-your-own-model.ipynb",
         "04-scale.ipynb",
         "05-algorithms.ipynb",
+        "06-sparse.ipynb",
     ]
 
 

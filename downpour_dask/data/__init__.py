@@ -11,7 +11,9 @@ what stands behind it, each module one concept:
 * :mod:`.dask_collections` -- Dask collections described from their metadata, never changed;
 * :mod:`.assignment` -- the one place that splits data among replicas;
 * :mod:`.readers` and :mod:`.stream` -- a replica's chunks, shuffle buffer and prefetch thread;
-* :mod:`.synthetic` and :mod:`.shipped` -- generated and shipped datasets.
+* :mod:`.synthetic` and :mod:`.shipped` -- generated and shipped datasets;
+* :mod:`.hashing` -- categorical columns of parquet/CSV hashed to table row ids (sparse models);
+* :mod:`.criteo` -- a Criteo-shaped synthetic click log written as parquet files.
 
 What needs a cluster (persisting a collection, placing replicas next to their data) lives in
 :mod:`downpour_dask.runtime.placement`.

@@ -7,7 +7,9 @@ back; ``checkpoints`` keeps the shards' state.  The driver reaches Dask only thr
 ``protocols`` that ``dask_cluster`` implements, so it is unit-tested with fakes.  On the workers,
 ``replica`` runs ``replica_loop`` (with ``pushes``' bookkeeping) over one
 :class:`~downpour_dask.ps.protocol.ShardChannel` per shard, and leaves what must outlive it in
-``registry``; ``model_parallel`` runs a replica split into partitions.
+``registry``; ``model_parallel`` runs a replica split into partitions.  Sparse models (tables
+of which a batch touches few rows): ``sparse_fit`` starts table shards and replica tasks running
+``sparse_loop``, and ``sparse_checkpoints`` writes incremental checkpoints of the tables.
 
 The events of a run (``experiment_.events``; each event's ``data`` in braces): ``start``
 {n_replicas, n_shards, n_workers}, ``resumed`` {path, versions, elapsed}, ``warmstart_done``

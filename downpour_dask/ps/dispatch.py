@@ -1,8 +1,11 @@
-"""What a checked direct-wire request does on its shard: :func:`call`.
+"""What each request of a direct connection calls on its shard (the shard's side of
+:mod:`~downpour_dask.ps.wire`; :mod:`~downpour_dask.ps.service` reads the requests): the
+checks of a request head, reading what follows it, and the call.  The ops of
+:mod:`~downpour_dask.ps.frames` carry a shard-sized dense vector (or, for a top-k push, its
+(indices, values)); those of
+:mod:`~downpour_dask.ps.rows_frames` (sparse tables) a payload of a declared size.
 
-:class:`~downpour_dask.ps.service.ShardService` reads and checks a request (head, session,
-gradient); this module makes the shard call the request names and encodes its reply
-(:mod:`~downpour_dask.ps.frames`).  Imports no Dask.
+This module does not import Dask.
 """
 
 from __future__ import annotations
@@ -11,11 +14,41 @@ from typing import Any
 
 import numpy as np
 
-from . import frames
+from . import frames, rows_frames
 from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH
+from .rows_frames import ROWS_OPS
 
 
-def call(
+def check_request(
+    size: int, op: int, replica: int, seq: int, fetched: int, examples: int, n_values: int,
+    n_session: int,
+) -> str | None:
+    """What is wrong with a request head, or None (:func:`frames.check_request`; for a rows
+    op the value count is its payload's size in bytes)."""
+    if op in ROWS_OPS:
+        problem = rows_frames.check_rows_request(op, n_values)
+        n_values, op = 0, PULL  # the other fields are checked as a pull's
+        if problem is not None:
+            return problem
+    return frames.check_request(size, op, replica, seq, fetched, examples, n_values, n_session)
+
+
+def read_payload(conn: Any, op: int, n_values: int, size: int, grad: np.ndarray) -> Any:
+    """Read what follows a checked head: a dense gradient into ``grad`` (returned), a top-k
+    push's (indices, values) (:func:`frames.recv_sparse`), or a rows payload of ``n_values``
+    bytes."""
+    if op in frames.SPARSE:
+        return frames.recv_sparse(conn, n_values, size, grad)
+    if op in ROWS_OPS:
+        payload = bytearray(n_values)
+        frames.recv_into(conn, payload)
+        return payload
+    if n_values:
+        frames.recv_into(conn, grad)
+    return grad
+
+
+def call_shard(
     shard: Any,
     op: int,
     grad: np.ndarray,
@@ -26,9 +59,11 @@ def call(
 ) -> bytes:
     """Make the checked request ``head``'s call on ``shard``; its reply but the pulled values
     (which are left in ``out``)."""
+    if op in ROWS_OPS:
+        return rows_frames.answer(shard, op, grad, replica, session, head)
     _, _, seq, fetched, examples, loss, _, _ = frames.REQUEST.unpack(head)
     parts = [frames.OK]
-    op = frames.SPARSE.get(op, op)  # a sparse push's gradient is a SparseGradient
+    op = frames.SPARSE.get(op, op)  # a top-k push's gradient is a SparseGradient
     if op in (PUSH, EXCHANGE):
         kw = dict(seq=None if seq < 0 else seq, session=session, examples=examples, loss=loss)
         parts.append(frames.pushed(shard.apply_push(grad, fetched, replica, **kw)))

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..core.params import DTYPE
 from . import frames
-from .dispatch import call
+from .dispatch import call_shard, check_request, read_payload
 from .frames import EXCHANGE, PULL
 
 __all__ = ["ShardService", "serve", "unregister"]
@@ -322,9 +322,7 @@ class ShardService:
             op, replica, seq, fetched, examples, _, n_values, n_session = frames.REQUEST.unpack(
                 head
             )
-            problem = frames.check_request(
-                size, op, replica, seq, fetched, examples, n_values, n_session
-            )
+            problem = check_request(size, op, replica, seq, fetched, examples, n_values, n_session)
             if problem is None and n_session:
                 text = frames.recv(conn, n_session).decode("ascii", "replace")
                 if session and text != session:
@@ -335,17 +333,12 @@ class ShardService:
             if problem is not None:  # the stream cannot be trusted after this
                 frames.send_error(conn, problem)
                 return
-            payload: Any = grad
-            if op in frames.SPARSE:  # (indices, values), see frames.py
-                payload = frames.recv_sparse(conn, n_values, size, grad)
-            elif n_values:
-                frames.recv_into(conn, grad)
+            payload = read_payload(conn, op, n_values, size, grad)  # grad, top-k or rows
             with reg.gate:  # nothing in here waits on the network: unregister waits for it
                 retired, failed = reg.retired, None
                 try:
-                    reply = (
-                        b"" if retired else call(shard, op, payload, out, replica, session, head)
-                    )
+                    call = (shard, op, payload, out, replica, session, head)
+                    reply = b"" if retired else call_shard(*call)
                 except Exception as err:  # reported to the replica; the connection stays usable
                     failed = f"{type(err).__name__}: {err}"
             if retired:

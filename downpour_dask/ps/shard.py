@@ -180,15 +180,19 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
         ``out`` instead of a new array: a fresh array of tens of MB is page-faulted afresh on
         every pull (allocations above glibc's 32 MiB limit are always new mappings)."""
         with self._lock:
-            self._serving()
-            if session:
-                self._sessions.add(session)
-            np.copyto(out, self.values)
-            if self._fetched is not None:  # DC-ASGD: what this replica computes its gradient at
-                self._fetched.keep(replica, self.values)
-            tracker = self._seqs.get((replica, session)) or SeqTracker()
-            through, ahead = tracker.through, tuple(tracker.ahead)
-            return PullReply(out, self.version, self.stopped, through, ahead, self.generation)
+            return self._snapshot(out, replica, session)
+
+    def _snapshot(self, out: np.ndarray, replica: int, session: str) -> PullReply:
+        """:meth:`snapshot_into`'s work, for a caller holding the lock (e.g. ps/table.py's)."""
+        self._serving()
+        if session:
+            self._sessions.add(session)
+        np.copyto(out, self.values)
+        if self._fetched is not None:  # DC-ASGD: what this replica computes its gradient at
+            self._fetched.keep(replica, self.values)
+        tracker = self._seqs.get((replica, session)) or SeqTracker()
+        through, ahead = tracker.through, tuple(tracker.ahead)
+        return PullReply(out, self.version, self.stopped, through, ahead, self.generation)
 
     def apply_push(
         self,

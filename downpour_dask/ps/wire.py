@@ -215,7 +215,7 @@ class WireClient:
             if call is None:
                 return
             try:
-                call._finish(frames.read_reply(self._sock, call.op, self.size, call.out))
+                call._finish(self._read(call))
             except WireError as err:
                 call._finish(error=err)
             except (OSError, ValueError, struct.error) as err:
@@ -223,6 +223,10 @@ class WireClient:
                 call._finish(error=error)
                 self._fail(error)
                 return
+
+    def _read(self, call: WireCall) -> Any:
+        """Read the reply to ``call`` (a subclass may know other ops, e.g. ps/rows_wire.py)."""
+        return frames.read_reply(self._sock, call.op, self.size, call.out)
 
     def _fail(self, error: BaseException) -> None:
         """Mark the connection broken and fail every call still waiting for its reply."""

@@ -1,0 +1,233 @@
+"""Downpour SGD for a sparse model on a Dask cluster: table shards, replica tasks, the log.
+
+:func:`fit_sparse` starts one :class:`~downpour_dask.ps.table.SparseShard` actor per shard
+(round-robin over the workers; each makes its own rows from the seed, so a table of billions
+of values is never sent), one long task per replica running
+:func:`~downpour_dask.downpour.sparse_loop.run_sparse_replica` against actor handles it opens
+itself, and returns a :class:`SparseFit` holding the shards (until :meth:`SparseFit.close`),
+the pushes as a pandas DataFrame and the stop reason.  With ``checkpoint_dir`` it writes an
+incremental checkpoint every ``checkpoint_every`` seconds while the replicas run and one at the
+end (:mod:`.sparse_checkpoints`); ``restore`` continues from such a directory with any number
+of shards.
+
+What it does not do yet, unlike the dense :class:`~downpour_dask.downpour.estimator.DownpourSGD`:
+replace a lost shard or restart a lost replica (a lost shard ends the fit with
+:class:`~downpour_dask.ps.protocol.ShardLostError`; restore from the last checkpoint), or run
+``n_fetch``/``n_push`` other than 1.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from distributed import Client, secede, wait
+
+from ..core import optim
+from ..core.sparse import SparseBatch, check_sparse_model, table_rows
+from ..data.hashing import HashSpec, minibatches, read_hashed
+from ..ps.frames import WireError
+from ..ps.refs import ActorRef, refer
+from ..ps.rows import RowsLink, SparseLayout
+from ..ps.rows_wire import RowsWireClient
+from ..ps.table import SparseShard
+from ..runtime.cluster import cluster_workers
+from .sparse_checkpoints import read_sparse, restore_arguments, write_increment
+from .sparse_loop import run_sparse_replica
+
+
+def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: int,
+             seed: int) -> Iterator[SparseBatch]:
+    """Replica ``replica``'s minibatches: rows ``replica::n_replicas`` of an in-memory batch,
+    or files ``replica::n_replicas`` of ``(paths, HashSpec)``, for ``epochs`` epochs."""
+    rng = np.random.default_rng([seed, replica])
+    for _ in range(epochs):
+        if isinstance(data, SparseBatch):
+            yield from minibatches(data, batch_size, rng)
+        else:
+            paths, spec = data
+            yield from read_hashed(list(paths)[replica::n_replicas], spec, batch_size, rng)
+
+
+def _link(ref: ActorRef, s: int, replica: int, timeout: float, n_tables: int,
+          secret: bytes | None) -> RowsLink:
+    """A line to shard ``s``: in-process if it is on this worker, else over the direct wire
+    when ``secret`` is given and the shard offers an endpoint, else actor messages."""
+    link = RowsLink(ref.open(), s, replica, timeout)
+    if link.local or secret is None:
+        return link
+    try:
+        endpoint = link.shard.open_wire().result(timeout=timeout)
+        if endpoint is not None:
+            link.wire = RowsWireClient(endpoint, n_tables, min(10.0, timeout), secret)
+    except (OSError, WireError):
+        link.wire = None  # actor messages, then
+    return link
+
+
+def replica_task(model: Any, refs: list[ActorRef], layout: SparseLayout, data: Any,
+                 replica: int, n_replicas: int, batch_size: int, epochs: int,
+                 max_steps: int | None, seed: int, timeout: float,
+                 started: float, secret: bytes | None = None) -> list[dict[str, Any]]:
+    """One replica's whole run, as a Dask task (see :func:`fit_sparse`)."""
+    secede()  # it runs for the whole fit: it must not hold one of the worker's task slots
+    links = [_link(ref, s, replica, timeout, len(layout.specs), secret)
+             for s, ref in enumerate(refs)]
+    try:
+        batches = _batches(data, replica, n_replicas, batch_size, epochs, seed)
+        records = run_sparse_replica(model, links, layout, batches, replica, max_steps, started)
+    finally:
+        for link in links:
+            link.close()
+    for record in records:
+        record["transport"] = links[record["shard"]].transport
+    return records
+
+
+class SparseFit:
+    """The shards of a sparse fit and what it logged (see :func:`fit_sparse`)."""
+
+    def __init__(self, client: Client, model: Any, layout: SparseLayout, futures: list,
+                 workers: list[str], seed: int, timeout: float):
+        self.client, self.model, self.layout = client, model, layout
+        self.futures, self.workers, self.seed, self.timeout = futures, workers, seed, timeout
+        self.actors = [f.result(timeout=timeout) for f in futures]
+        self.pushes = pd.DataFrame()
+        self.checkpoints: list[Path] = []
+
+    def _all(self, method: str) -> list[Any]:
+        calls = [getattr(actor, method)() for actor in self.actors]
+        return [call.result(timeout=self.timeout) for call in calls]
+
+    def checkpoint(self, root: str | Path, step: int = 0) -> Path:
+        """Write an increment: the rows changed since the previous one (see
+        :mod:`.sparse_checkpoints`); its path."""
+        path = write_increment(root, self._all("export_changed"), self.layout, self.seed, step)
+        self.checkpoints.append(path)
+        return path
+
+    def counters(self) -> list[dict[str, Any]]:
+        """Each shard's counters (version, pushes accepted and refused, rows updated...)."""
+        return self._all("status")
+
+    def state(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The whole dense vector and every table (initial rows plus every updated row); for
+        tables that fit in the caller's memory."""
+        exports = self._all("export_state")
+        dense = np.concatenate([e["values"] for e in exports])
+        tables = []
+        for t, spec in enumerate(self.layout.specs):
+            table = table_rows(spec, t, 0, spec.n_rows, self.seed)
+            for e in exports:
+                rows = e["tables"][t]
+                table[rows["ids"]] = rows["values"]
+            tables.append(table)
+        return dense, tables
+
+    def close(self) -> None:
+        """Let the shard actors go."""
+        for f in self.futures:
+            f.release()
+        self.futures, self.actors = [], []
+
+
+def fit_sparse(
+    model: Any,
+    data: SparseBatch | tuple[list[str | Path], HashSpec],
+    *,
+    client: Client,
+    n_replicas: int = 1,
+    n_shards: int = 1,
+    optimizer: str = "adagrad",
+    learning_rate: float = 0.05,
+    batch_size: int = 256,
+    max_epochs: int = 1,
+    max_steps: int | None = None,
+    seed: int = 0,
+    timeout: float = 120.0,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: float = 60.0,
+    restore: str | Path | None = None,
+    direct: bool = True,
+) -> SparseFit:
+    """Train ``model`` (a :class:`~downpour_dask.core.sparse.SparseModel`) with ``n_replicas``
+    asynchronous replicas against ``n_shards`` table shards; see the module docstring.
+
+    ``data`` is an in-memory :class:`SparseBatch` (replica r trains on rows r, r + R, ...) or
+    ``(paths, spec)`` of parquet/CSV files hashed by ``spec`` (replica r streams files r, r + R,
+    ...).  ``optimizer``: sgd, momentum, adagrad or their staleness_aware_ variants.  With
+    ``direct`` a replica reaches a shard on another worker over a direct connection (the rows
+    frame kind of :mod:`~downpour_dask.ps.rows_frames`, authenticated by a secret made for this
+    fit) where the cluster's comm is plain TCP, else by actor messages.
+    """
+    check_sparse_model(model)
+    if not isinstance(data, SparseBatch):
+        paths, _ = data
+        if len(list(paths)) < n_replicas:
+            raise ValueError(
+                f"n_replicas={n_replicas} but the data has {len(list(paths))} file(s): each "
+                f"replica streams whole files, so give at least one file per replica"
+            )
+    rule = optim.make(optimizer, learning_rate)
+    layout = SparseLayout.build(model.n_dense, model.tables, n_shards)
+    workers = sorted(cluster_workers(client))
+    if not workers:
+        raise RuntimeError("the Dask cluster has no workers to hold parameter-server shards")
+    dense = model.init_dense(np.random.default_rng(seed))
+    restored = None
+    if restore is not None:
+        saved = read_sparse(restore)
+        if [list(s) for s in layout.specs] != [list(s) for s in saved["specs"]]:
+            raise ValueError(f"the checkpoint in {restore} holds tables {saved['specs']}, the "
+                             f"model has {[list(s) for s in layout.specs]}")
+        seed, restored = saved["seed"], restore_arguments(saved, layout)
+    secret = uuid.uuid4().hex.encode()
+    futures, placed = [], []
+    for s, (lo, hi) in enumerate(layout.dense):
+        address = workers[s % len(workers)]
+        values = dense[lo:hi] if restored is None else restored[s]["values"]
+        extra = {} if restored is None else {"restore": restored[s]["restore"]}
+        futures.append(client.submit(
+            SparseShard, s, lo, hi, values, rule, tables=layout.shard_tables(s), seed=seed,
+            wire_secret=secret, **extra, actor=True, workers=[address],
+            allow_other_workers=False, pure=False))
+        placed.append(address)
+    fit = SparseFit(client, model, layout, futures, placed, seed, timeout)
+    refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, placed)]
+    started = time.time()
+    if isinstance(data, SparseBatch):
+        parts = [data.take(slice(r, None, n_replicas)) for r in range(n_replicas)]
+        parts = [client.scatter([p], workers=[workers[r % len(workers)]])[0]  # one object
+                 for r, p in enumerate(parts)]
+    else:
+        parts = [data] * n_replicas
+    tasks = [
+        client.submit(replica_task, model, refs, layout, parts[r], r, n_replicas, batch_size,
+                      max_epochs, max_steps, seed, timeout, started,
+                      secret if direct else None, pure=False,
+                      workers=[workers[r % len(workers)]])
+        for r in range(n_replicas)
+    ]
+    try:
+        while True:  # the replicas run; checkpoints every checkpoint_every seconds meanwhile
+            try:
+                wait(tasks, timeout=checkpoint_every if checkpoint_dir is not None else 5.0)
+                break
+            except TimeoutError:
+                if checkpoint_dir is not None:
+                    fit.checkpoint(checkpoint_dir)
+        records = [row for t in tasks for row in t.result(timeout=timeout)]
+    except BaseException:
+        for t in tasks:
+            t.release()
+        fit.close()
+        raise
+    if checkpoint_dir is not None:
+        fit.checkpoint(checkpoint_dir)
+    fit.pushes = pd.DataFrame(records)
+    return fit

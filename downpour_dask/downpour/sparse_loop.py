@@ -1,0 +1,103 @@
+"""A replica of a sparse model: pull only the rows the next batch touches, push only theirs.
+
+Each step of :func:`run_sparse_replica` asks the model which rows its batch touches
+(deduplicated, per table), pulls the dense slices and those rows from every shard (the calls to
+all shards start before the replica waits for any), computes the loss and gradients and pushes
+to each shard its dense slice of the gradient plus ``(row ids, row gradients)`` of the rows it
+owns.  Every push is recorded as the dense loop records them (``time``, ``replica``, ``step``,
+``shard``, ``loss``, ``examples``, ``staleness``, ``version``, ``accepted``) with the rows it
+carried and the bytes the step moved to and from that shard (ids, values, dense slice), so the
+traffic is seen to follow the rows touched rather than the table.
+
+This is the synchronous schedule -- ``n_fetch = n_push = 1`` -- that the reference test checks
+against :func:`~downpour_dask.core.sparse_serial.serial_train`.  The links are
+:class:`~downpour_dask.ps.rows.RowsLink` objects, so the loop runs in-process against shard
+objects as well as against actors on a cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..core.params import DTYPE
+from ..core.sparse import SparseBatch
+from ..ps.rows import RowsLink, SparseLayout
+
+
+def _pull_bytes(parts: Sequence[np.ndarray], reply: Any) -> int:
+    ids = sum(8 * len(p) for p in parts)
+    return ids + reply.pull.values.nbytes + sum(r.nbytes for r in reply.rows)
+
+
+def run_sparse_replica(
+    model: Any,
+    links: Sequence[RowsLink],
+    layout: SparseLayout,
+    batches: Iterable[SparseBatch],
+    replica: int = 0,
+    max_steps: int | None = None,
+    started: float | None = None,
+    start_step: int = 0,
+) -> list[dict[str, Any]]:
+    """Train on ``batches`` until they end, ``max_steps`` steps or a shard's stop flag.
+
+    Steps (and the pushes' numbers, by which a shard ignores a push delivered twice) count on
+    from ``start_step``, for links that already pushed.  Returns one record per push (see the
+    module docstring).
+    """
+    started = time.time() if started is None else started
+    records: list[dict[str, Any]] = []
+    batches = iter(batches)
+    batch = next(batches, None)
+    if batch is None or max_steps == 0:
+        return records
+    touched = model.touched(batch)
+    parts = layout.split(touched)
+    replies = [link.wait(call) for link, call in
+               zip(links, [link.pull(p) for link, p in zip(links, parts)])]
+    step = start_step
+    while True:
+        dense = np.concatenate([r.pull.values for r in replies]).astype(DTYPE, copy=False)
+        rows = [(ids, np.concatenate([r.rows[t] for r in replies]))
+                for t, ids in enumerate(touched)]
+        loss, grad, row_grads = model.loss_and_grad(dense, rows, batch)
+        grad = np.asarray(grad, DTYPE)
+        sent = []
+        for s, link in enumerate(links):
+            lo, hi = layout.dense[s]
+            pushes = []
+            for t, (ids, g) in enumerate(row_grads):
+                first = int(np.searchsorted(ids, parts[s][t][0])) if len(parts[s][t]) else 0
+                pushes.append((parts[s][t], np.asarray(g[first : first + len(parts[s][t])], DTYPE)))
+            call = link.push(grad[lo:hi], pushes, replies[s].pull.version, step,
+                             len(batch.y), float(loss))
+            sent.append((call, pushes))
+        pulled = [_pull_bytes(p, r) for p, r in zip(parts, replies)]
+        stop = False
+        for s, (link, (call, pushes)) in enumerate(zip(links, sent)):
+            reply = link.wait(call)
+            stop = stop or reply.stop
+            lo, hi = layout.dense[s]
+            moved = 4 * (hi - lo) + sum(8 * len(i) + g.nbytes for i, g in pushes)
+            records.append({
+                "time": time.time() - started, "replica": replica, "step": step, "shard": s,
+                "loss": float(loss) if math.isfinite(loss) else math.nan,
+                "examples": len(batch.y), "staleness": reply.staleness,
+                "version": reply.version, "accepted": reply.accepted,
+                "rows": sum(len(i) for i, _ in pushes), "bytes": moved + pulled[s],
+            })
+        step += 1
+        if stop or (max_steps is not None and step - start_step >= max_steps):
+            return records
+        batch = next(batches, None)
+        if batch is None:
+            return records
+        touched = model.touched(batch)
+        parts = layout.split(touched)
+        replies = [link.wait(call) for link, call in
+                   zip(links, [link.pull(p) for link, p in zip(links, parts)])]

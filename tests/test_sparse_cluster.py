@@ -1,0 +1,75 @@
+"""Sparse tables on a real local cluster: the reference run, checkpoints into other shards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from downpour_dask.core import optim
+from downpour_dask.core.sparse import SparseBatch
+from downpour_dask.core.sparse_models import EmbeddingMLP, SparseLogisticRegression
+from downpour_dask.core.sparse_serial import serial_train
+from downpour_dask.data.hashing import minibatches
+from downpour_dask.downpour.sparse_checkpoints import read_sparse
+from downpour_dask.downpour.sparse_fit import fit_sparse
+
+
+def click_data(n=1200, n_rows=500, fields=4, numeric=2, seed=0):
+    rng = np.random.default_rng(seed)
+    effect = rng.normal(0, 1.5, n_rows)
+    ids = rng.integers(0, n_rows, (n, fields))
+    p = 1 / (1 + np.exp(-effect[ids].sum(axis=1)))
+    x = rng.normal(size=(n, numeric)).astype(np.float32)
+    return SparseBatch(x, ids, (rng.random(n) < p).astype(np.int64))
+
+
+def test_one_replica_one_shard_on_the_cluster_equals_the_serial_loop(client):
+    model = EmbeddingMLP(500, 4, n_numeric=2, dim=3, hidden=(6,))
+    data = click_data()
+    fit = fit_sparse(model, data, client=client, optimizer="adagrad", learning_rate=0.05,
+                     batch_size=64, max_epochs=2, seed=3, timeout=60)
+    try:
+        rng = np.random.default_rng([3, 0])
+        batches = [b for _ in range(2) for b in minibatches(data, 64, rng)]
+        state, losses = serial_train(model, batches, optim.adagrad(0.05), seed=3)
+        assert fit.pushes["loss"].tolist() == pytest.approx(losses, rel=1e-5)
+        assert (fit.pushes["staleness"] == 0).all() and fit.pushes["accepted"].all()
+        dense, (table,) = fit.state()
+        assert np.allclose(dense, state.dense, rtol=1e-5, atol=1e-6)
+        assert np.allclose(table, state.tables[0].values, rtol=1e-5, atol=1e-6)
+        assert fit.counters()[0]["version"] == len(batches)
+    finally:
+        fit.close()
+
+
+def test_incremental_checkpoints_of_4_shards_restore_into_3(client, tmp_path):
+    model = SparseLogisticRegression(5000, 4, n_numeric=2)
+    data = click_data(n=3000, n_rows=5000)
+    fit = fit_sparse(model, data, client=client, n_replicas=2, n_shards=4, batch_size=32,
+                     max_epochs=2, checkpoint_dir=tmp_path, checkpoint_every=0.3, timeout=60)
+    try:
+        saved = read_sparse(tmp_path)
+        dense, (table,) = fit.state()
+        pushes = fit.pushes
+        assert set(pushes["shard"]) == {0, 1, 2, 3} and set(pushes["replica"]) == {0, 1}
+        assert pushes["staleness"].max() >= 0 and "bytes" in pushes
+        # each replica has two shards on its own worker and two it reaches over the wire
+        assert set(pushes["transport"]) == {"local", "wire"}
+    finally:
+        fit.close()
+    assert saved["increments"] == len(fit.checkpoints) >= 2
+    assert len(saved["tables"][0]["ids"]) == len(np.unique(data.ids))  # every touched row
+    again = fit_sparse(model, data, client=client, n_shards=3, max_steps=0, restore=tmp_path)
+    try:
+        dense3, (table3,) = again.state()
+        assert np.array_equal(dense3, dense) and np.array_equal(table3, table)
+        assert [c["row_ranges"] for c in again.counters()] == [[(0, 1666)], [(1666, 3333)],
+                                                              [(3333, 5000)]]
+    finally:
+        again.close()
+
+
+def test_fewer_files_than_replicas_is_refused_before_any_work(client, tmp_path):
+    model = SparseLogisticRegression(100, 26, n_numeric=13)
+    with pytest.raises(ValueError, match="n_replicas=2 but the data has 1 file"):
+        fit_sparse(model, ([tmp_path / "a.parquet"], None), client=client, n_replicas=2)
