@@ -57,6 +57,8 @@ def test_bad_top_k_and_bad_sparse_pushes_are_refused():
         check_fraction(0.0)
     with pytest.raises(TypeError, match="top_k must be a fraction"):
         check_fraction("1%")
+    with pytest.raises(ValueError, match="top_k takes no model parallelism"):
+        check_fraction(0.1, partitions=2)
     with pytest.raises(ValueError, match="top_k"):
         DownpourSGD(top_k=2).fit(np.zeros((8, 3), np.float32), np.arange(8) % 2)
     shard = ParameterServerShard(0, 0, 10, np.zeros(10, np.float32), optim.sgd(0.1))
@@ -126,3 +128,18 @@ def test_top_k_fits_on_a_real_cluster_over_each_transport(client, transport):
     assert sent.max() < 4 * n_params  # less than a dense push
     assert est.experiment_.config["top_k"] == 0.1
     assert est.score(X, y) > 0.8
+
+
+def test_compressed_dc_asgd_resumes_from_its_checkpoint(client, tmp_path):
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(400, 20)).astype(np.float32)
+    y = (X[:, 1] > 0).astype(int)
+    kw = dict(model="softmax", n_replicas=2, n_shards=2, optimizer="dc_adagrad", batch_size=20,
+              top_k=0.05, random_state=0, timeout=30)  # fmt: skip
+    DownpourSGD(max_steps=5, checkpoint_dir=tmp_path, **kw).fit(X, y, client=client)
+    est = DownpourSGD(max_steps=10, **kw).fit(X, y, client=client, resume_from=tmp_path)
+    pushes = est.experiment_.pushes
+    assert sorted(pushes.groupby("replica")["step"].max()) == [9, 9]  # it went on from step 5
+    assert (pushes["bytes_sent"] > 0).all()  # the resumed log has every push's size
+    assert est.experiment_.config["optimizer"] == "dc_adagrad"
+    assert est.server_status_["accepted"].sum() == 2 * 2 * 10

@@ -67,3 +67,27 @@ def test_easgd_trains_the_centre_on_a_real_cluster(client):
     assert est.experiment_.config["elastic_alpha"] == 0.45
     assert len(est.experiment_.pushes) == 2 * 45 // 4 + 2  # an exchange every 4 steps, and last
     assert est.score(X, y) > 0.8
+
+
+def test_easgd_resumes_from_its_checkpoint(client, tmp_path):
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(400, 5)).astype(np.float32)
+    y = (X[:, 1] > 0).astype(int)
+    kw = dict(
+        model="softmax",
+        n_replicas=2,
+        n_shards=2,
+        optimizer="sgd",
+        learning_rate=0.1,
+        batch_size=20,
+        n_push=2,
+        n_fetch=2,
+        elastic_alpha=0.4,
+        random_state=0,
+        timeout=30,
+    )
+    DownpourSGD(max_steps=6, checkpoint_dir=tmp_path, **kw).fit(X, y, client=client)
+    est = DownpourSGD(max_steps=12, **kw).fit(X, y, client=client, resume_from=tmp_path)
+    pushes = est.experiment_.pushes
+    assert sorted(pushes.groupby("replica")["step"].max()) == [11, 11]
+    assert est.server_status_["accepted"].sum() == 2 * 2 * 6  # an exchange every 2 steps

@@ -69,10 +69,13 @@ class SparseGradient(NamedTuple):
         return out
 
 
-def check_fraction(top_k: float | None) -> float | None:
-    """``top_k`` if it is None or a fraction in ``(0, 1]``; else a ValueError/TypeError."""
+def check_fraction(top_k: float | None, partitions: int = 1) -> float | None:
+    """``top_k`` if it is None or a fraction in ``(0, 1]`` (without model parallelism: its
+    partitions' loop is not compressed); else a ValueError/TypeError."""
     if top_k is None:
         return None
+    if partitions != 1:
+        raise ValueError(f"top_k takes no model parallelism (partitions=1), got {partitions}")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, float)):
         raise TypeError(f"top_k must be a fraction in (0, 1] or None, got {type(top_k).__name__}")
     if not 0 < top_k <= 1:

@@ -252,7 +252,7 @@ class DownpourSGD(ParamServerEstimator):
         check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
         check_security(self.security)
         self._consistency()
-        compression.check_fraction(self.top_k)
+        compression.check_fraction(self.top_k, self.partitions)
         check_positive("checkpoint_every", self.checkpoint_every)
         path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
         if self.checkpoint_dir is not None and not path_like:
