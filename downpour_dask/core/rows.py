@@ -99,8 +99,9 @@ class RowState:
         rows = self.values[local]
         state = {name: array[local].reshape(-1) for name, array in self.state.items()}
         grad = np.ascontiguousarray(grads, dtype=DTYPE).reshape(-1)
-        self.rule.update(rows.reshape(-1), grad, state, staleness=staleness,
-                         rate_scale=rate_scale)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is looked at by finite()
+            self.rule.update(rows.reshape(-1), grad, state, staleness=staleness,
+                             rate_scale=rate_scale)
         return local, rows, state
 
     @staticmethod
