@@ -9,6 +9,7 @@ from downpour_dask.core import optim
 from downpour_dask.core.sparse import SparseBatch
 from downpour_dask.core.sparse_models import EmbeddingMLP, SparseLogisticRegression
 from downpour_dask.core.sparse_serial import serial_train
+from downpour_dask.data.criteo import criteo_spec
 from downpour_dask.data.hashing import minibatches
 from downpour_dask.downpour.sparse_checkpoints import read_sparse
 from downpour_dask.downpour.sparse_fit import fit_sparse
@@ -69,7 +70,16 @@ def test_incremental_checkpoints_of_4_shards_restore_into_3(client, tmp_path):
         again.close()
 
 
-def test_fewer_files_than_replicas_is_refused_before_any_work(client, tmp_path):
+def test_data_that_does_not_fit_the_model_is_refused_before_any_work(client, tmp_path):
     model = SparseLogisticRegression(100, 26, n_numeric=13)
+    files = [tmp_path / "a.parquet"]
     with pytest.raises(ValueError, match="n_replicas=2 but the data has 1 file"):
-        fit_sparse(model, ([tmp_path / "a.parquet"], None), client=client, n_replicas=2)
+        fit_sparse(model, (files, criteo_spec(100)), client=client, n_replicas=2)
+    with pytest.raises(ValueError, match="hashes into 1000 rows; the model's tables have 100"):
+        fit_sparse(model, (files, criteo_spec(1000)), client=client)
+    small = SparseLogisticRegression(500, 4, n_numeric=2)
+    with pytest.raises(ValueError, match="the model takes n_numeric=2 and n_fields=4"):
+        fit_sparse(small, (files, criteo_spec(100)), client=client)
+    bad = click_data(n=10, n_rows=600)._replace(ids=np.full((10, 4), 550))
+    with pytest.raises(ValueError, match=r"ids must be row ids in \[0, 500\)"):
+        fit_sparse(small, bad, client=client)
