@@ -216,7 +216,9 @@ class SparseShard(ParameterServerShard):
 
     async def export_changed(self) -> dict[str, Any]:
         """For an incremental checkpoint: the dense state and, per table, the rows changed since
-        the previous call (``"tables"``), taken at one version; marks them unchanged."""
+        the previous call (``"tables"``); marks them unchanged.  The dense part is read under
+        the lock just before the rows: a push landing in between is in the rows and in
+        ``"version"`` but not in the dense part (as a lost update of an asynchronous run)."""
         state = await super().export_state()
         with self._lock:
             state["version"] = self.version
