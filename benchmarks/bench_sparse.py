@@ -88,19 +88,25 @@ def part_paths(paths, test_rows):
 
 def sparse_vs_dense(client, data) -> None:
     model = EmbeddingMLP(1 << 18, 26, n_numeric=13, dim=8, hidden=(32,))
-    print("\n1. sparse vs dense path: embedding MLP, table 2**18 x 8, 2 replicas, 2 shards,"
-          f" batch {BATCH}")
-    print(f"{'path':<8}{'steps':>8}{'examples/s':>13}{'rows/step':>12}{'bytes/step':>14}"
-          "  vs sparse")
+    print("\n1. sparse vs dense path: embedding MLP, table 2**18 x 8, 2 replicas, 2 shards")
+    print(f"{'path':<8}{'batch':>7}{'steps':>7}{'examples/s':>12}{'rows/step':>11}"
+          f"{'bytes/step':>13}{'bytes/row':>11}  vs sparse at batch {BATCH}")
     base = None
-    for name, m, steps in (("sparse", model, 400), ("dense", DensePath(model), 40)):
-        fit = fit_sparse(m, data, client=client, n_replicas=2, n_shards=2, batch_size=BATCH,
+    runs = [("sparse", model, b, 400) for b in (128, BATCH, 4 * BATCH)]
+    runs.append(("dense", DensePath(model), BATCH, 40))
+    for name, m, batch, steps in runs:
+        fit = fit_sparse(m, data, client=client, n_replicas=2, n_shards=2, batch_size=batch,
                          max_steps=steps, optimizer="adagrad", learning_rate=0.05, timeout=300)
         fit.close()
         rate, moved, rows = throughput(fit.pushes)
-        base = base or (rate, moved)
+        if name == "sparse" and batch == BATCH:
+            base = (rate, moved)
         ratio = f"{rate / base[0]:.2f}x, {moved / base[1]:.0f}x bytes" if name != "sparse" else ""
-        print(f"{name:<8}{steps:>8}{rate:>13,.0f}{rows:>12,.0f}{moved:>14,.0f}  {ratio}")
+        print(f"{name:<8}{batch:>7}{steps:>7}{rate:>12,.0f}{rows:>11,.0f}{moved:>13,.0f}"
+              f"{moved / rows:>11,.1f}  {ratio}")
+    transports = sorted(set(fit.pushes["transport"]))
+    print(f"(transports: {', '.join(transports)}; bytes count ids, rows and dense slices, both "
+          "directions, all shards)")
 
 
 def progressive_target(losses: np.ndarray, weights: np.ndarray) -> float:
@@ -229,6 +235,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--data", default="/tmp/downpour-bench-criteo")
     parser.add_argument("--scale", action="store_true")
+    parser.add_argument("--parts", default="12", help="which of parts 1 and 2 to run")
     args = parser.parse_args()
     print(f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"numpy {np.__version__}; load: {os.getloadavg()}")
@@ -239,9 +246,10 @@ def main() -> None:
     print(f"data: {args.rows:,} rows in {len(paths)} files ({time.perf_counter() - start:.0f} s)")
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
-        data = load_hashed(paths[:1], criteo_spec(1 << 18))
-        sparse_vs_dense(client, data)
-        time_to_target(client, paths, 1 << 20)
+        if "1" in args.parts:
+            sparse_vs_dense(client, load_hashed(paths[:1], criteo_spec(1 << 18)))
+        if "2" in args.parts:
+            time_to_target(client, paths, 1 << 20)
     if args.scale:
         scale(paths)
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -9,9 +14,11 @@ from downpour_dask.core import optim
 from downpour_dask.core.sparse import SparseBatch
 from downpour_dask.core.sparse_models import EmbeddingMLP, SparseLogisticRegression
 from downpour_dask.core.sparse_serial import serial_train
+from downpour_dask.data.criteo import criteo_spec
 from downpour_dask.data.hashing import minibatches
 from downpour_dask.downpour.sparse_checkpoints import read_sparse
 from downpour_dask.downpour.sparse_fit import fit_sparse
+from downpour_dask.ps.protocol import is_shard_lost
 
 
 def click_data(n=1200, n_rows=500, fields=4, numeric=2, seed=0):
@@ -69,7 +76,53 @@ def test_incremental_checkpoints_of_4_shards_restore_into_3(client, tmp_path):
         again.close()
 
 
-def test_fewer_files_than_replicas_is_refused_before_any_work(client, tmp_path):
+def test_data_that_does_not_fit_the_model_is_refused_before_any_work(client, tmp_path):
     model = SparseLogisticRegression(100, 26, n_numeric=13)
+    files = [tmp_path / "a.parquet"]
     with pytest.raises(ValueError, match="n_replicas=2 but the data has 1 file"):
-        fit_sparse(model, ([tmp_path / "a.parquet"], None), client=client, n_replicas=2)
+        fit_sparse(model, (files, criteo_spec(100)), client=client, n_replicas=2)
+    with pytest.raises(ValueError, match="hashes into 1000 rows; the model's tables have 100"):
+        fit_sparse(model, (files, criteo_spec(1000)), client=client)
+    small = SparseLogisticRegression(500, 4, n_numeric=2)
+    with pytest.raises(ValueError, match="the model takes n_numeric=2 and n_fields=4"):
+        fit_sparse(small, (files, criteo_spec(100)), client=client)
+    bad = click_data(n=10, n_rows=600)._replace(ids=np.full((10, 4), 550))
+    with pytest.raises(ValueError, match=r"ids must be row ids in \[0, 500\)"):
+        fit_sparse(small, bad, client=client)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_shard_worker_ends_the_fit_and_the_last_checkpoint_restores(three_workers,
+                                                                            tmp_path):
+    client = three_workers
+    model = SparseLogisticRegression(3000, 4, n_numeric=2)
+    data = click_data(n=2000, n_rows=3000)
+    victim = sorted(client.scheduler_info()["workers"])[2]  # holds shard 2, not the replica
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    errors = []
+
+    def kill_after_a_checkpoint():
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("sparse-*/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_a_checkpoint)
+    killer.start()
+    try:
+        fit_sparse(model, data, client=client, n_shards=3, batch_size=16, max_epochs=10_000,
+                   checkpoint_dir=tmp_path, checkpoint_every=0.2, timeout=15)
+    except Exception as err:  # noqa: BLE001 - which error is what is checked
+        errors.append(err)
+    killer.join(timeout=130)
+    assert errors and is_shard_lost(errors[0]), errors
+    saved = read_sparse(tmp_path)  # every increment written is complete
+    again = fit_sparse(model, data, client=client, n_shards=2, max_steps=0, restore=tmp_path)
+    try:
+        dense, (table,) = again.state()
+        rows = saved["tables"][0]
+        assert np.array_equal(table[rows["ids"]], rows["values"][:, :])
+        assert len(rows["ids"]) > 0
+    finally:
+        again.close()

@@ -100,6 +100,10 @@ def test_a_push_out_of_range_is_refused_and_changes_nothing():
     nan[0, 0] = np.nan
     reply = shard.apply_rows(np.zeros(1, np.float32), [(np.array([60, 61]), nan)], 0, 0)
     assert not reply.accepted and shard.rows_refused == 1
+    huge = np.full((2, 3), 1e30, np.float32)  # finite, but Adagrad's sum of squares overflows
+    reply = shard.apply_rows(np.zeros(1, np.float32), [(np.array([60, 61]), huge)], 0, 0)
+    assert not reply.accepted and shard.rows_refused == 2
+    assert "non-finite" in asyncio.run(shard.events())[-1][3]["reason"]
     after = (shard.values, shard.blocks[0].values, shard.blocks[0].state["sum_sq"], shard.version)
     assert all(np.array_equal(a, b) for a, b in zip(before[:3], after[:3]))
     assert after[3] == before[3]

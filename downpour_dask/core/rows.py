@@ -80,6 +80,14 @@ class RowState:
         """Apply the rule to rows ``ids`` (unique) with gradients ``grads`` (len(ids), width).
 
         Checks everything before changing anything: a bad id or shape changes no row."""
+        self.commit(self.prepare(ids, grads, staleness=staleness, rate_scale=rate_scale))
+
+    def prepare(
+        self, ids: np.ndarray, grads: np.ndarray, *, staleness: int = 0, rate_scale: float = 1.0
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """The update of :meth:`apply` computed on copies of the rows and their state, not yet
+        written back (:meth:`commit` does): a caller can look at it -- e.g. refuse an update
+        that makes a value non-finite (:meth:`finite`) -- with nothing changed."""
         local = self.check_ids(ids)
         if grads.shape != (len(local), self.values.shape[1]):
             raise ValueError(
@@ -91,8 +99,20 @@ class RowState:
         rows = self.values[local]
         state = {name: array[local].reshape(-1) for name, array in self.state.items()}
         grad = np.ascontiguousarray(grads, dtype=DTYPE).reshape(-1)
-        flat = rows.reshape(-1)
-        self.rule.update(flat, grad, state, staleness=staleness, rate_scale=rate_scale)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is looked at by finite()
+            self.rule.update(rows.reshape(-1), grad, state, staleness=staleness,
+                             rate_scale=rate_scale)
+        return local, rows, state
+
+    @staticmethod
+    def finite(pending: tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]) -> bool:
+        """Whether a prepared update leaves every value and state element finite."""
+        _, rows, state = pending
+        return bool(np.isfinite(rows).all()) and all(np.isfinite(a).all() for a in state.values())
+
+    def commit(self, pending: tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]) -> None:
+        """Write a prepared update back and count it in the rows' versions."""
+        local, rows, state = pending
         self.values[local] = rows
         for name, array in state.items():
             self.state[name][local] = array.reshape(rows.shape)

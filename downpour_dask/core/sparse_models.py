@@ -30,6 +30,8 @@ from .sparse import SparseBatch, TableSpec, positions, scatter_sum, unique_rows
 from .validation import require_int
 
 Rows = Sequence[tuple[np.ndarray, np.ndarray]]
+#: What ``loss_and_grad`` returns: mean loss, dense gradient, per table (ids, row gradients).
+Result = tuple[float, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]
 
 
 def _scale(name: str, value: Any) -> float:
@@ -96,12 +98,12 @@ class SparseLogisticRegression(_Base):
         """Zeros (the loss is convex)."""
         return np.zeros(self.n_dense, DTYPE)
 
-    def _logits(self, dense, rows, batch):
+    def _logits(self, dense: np.ndarray, rows: Rows, batch: SparseBatch) -> tuple:
         pos, values = self._gathered(rows, batch, dense.dtype)
         z = batch.numeric.astype(dense.dtype) @ dense[:-1] + dense[-1]
         return z + values[pos, 0].sum(axis=1), pos
 
-    def loss_and_grad(self, dense, rows, batch):
+    def loss_and_grad(self, dense: np.ndarray, rows: Rows, batch: SparseBatch) -> Result:
         """Mean loss, dense gradient and the table's ``(ids, grads)``."""
         z, pos = self._logits(dense, rows, batch)
         loss, d = _sigmoid_loss(z, batch.y)
@@ -134,7 +136,7 @@ class FactorizationMachine(_Base):
         """Zeros."""
         return np.zeros(self.n_dense, DTYPE)
 
-    def _logits(self, dense, rows, batch):
+    def _logits(self, dense: np.ndarray, rows: Rows, batch: SparseBatch) -> tuple:
         pos, values = self._gathered(rows, batch, dense.dtype)
         r = values[pos]  # (n, F, 1 + k)
         v = r[:, :, 1:]
@@ -143,7 +145,7 @@ class FactorizationMachine(_Base):
         z = batch.numeric.astype(dense.dtype) @ dense[:-1] + dense[-1] + r[:, :, 0].sum(1) + pair
         return z, pos, v, s
 
-    def loss_and_grad(self, dense, rows, batch):
+    def loss_and_grad(self, dense: np.ndarray, rows: Rows, batch: SparseBatch) -> Result:
         """Mean loss, dense gradient and the table's ``(ids, grads)``."""
         z, pos, v, s = self._logits(dense, rows, batch)
         loss, d = _sigmoid_loss(z, batch.y)
@@ -207,7 +209,7 @@ class EmbeddingMLP(_Base):
             ws = self._local.ws = Workspace([b for _, b in self.shapes], max(n, 256), dtype, 1)
         return ws
 
-    def _logits(self, dense, rows, batch):
+    def _logits(self, dense: np.ndarray, rows: Rows, batch: SparseBatch) -> tuple:
         pos, values = self._gathered(rows, batch, dense.dtype)
         n = len(batch.y)
         x = np.empty((n, self.shapes[0][0]), dense.dtype)
@@ -217,7 +219,7 @@ class EmbeddingMLP(_Base):
         z = forward(self._layers(dense), x, ws, "relu")
         return z[:, 0].copy(), pos, x, ws, z
 
-    def loss_and_grad(self, dense, rows, batch):
+    def loss_and_grad(self, dense: np.ndarray, rows: Rows, batch: SparseBatch) -> Result:
         """Mean loss, dense gradient and the table's ``(ids, grads)``."""
         _, pos, x, ws, z = self._logits(dense, rows, batch)
         n = len(batch.y)

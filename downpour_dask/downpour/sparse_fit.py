@@ -29,7 +29,7 @@ import pandas as pd
 from distributed import Client, secede, wait
 
 from ..core import optim
-from ..core.sparse import SparseBatch, check_sparse_model, table_rows
+from ..core.sparse import SparseBatch, check_batch, check_sparse_model, table_rows
 from ..data.hashing import HashSpec, minibatches, read_hashed
 from ..ps.frames import WireError
 from ..ps.refs import ActorRef, refer
@@ -136,6 +136,29 @@ class SparseFit:
         self.futures, self.actors = [], []
 
 
+def _check_files(model: Any, data: Any, n_replicas: int) -> None:
+    """ValueError unless ``data`` is ``(paths, HashSpec)`` that fits ``model``, with a file
+    for each replica."""
+    if not (isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], HashSpec)):
+        raise TypeError("data must be a SparseBatch or (paths, HashSpec)")
+    paths, spec = data
+    if len(list(paths)) < n_replicas:
+        raise ValueError(
+            f"n_replicas={n_replicas} but the data has {len(list(paths))} file(s): each "
+            f"replica streams whole files, so give at least one file per replica"
+        )
+    n_rows = min(t.n_rows for t in model.tables)
+    if (len(spec.numeric), len(spec.categorical)) != (model.n_numeric, model.n_fields):
+        raise ValueError(
+            f"the spec has {len(spec.numeric)} numeric and {len(spec.categorical)} categorical "
+            f"columns; the model takes n_numeric={model.n_numeric} and "
+            f"n_fields={model.n_fields}"
+        )
+    if spec.n_rows > n_rows:
+        raise ValueError(f"the spec hashes into {spec.n_rows} rows; the model's tables have "
+                         f"{n_rows}")
+
+
 def fit_sparse(
     model: Any,
     data: SparseBatch | tuple[list[str | Path], HashSpec],
@@ -166,13 +189,10 @@ def fit_sparse(
     fit) where the cluster's comm is plain TCP, else by actor messages.
     """
     check_sparse_model(model)
-    if not isinstance(data, SparseBatch):
-        paths, _ = data
-        if len(list(paths)) < n_replicas:
-            raise ValueError(
-                f"n_replicas={n_replicas} but the data has {len(list(paths))} file(s): each "
-                f"replica streams whole files, so give at least one file per replica"
-            )
+    if isinstance(data, SparseBatch):
+        data = check_batch(model, data)
+    else:
+        _check_files(model, data, n_replicas)
     rule = optim.make(optimizer, learning_rate)
     layout = SparseLayout.build(model.n_dense, model.tables, n_shards)
     workers = sorted(cluster_workers(client))

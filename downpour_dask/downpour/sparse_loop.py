@@ -9,8 +9,10 @@ owns.  Every push is recorded as the dense loop records them (``time``, ``replic
 carried and the bytes the step moved to and from that shard (ids, values, dense slice), so the
 traffic is seen to follow the rows touched rather than the table.
 
-This is the synchronous schedule -- ``n_fetch = n_push = 1`` -- that the reference test checks
-against :func:`~downpour_dask.core.sparse_serial.serial_train`.  The links are
+This is the schedule ``n_fetch = n_push = 1`` that the reference test checks against
+:func:`~downpour_dask.core.sparse_serial.serial_train`: every pull sees the replica's previous
+push.  Over local calls and direct connections, which a shard serves in the order sent, the
+next batch's pull is sent right behind the push, so a step costs one round trip.  The links are
 :class:`~downpour_dask.ps.rows.RowsLink` objects, so the loop runs in-process against shard
 objects as well as against actors on a cluster.
 """
@@ -56,12 +58,16 @@ def run_sparse_replica(
     batch = next(batches, None)
     if batch is None or max_steps == 0:
         return records
+    # Over local calls and direct connections a shard answers a replica's calls in the order
+    # sent, so the next pull may follow the push at once (one round trip per step, not two);
+    # actor messages may overtake each other, so there the pull waits for the push's reply.
+    pipelined = all(link.transport != "actor" for link in links)
     touched = model.touched(batch)
     parts = layout.split(touched)
-    replies = [link.wait(call) for link, call in
-               zip(links, [link.pull(p) for link, p in zip(links, parts)])]
+    pulls = [link.pull(p) for link, p in zip(links, parts)]
     step = start_step
     while True:
+        replies = [link.wait(call) for link, call in zip(links, pulls)]
         dense = np.concatenate([r.pull.values for r in replies]).astype(DTYPE, copy=False)
         rows = [(ids, np.concatenate([r.rows[t] for r in replies]))
                 for t, ids in enumerate(touched)]
@@ -78,6 +84,15 @@ def run_sparse_replica(
                              len(batch.y), float(loss))
             sent.append((call, pushes))
         pulled = [_pull_bytes(p, r) for p, r in zip(parts, replies)]
+        examples = len(batch.y)
+        step += 1
+        done = max_steps is not None and step - start_step >= max_steps
+        batch = None if done else next(batches, None)
+        if batch is not None:
+            touched = model.touched(batch)
+            parts = layout.split(touched)
+            if pipelined:
+                pulls = [link.pull(p) for link, p in zip(links, parts)]
         stop = False
         for s, (link, (call, pushes)) in enumerate(zip(links, sent)):
             reply = link.wait(call)
@@ -85,19 +100,16 @@ def run_sparse_replica(
             lo, hi = layout.dense[s]
             moved = 4 * (hi - lo) + sum(8 * len(i) + g.nbytes for i, g in pushes)
             records.append({
-                "time": time.time() - started, "replica": replica, "step": step, "shard": s,
-                "loss": float(loss) if math.isfinite(loss) else math.nan,
-                "examples": len(batch.y), "staleness": reply.staleness,
+                "time": time.time() - started, "replica": replica, "step": step - 1,
+                "shard": s, "loss": float(loss) if math.isfinite(loss) else math.nan,
+                "examples": examples, "staleness": reply.staleness,
                 "version": reply.version, "accepted": reply.accepted,
                 "rows": sum(len(i) for i, _ in pushes), "bytes": moved + pulled[s],
             })
-        step += 1
-        if stop or (max_steps is not None and step - start_step >= max_steps):
+        if batch is None or stop:
+            if pipelined and batch is not None:
+                for link, call in zip(links, pulls):  # let the pull started ahead finish
+                    link.wait(call)
             return records
-        batch = next(batches, None)
-        if batch is None:
-            return records
-        touched = model.touched(batch)
-        parts = layout.split(touched)
-        replies = [link.wait(call) for link, call in
-                   zip(links, [link.pull(p) for link, p in zip(links, parts)])]
+        if not pipelined:
+            pulls = [link.pull(p) for link, p in zip(links, parts)]

@@ -14,8 +14,9 @@ round trip: :meth:`SparseShard.exchange_rows`).  One push is one update of the s
 raises the shard's version once, is logged with its staleness as a dense push is, and raises
 the version of every row it names.  A push naming a row outside the shard's range, the same row
 twice or gradients of the wrong shape raises ValueError and changes nothing; one with a
-non-finite row gradient is refused (``gradient_refused``) as a dense one is.  ``max_grad_norm``
-caps the dense part only.
+non-finite row gradient, or whose update would make a row or its state non-finite (the update
+is computed on copies first), is refused (``gradient_refused``) as a dense one is.
+``max_grad_norm`` caps the dense part only.
 
 For checkpoints :meth:`SparseShard.export_changed` returns the rows changed since its last call
 (incremental), and ``export_state`` every row ever updated; both restore through ``restore``'s
@@ -177,16 +178,22 @@ class SparseShard(ParameterServerShard):
                 if len(np.unique(local)) != len(local):
                     raise ValueError(f"parameter-server shard {self.shard_id}, table {t}: the "
                                      "row ids of one push must be unique")
+            staleness = max(0, self.version - int(fetched_version))
             bad = sum(int(np.count_nonzero(~np.isfinite(g))) for _, g in pushes)
             if bad:
                 self.rows_refused += 1
-                staleness = max(0, self.version - int(fetched_version))
                 return self._refuse(replica, staleness, f"pushed {bad} non-finite row values", bad)
+            pending = [b.prepare(ids, g, staleness=staleness) for b, (ids, g) in
+                       zip(self.blocks, pushes)]
+            if not all(b.finite(p) for b, p in zip(self.blocks, pending)):
+                self.rows_refused += 1
+                reason = "pushed row gradients that would make table rows or their state non-finite"
+                return self._refuse(replica, staleness, reason, 0)
             reply = self._apply_push(grad, fetched_version, replica, seq, session, examples, loss)
-            if reply.accepted:
-                for t, (ids, grads) in enumerate(pushes):
-                    self.blocks[t].apply(ids, grads, staleness=reply.staleness)
-                    self.changed[t][np.asarray(ids, np.int64) - self.blocks[t].lo] = True
+            if reply.accepted:  # (not a duplicate, nor a refused dense part)
+                for t, (block, update) in enumerate(zip(self.blocks, pending)):
+                    block.commit(update)
+                    self.changed[t][update[0]] = True
             return reply
 
     # -- state -----------------------------------------------------------------------------------
@@ -209,7 +216,9 @@ class SparseShard(ParameterServerShard):
 
     async def export_changed(self) -> dict[str, Any]:
         """For an incremental checkpoint: the dense state and, per table, the rows changed since
-        the previous call (``"tables"``), taken at one version; marks them unchanged."""
+        the previous call (``"tables"``); marks them unchanged.  The dense part is read under
+        the lock just before the rows: a push landing in between is in the rows and in
+        ``"version"`` but not in the dense part (as a lost update of an asynchronous run)."""
         state = await super().export_state()
         with self._lock:
             state["version"] = self.version
