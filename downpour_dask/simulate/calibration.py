@@ -4,7 +4,7 @@ Three sources, each for what it can tell:
 
 * each run's **push log** gives its steady time per step (its replicas' examples/s in the middle
   half of the run turned back into steps, :func:`steady_step`) and how much a step varies (the
-  spread of the intervals between a replica's pushes);
+  spread of the intervals between a replica's pushes; the median over the runs);
 * a **micro-benchmark** in this process times the shard's side with the shard's own code: the
   guarded update of the run's update rule (:class:`~downpour_dask.core.guard.GuardedUpdate`) and
   the copy a pull makes, each on a tiny slice and on the run's slice size, so the fixed and the
@@ -325,7 +325,7 @@ def calibrate(
         [(s, steady_step(s, m)) for s, m in runs],
         Timing(
             step_seconds=min(bench["step"], min(steady_step(s, m) for s, m in runs)),
-            step_cv=min(seen["step_cv"], 2.0),
+            step_cv=min(float(np.median([m["step_cv"] for _, m in runs])), 2.0),
             push_fixed=bench["push_fixed"],
             push_per_param=bench["push_per_param"],
             pull_fixed=bench["pull_fixed"],
