@@ -14,10 +14,9 @@ Three sources, each for what it can tell:
   service: the loop around the step, the calls and their messages on both sides, the shards'
   connection threads -- is attributed by :func:`fit_costs` to four costs, fitted (least
   squares on the log of the step times) to every run given: a replica's loop per step
-  (``Timing.step_seconds`` above the model's step), its CPU per request it sends over the wire
-  (``Timing.message_seconds``; an in-process call costs it only the shard's service), a
-  shard's CPU per request arriving over the wire (``Timing.wire_fixed``), which competes with
-  the replicas for the same cores, and the slowdown of crowding more replicas than cores
+  (``Timing.step_seconds`` above the model's step), its CPU per request it sends to a shard
+  (``Timing.message_seconds``), a shard's CPU per request arriving over the wire
+  (``Timing.wire_fixed``), which competes with the replicas for the same cores, and the slowdown of crowding more replicas than cores
   (``Timing.crowding``).  Runs that differ in replicas and shards separate them: one replica
   leaves the shards' wire CPU a core of its own, two on two cores do not; more shards mean
   more requests per step; four replicas on two cores crowd them.  A weak prior (no loop cost;
@@ -220,16 +219,16 @@ def steady_step(setup: Setup, seen: dict[str, float]) -> float:
 
 
 def simulated_step(setup: Setup, timing: Timing) -> float:
-    """The median replica's seconds per step under ``timing`` without queueing: its CPU,
-    stretched by the shared cores, and for a replica on the shards' worker the in-process calls
-    it waits for (as :func:`measured` takes the median replica's step from a log)."""
+    """The replicas' seconds per step under ``timing`` without queueing, as
+    :func:`steady_step` measures a log: ``n_replicas`` over their summed step rates (each its
+    CPU stretched by the shared cores; a replica on the shards' worker also waits for its
+    in-process calls)."""
     scale = timing.step_scale(setup)
     calls = timing.shard_step(setup, True)  # every shard's service, in-process
     local = min(setup.local_replicas, setup.n_replicas)
-    steps = [timing.replica_step(setup, True) * scale + calls] * local + [
-        timing.replica_step(setup, False) * scale
-    ] * (setup.n_replicas - local)
-    return float(np.median(steps))
+    near = 1.0 / (timing.replica_step(setup, True) * scale + calls)
+    far = 1.0 / (timing.replica_step(setup, False) * scale)
+    return setup.n_replicas / (local * near + (setup.n_replicas - local) * far)
 
 
 def fit_costs(runs: list[tuple[Setup, float]], timing: Timing) -> Timing:

@@ -110,9 +110,8 @@ class Timing:
         Mean CPU time of one replica step (a minibatch's gradient, the local update and the
         loop around them).
     message_seconds : float
-        A replica's CPU per request it sends to one shard over the wire (encoding it, decoding
-        the reply, its connection's thread): a step costs :meth:`replica_step`.  An in-process
-        call costs the replica the shard's service (it runs it) and nothing more.
+        A replica's CPU per request it sends to one shard (encoding it and decoding the reply,
+        or the in-process call's bookkeeping): a step costs :meth:`replica_step`.
     step_cv : float
         Coefficient of variation of a step's time (gamma distributed; 0: every step the same).
     push_fixed, push_per_param : float
@@ -174,13 +173,10 @@ class Timing:
         return self.pull_fixed + self.pull_per_param * setup.slice_params
 
     def replica_step(self, setup: Setup, local: bool = False) -> float:
-        """A replica's CPU per step: the step and its side of the requests that cross the wire
-        (none for a replica that calls every shard in-process, ``local``)."""
-        if local:
-            return self.step_seconds
-        fraction = 1.0 if self.cores is None else setup.wire_fraction  # as wire_cost
-        wired = setup.requests_per_step * setup.n_shards * fraction
-        return self.step_seconds + self.message_seconds * wired
+        """A replica's CPU per step: the step and its side of its requests to every shard
+        (``local``, calling them in-process, is accepted for symmetry and costs the same: on a
+        local cluster the replica beside the shards shares their process and runs as slowly)."""
+        return self.step_seconds + self.message_seconds * setup.requests_per_step * setup.n_shards
 
     def link_latency(self, setup: Setup) -> float:
         """One-way latency of a link; with ``cores`` stretched as the steps are
