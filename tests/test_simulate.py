@@ -257,3 +257,7 @@ def test_simulate_command_prints_the_table_and_the_plan(client, tmp_path, capsys
     assert "calibrated from" not in capsys.readouterr().out
     Experiment.load(run_dir)  # the run directory is still a loadable run
     assert cli.main(["simulate", "--from", str(tmp_path), "--replicas", "x"]) == 2
+    also = ["simulate", "--from", str(run_dir), "--replicas", "10", "--shards", "1"]
+    assert cli.main([*also, "--also", str(tmp_path / "missing")]) == 2
+    assert cli.main([*also, "--also", str(run_dir)]) == 0  # calibrated on both, written again
+    assert "calibrated from 2 run log(s)" in capsys.readouterr().out

@@ -16,12 +16,12 @@ Three sources, each for what it can tell:
   squares on the log of the step times) to every run given: a replica's loop per step
   (``Timing.step_seconds`` above the model's step), its CPU per request it sends to a shard
   (``Timing.message_seconds``), a shard's CPU per request arriving over the wire
-  (``Timing.wire_fixed``), which competes with the replicas for the same cores, and the slowdown of crowding more replicas than cores
-  (``Timing.crowding``).  Runs that differ in replicas and shards separate them: one replica
-  leaves the shards' wire CPU a core of its own, two on two cores do not; more shards mean
-  more requests per step; four replicas on two cores crowd them.  A weak prior (no loop cost;
-  the replica's and the shard's side of a wire request equal; no crowding) decides what the
-  runs cannot -- all of it with one run;
+  (``Timing.wire_fixed``), which competes with the replicas for the same cores, and the
+  slowdown of crowding more replicas than cores (``Timing.crowding``).  Runs that differ in
+  replicas and shards separate them: one replica leaves the shards' wire CPU a core of its
+  own, two on two cores do not; more shards mean more requests per step; eight replicas on
+  two cores crowd them.  A weak prior (no loop cost; the replica's and the shard's side of a
+  wire request equal; no crowding) decides what the runs cannot -- all of it with one run;
 * the one cost none shows -- the round trip of a message (latency plus the wire's handling)
   -- is **fitted**: the latency whose simulations of the runs come closest to their mean
   staleness and throughput (the sum of their log-ratio errors; latency moves both, and matching
