@@ -1,11 +1,12 @@
 """``downpour-dask simulate``: predict a finished run at other scales, and plan its shards.
 
 It reads the run directory's ``simulation.json`` (the calibrated timings, see
-:mod:`downpour_dask.simulate.calibration`) or, the first time, calibrates from the run's log and
-writes it there; then prints the timing mode's prediction for every replica x shard count and,
-for each replica count, the fewest shards that keep every shard at most ``--max-utilisation``
-busy.  Replicas are assumed to have machines of their own (``Timing.cores`` None, no replica
-calling a shard in-process), unlike the local run they were calibrated on.
+:mod:`downpour_dask.simulate.calibration`) or, the first time (or with ``--also``, runs to
+calibrate on together with it), calibrates from the run's log and writes it there; then
+prints the timing mode's prediction for every replica x shard count and, for each replica
+count, the fewest shards that keep every shard at most ``--max-utilisation`` busy.  Replicas
+are assumed to have machines of their own (``Timing.cores`` None, no replica calling a shard
+in-process), unlike the local run they were calibrated on.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the planner's limit on a shard's busy fraction (default 0.7)",
     )
     parser.add_argument(
+        "--also",
+        default="",
+        metavar="RUN_DIRS",
+        help="comma-separated runs of the same model with other replica or shard counts, "
+        "calibrated on together with --from (separates the replicas' CPU from the shards')",
+    )
+    parser.add_argument(
         "--recalibrate",
         action="store_true",
         help="fit the timings again even if simulation.json exists",
@@ -74,12 +82,18 @@ def simulate(args: argparse.Namespace) -> int:
     shards = counts(args.shards, "--shards")
     if not 0 < args.max_utilisation <= 1:
         raise UsageError(f"--max-utilisation must be in (0, 1], got {args.max_utilisation}")
-    if args.recalibrate or not (run_dir / calibration.FILENAME).is_file():
+    others = [Path(part) for part in args.also.split(",") if part.strip()]
+    for other in others:
+        if not (other / "config.json").is_file():
+            raise UsageError(f"--also {str(other)!r} is not a run directory (no config.json)")
+    if args.recalibrate or others or not (run_dir / calibration.FILENAME).is_file():
         try:
-            fitted = calibration.calibrate(Experiment.load(run_dir))
+            fitted = calibration.calibrate(
+                Experiment.load(run_dir), also=[Experiment.load(o) for o in others]
+            )
         except (ValueError, KeyError) as err:
             raise UsageError(f"cannot calibrate from {run_dir}: {err}") from err
-        print(f"calibrated from the run's log; wrote {fitted.save(run_dir)}")
+        print(f"calibrated from {1 + len(others)} run log(s); wrote {fitted.save(run_dir)}")
     else:
         fitted = calibration.load(run_dir)
     timing = fitted.timing.with_(cores=None)

@@ -1,23 +1,29 @@
-"""Timings fitted to a real run: :func:`calibrate` an :class:`~downpour_dask.log.Experiment`.
+"""Timings fitted to real runs: :func:`calibrate` :class:`~downpour_dask.log.Experiment` logs.
 
 Three sources, each for what it can tell:
 
-* the run's **push log** gives each replica's effective time per step (from its first to its last
-  push, divided by the steps in between) and how much that varies (the spread of the intervals
-  between its pushes);
+* each run's **push log** gives its steady time per step (its replicas' examples/s in the middle
+  half of the run turned back into steps, :func:`steady_step`) and how much a step varies (the
+  spread of the intervals between a replica's pushes; the median over the runs);
 * a **micro-benchmark** in this process times the shard's side with the shard's own code: the
   guarded update of the run's update rule (:class:`~downpour_dask.core.guard.GuardedUpdate`) and
   the copy a pull makes, each on a tiny slice and on the run's slice size, so the fixed and the
-  per-parameter costs separate;
+  per-parameter costs separate; a request crossing the wire is taken to cost its shard one such
+  copy per parameter it carries (``Timing.wire_per_param``: decoding or encoding the slice);
 * the **gap** between the two -- the log's step against ``loss_and_grad`` and the shards'
-  service: the loop around the step, encoding and decoding messages on both sides, the shards'
-  connection threads -- is split by :func:`split_step`: half is added to the replica's step
-  and half becomes the shards' CPU per parameter that crosses the wire
-  (``Timing.wire_per_param``), which competes for the same cores as the replicas.  Half and half
-  (``REPLICA_SHARE``) is an assumption: every message is encoded on one side and decoded on the
-  other, and one run cannot separate the two;
+  service: the loop around the step, the calls and their messages on both sides, the shards'
+  connection threads -- is attributed by :func:`fit_costs` to four costs, fitted (least
+  squares on the log of the step times) to every run given: a replica's loop per step
+  (``Timing.step_seconds`` above the model's step), its CPU per request it sends to a shard
+  (``Timing.message_seconds``), a shard's CPU per request arriving over the wire
+  (``Timing.wire_fixed``), which competes with the replicas for the same cores, and the
+  slowdown of crowding more replicas than cores (``Timing.crowding``).  Runs that differ in
+  replicas and shards separate them: one replica leaves the shards' wire CPU a core of its
+  own, two on two cores do not; more shards mean more requests per step; eight replicas on
+  two cores crowd them.  A weak prior (no loop cost; the replica's and the shard's side of a
+  wire request equal; no crowding) decides what the runs cannot -- all of it with one run;
 * the one cost none shows -- the round trip of a message (latency plus the wire's handling)
-  -- is **fitted**: the latency whose simulation of the run comes closest to the run's mean
+  -- is **fitted**: the latency whose simulations of the runs come closest to their mean
   staleness and throughput (the sum of their log-ratio errors; latency moves both, and matching
   staleness alone can pick an absurd latency when the run's replicas barely overlapped).
 
@@ -34,11 +40,13 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
 from ..core import models, optim
@@ -53,8 +61,8 @@ from .timing import Setup, Timing
 FILENAME = "simulation.json"
 #: Latencies (s) :func:`calibrate` tries: log-spaced from 1 microsecond to 0.1 s.
 LATENCY_GRID = tuple(float(x) for x in np.geomspace(1e-6, 1e-1, 31))
-#: The part of a message's wire CPU the replica pays (the shard pays the rest).
-REPLICA_SHARE = 0.5
+#: Weight of :func:`fit_costs`' prior against one run's log step error.
+PRIOR_WEIGHT = 0.05
 
 
 @dataclass(frozen=True)
@@ -204,54 +212,92 @@ def steady_throughput(pushes: Any) -> float:
     return float(inside["examples"].sum()) / max(hi - lo, 1e-9)
 
 
-def split_step(setup: Setup, timing: Timing, observed: float) -> Timing:
-    """``timing`` with the costs that make a simulated step last ``observed``.
+def steady_step(setup: Setup, seen: dict[str, float]) -> float:
+    """A run's seconds per step in its steady window: its replicas' examples/s turned back into
+    steps (``n_replicas * batch_size / examples_per_s``), the rate the simulation predicts."""
+    return setup.n_replicas * setup.batch_size / max(seen["examples_per_s"], 1e-12)
 
-    ``timing.step_seconds`` is the model's own step (the micro-benchmark); the rest of the log's
-    step (the loop around it, the messages' encoding on both sides, the shards' connection
-    threads) is split: ``REPLICA_SHARE`` of it is added to the replica's step, the rest is the
-    shards' wire CPU (``Timing.wire_per_param``), which with ``timing.cores`` slows the steps too
-    (:meth:`Timing.step_scale`).  A run without wire messages puts it all into the step.
+
+def simulated_step(setup: Setup, timing: Timing) -> float:
+    """The replicas' seconds per step under ``timing`` without queueing, as
+    :func:`steady_step` measures a log: ``n_replicas`` over their summed step rates (each its
+    CPU stretched by the shared cores; a replica on the shards' worker also waits for its
+    in-process calls)."""
+    scale = timing.step_scale(setup)
+    calls = timing.shard_step(setup, True)  # every shard's service, in-process
+    local = min(setup.local_replicas, setup.n_replicas)
+    near = 1.0 / (timing.replica_step(setup, True) * scale + calls)
+    far = 1.0 / (timing.replica_step(setup, False) * scale)
+    return setup.n_replicas / (local * near + (setup.n_replicas - local) * far)
+
+
+def fit_costs(runs: list[tuple[Setup, float]], timing: Timing) -> Timing:
+    """``timing`` with the loop, per-request and wire costs that best give each run's step.
+
+    Parameters
+    ----------
+    runs : list of (Setup, float)
+        Each run's shape and its observed seconds per step (:func:`steady_step`).
+    timing : Timing
+        ``step_seconds`` is the model's own step (the micro-benchmark), with the shards'
+        service and ``cores``; its ``message_seconds`` and ``wire_fixed`` are replaced.
+
+    Returns the timing whose :func:`simulated_step` is closest to the observed ones, in log
+    ratio, with a weak prior (``PRIOR_WEIGHT``): no loop cost above the model's step, a wire
+    request costing its shard what it costs its replica, and no crowding.  What the runs cannot
+    tell apart is left to the prior: the wire cost if no request crossed the wire, the crowding
+    if no run had more replicas than cores.
     """
-    fraction = 1.0 if timing.cores is None else setup.wire_fraction  # as Timing.wire_cost
-    wired = setup.local_replicas < setup.n_replicas and fraction > 0
-    params = setup.n_params * fraction * (1 / setup.n_push + 1 / setup.n_fetch)
-    share = REPLICA_SHARE if wired else 1.0
+    if not runs:
+        raise ValueError("fit_costs needs at least one run")
+    unit = float(np.mean([seconds for _, seconds in runs]))
 
-    def step_with(extra: float) -> tuple[Timing, float]:
-        t = timing.with_(
-            step_seconds=timing.step_seconds + share * extra,
-            wire_per_param=(1 - share) * extra / params if wired else 0.0,
+    def timing_of(x: np.ndarray) -> Timing:
+        loop, message, wire = (float(v) * unit for v in x[:3])
+        return timing.with_(
+            step_seconds=timing.step_seconds + loop,
+            message_seconds=message,
+            wire_fixed=wire,
+            crowding=float(x[3]),
         )
-        return t, t.step_seconds * t.step_scale(setup)
 
-    low, high = 0.0, max(observed, 1e-12) / share
-    if step_with(low)[1] >= observed:
-        return timing
-    for _ in range(60):  # the simulated step grows with the extra cost: bisect
-        mid = (low + high) / 2
-        low, high = (mid, high) if step_with(mid)[1] < observed else (low, mid)
-    return step_with((low + high) / 2)[0]
+    def residuals(x: np.ndarray) -> np.ndarray:
+        t = timing_of(x)
+        errors = [
+            math.log(simulated_step(setup, t) / max(seconds, 1e-12)) for setup, seconds in runs
+        ]
+        prior = [x[0], x[1] - x[2], x[3]]
+        return np.array([*errors, *(PRIOR_WEIGHT * p for p in prior)])
+
+    start = np.full(4, 0.1)
+    fitted = least_squares(residuals, start, bounds=(0.0, np.inf), method="trf")
+    return timing_of(fitted.x)
 
 
 def calibrate(
     experiment: Experiment,
     *,
+    also: Sequence[Experiment] = (),
     cores: int | None = None,
     model: Model | None = None,
     repeats: int = 20,
     seed: int = 0,
 ) -> Calibration:
-    """Fit a :class:`Timing` to a real Downpour run (see the module docstring for how).
+    """Fit a :class:`Timing` to real Downpour runs (see the module docstring for how).
 
     Parameters
     ----------
     experiment : Experiment
-        A finished run's log (``estimator.experiment_`` or ``Experiment.load(run_dir)``).
+        A finished run's log (``estimator.experiment_`` or ``Experiment.load(run_dir)``); the
+        result's :class:`Setup` is its.
+    also : sequence of Experiment
+        Other runs of the same model, batch size and update rule on the same machine, with other
+        replica or shard counts: fitted together with ``experiment`` they separate the replicas'
+        CPU from the shards' (:func:`fit_costs`); one run leaves that to a prior.
     cores : int, optional
-        Cores the run's replicas shared; default this machine's ``os.cpu_count()``.
+        Cores the runs' replicas shared; default this machine's ``os.cpu_count()``.
     model : Model, optional
-        The run's model, if its config cannot rebuild it.
+        The runs' model, if the config cannot rebuild it.
     repeats : int
         Repetitions of each micro-benchmark.
     seed : int
@@ -265,36 +311,51 @@ def calibrate(
     setup = setup_of(experiment, model)
     cores = cores or os.cpu_count() or 1
     bench = microbenchmark(setup, model, rule, repeats)
-    seen = measured(experiment)
-    base = split_step(
-        setup,
+    runs = [(setup_of(e, model), measured(e)) for e in (experiment, *also)]
+    for other, _ in runs[1:]:
+        if (other.n_params, other.batch_size) != (setup.n_params, setup.batch_size):
+            raise ValueError(
+                "calibrate's runs must share the model and batch size: "
+                f"{other.n_params} parameters, batch {other.batch_size} against "
+                f"{setup.n_params}, {setup.batch_size}"
+            )
+    seen = runs[0][1]
+    base = fit_costs(
+        [(s, steady_step(s, m)) for s, m in runs],
         Timing(
-            step_seconds=min(bench["step"], seen["step_seconds"]),
-            step_cv=min(seen["step_cv"], 2.0),
+            step_seconds=min(bench["step"], min(steady_step(s, m) for s, m in runs)),
+            step_cv=min(float(np.median([m["step_cv"] for _, m in runs])), 2.0),
             push_fixed=bench["push_fixed"],
             push_per_param=bench["push_per_param"],
             pull_fixed=bench["pull_fixed"],
             pull_per_param=bench["pull_per_param"],
+            wire_per_param=bench["pull_per_param"],  # a copy of what a request carries
             cores=cores,
         ),
-        seen["step_seconds"],
     )
-    short = setup.with_(steps=min(setup.steps, 300))
     best = None
     for latency in LATENCY_GRID:
-        guess = predict(short, base.with_(latency=latency), seed)
-        error = abs(math.log1p(guess.staleness_mean) - math.log1p(seen["staleness_mean"])) + abs(
-            math.log(max(guess.examples_per_s, 1e-9) / max(seen["examples_per_s"], 1e-9))
-        )
+        error, guesses = 0.0, []
+        for one, real in runs:
+            guess = predict(one.with_(steps=min(one.steps, 300)), base.with_(latency=latency), seed)
+            guesses.append(guess)
+            error += abs(math.log1p(guess.staleness_mean) - math.log1p(real["staleness_mean"]))
+            error += abs(
+                math.log(max(guess.examples_per_s, 1e-9) / max(real["examples_per_s"], 1e-9))
+            )
         if best is None or error < best[0]:
-            best = (error, latency, guess)
-    _, latency, guess = best
+            best = (error, latency, guesses)
+    _, latency, guesses = best
+    simulated = [
+        {"examples_per_s": g.examples_per_s, "staleness_mean": g.staleness_mean} for g in guesses
+    ]
     fit = {
         "measured": seen,
-        "simulated": {
-            "examples_per_s": guess.examples_per_s,
-            "staleness_mean": guess.staleness_mean,
-        },
+        "simulated": simulated[0],
+        "runs": [
+            {"replicas": one.n_replicas, "shards": one.n_shards, "measured": real, "simulated": sim}
+            for (one, real), sim in zip(runs, simulated)
+        ],
         "microbenchmark": bench,
         "cpu_count": os.cpu_count(),
     }

@@ -9,10 +9,10 @@ own pushes the slice lacks counted on top, as ``PushLedger.replay`` does), start
 the next fetch is due), waits for its oldest push when ``max_inflight`` are unacknowledged, and
 pushes what it accrued when its steps run out.  The first ``Setup.local_replicas`` replicas
 share a worker with every shard and call them in-process, as the real loop does: no latency,
-transfer or wire CPU (``Timing.wire_per_param``), and the replica waits (in the shards' queue)
-until its call is served.  Replicas other than 0 start when the shards' version reaches replica
-0's warmstart pushes.  A shard serves messages first come, first served; its version counts
-applied pushes and a push's staleness is ``version - base version`` as in
+transfer or wire CPU (``Timing.wire_fixed``, ``Timing.wire_per_param``), and the replica waits
+(in the shards' queue) until its call is served.  Replicas other than 0 start when the shards'
+version reaches replica 0's warmstart pushes.  A shard serves messages first come, first served;
+its version counts applied pushes and a push's staleness is ``version - base version`` as in
 :meth:`~downpour_dask.ps.shard.ParameterServerShard.apply_push`.
 
 Shards are symmetric: equal slices, the same deterministic service times, and every message of a
@@ -127,17 +127,19 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
     """
     R, steps = setup.n_replicas, setup.steps
     rng = np.random.default_rng(seed)
-    mean = timing.step_seconds * timing.step_scale(setup)
+    local = np.arange(R) < setup.local_replicas
+    own = np.where(local, timing.replica_step(setup, True), timing.replica_step(setup, False))
+    mean = (own * timing.step_scale(setup))[:, None]
     if timing.step_cv > 0:
         k = 1.0 / timing.step_cv**2
         durations = rng.gamma(k, mean / k, size=(R, steps))
     else:
-        durations = np.full((R, steps), mean)
+        durations = np.broadcast_to(mean, (R, steps))
     reps = [_Replica(durations[r], r < setup.local_replicas) for r in range(R)]
     push_s, pull_s = timing.push_service(setup), timing.pull_service(setup)
     service = (push_s, pull_s, push_s + pull_s)  # in-process calls
-    wire = timing.wire_cost(setup)
-    wire_service = (push_s + wire, pull_s + wire, push_s + pull_s + 2 * wire)
+    one, two = timing.wire_cost(setup, 1), timing.wire_cost(setup, 2)
+    wire_service = (push_s + one, pull_s + one, push_s + pull_s + two)
     transfer, latency = timing.transfer(setup), timing.link_latency(setup)
     gate = -(-setup.warmstart_steps // setup.n_push) if R > 1 and setup.warmstart_steps else 0
     n_fetch, n_push, max_inflight = setup.n_fetch, setup.n_push, setup.max_inflight

@@ -5,13 +5,14 @@ A :class:`Setup` is the part of a :class:`~downpour_dask.DownpourSGD` configurat
 *when* things happen: replicas, shards, the parameter count, ``n_fetch``, ``n_push``,
 ``max_inflight``, ``warmstart_steps`` and how many steps each replica takes.  A :class:`Timing`
 holds the costs, in seconds: a replica's compute time per step (a gamma distribution with a mean
-and a coefficient of variation), a shard's service time per push and per pull (a fixed part plus
-a part per parameter of its slice), the shard's CPU per parameter that crosses the wire
-(decoding a push, encoding a reply: its connection's thread), and every link's latency and
-bandwidth.  When replicas and shards share a machine's cores (``Timing.cores``), the shards' CPU
-counts against the replicas' too (:meth:`Timing.step_scale`).  Both are plain
-dataclasses that round-trip through JSON (:meth:`Timing.to_dict`), so calibrated timings are
-saved next to the run they came from.
+and a coefficient of variation) plus its CPU per request it sends to a shard, a shard's service
+time per push and per pull (a fixed part plus a part per parameter of its slice), the shard's CPU
+per request that crosses the wire (decoding it and encoding the reply in its connection's thread:
+a fixed part plus a part per parameter carried), and every link's latency and bandwidth.  When
+replicas and shards share a machine's cores (``Timing.cores``), the shards' CPU counts against
+the replicas' too (:meth:`Timing.step_scale`).  Both are plain dataclasses that round-trip
+through JSON (:meth:`Timing.to_dict`), so calibrated timings are saved next to the run they came
+from.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ class Setup:
         return self.n_params / self.n_shards
 
     @property
+    def requests_per_step(self) -> float:
+        """Requests a replica sends each shard per step: a push every ``n_push`` steps, a fetch
+        every ``n_fetch``, one ``exchange`` when both are due."""
+        both = 1.0 / math.lcm(self.n_push, self.n_fetch)
+        return 1.0 / self.n_push + 1.0 / self.n_fetch - both
+
+    @property
     def wire_fraction(self) -> float:
         """The part of a (non-local) replica's messages that crosses the wire."""
         return max(0.0, 1.0 - self.local_shards / self.n_shards)
@@ -99,18 +107,22 @@ class Timing:
     Parameters
     ----------
     step_seconds : float
-        Mean CPU time of one replica step (a minibatch's gradient, the local update, the loop
-        around them and the replica's side of its messages).
+        Mean CPU time of one replica step (a minibatch's gradient, the local update and the
+        loop around them).
+    message_seconds : float
+        A replica's CPU per request it sends to one shard (encoding it and decoding the reply,
+        or the in-process call's bookkeeping): a step costs :meth:`replica_step`.
     step_cv : float
         Coefficient of variation of a step's time (gamma distributed; 0: every step the same).
     push_fixed, push_per_param : float
         A shard's service time for one push: ``push_fixed + push_per_param * slice``.
     pull_fixed, pull_per_param : float
         The same for one pull (an ``exchange`` costs a push plus a pull).
-    wire_per_param : float
-        A shard's CPU seconds per parameter of a message that crosses the wire (a push's
-        gradient in, a pull's values out; an exchange both), on top of its service; messages of
-        in-process calls (``Setup.local_replicas``, ``Setup.local_shards``) do not pay it.
+    wire_fixed, wire_per_param : float
+        A shard's CPU per request that crosses the wire, on top of its service: ``wire_fixed``
+        per request plus ``wire_per_param`` per parameter it carries (a push's gradient in, a
+        pull's values out; an exchange both).  In-process calls (``Setup.local_replicas``,
+        ``Setup.local_shards``) do not pay it.
     latency : float
         One-way latency of every replica-shard link.
     bandwidth : float
@@ -119,22 +131,30 @@ class Timing:
         None: every replica has its own processor (a real cluster).  An int: all replicas and
         shards share that many cores (one machine), so steps are stretched by the CPU demand of
         both (:meth:`step_scale`; used to compare with oversubscribed local runs).
+    crowding : float
+        With ``cores``: the extra slowdown per additional replica sharing a core (switching
+        between the threads of more replicas than cores, their interpreter lock, caches):
+        steps are stretched by ``1 + crowding * (replicas / cores - 1)`` on top of the CPU
+        balance when there are more replicas than cores.
     """
 
     step_seconds: float = 1e-3
     step_cv: float = 0.0
+    message_seconds: float = 0.0
     push_fixed: float = 0.0
     push_per_param: float = 0.0
     pull_fixed: float = 0.0
     pull_per_param: float = 0.0
+    wire_fixed: float = 0.0
     wire_per_param: float = 0.0
     latency: float = 0.0
     bandwidth: float = math.inf
     cores: int | None = None
+    crowding: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "cores":
+            if f.name not in ("cores", "crowding"):
                 _check(f"Timing.{f.name}", getattr(self, f.name), allow_inf=f.name == "bandwidth")
         if self.step_seconds <= 0:
             raise ValueError(f"Timing.step_seconds must be > 0, got {self.step_seconds!r}")
@@ -142,6 +162,7 @@ class Timing:
             raise ValueError(f"Timing.bandwidth must be > 0, got {self.bandwidth!r}")
         if self.cores is not None and (not isinstance(self.cores, int) or self.cores < 1):
             raise ValueError(f"Timing.cores must be None or an int >= 1, got {self.cores!r}")
+        _check("Timing.crowding", self.crowding)
 
     def push_service(self, setup: Setup) -> float:
         """A shard's seconds to apply one push to its slice."""
@@ -150,6 +171,12 @@ class Timing:
     def pull_service(self, setup: Setup) -> float:
         """A shard's seconds to copy its slice for one pull."""
         return self.pull_fixed + self.pull_per_param * setup.slice_params
+
+    def replica_step(self, setup: Setup, local: bool = False) -> float:
+        """A replica's CPU per step: the step and its side of its requests to every shard
+        (``local``, calling them in-process, is accepted for symmetry and costs the same: on a
+        local cluster the replica beside the shards shares their process and runs as slowly)."""
+        return self.step_seconds + self.message_seconds * setup.requests_per_step * setup.n_shards
 
     def link_latency(self, setup: Setup) -> float:
         """One-way latency of a link; with ``cores`` stretched as the steps are
@@ -160,34 +187,40 @@ class Timing:
         """Seconds for a replica's full gradient (or parameters) to cross its link."""
         return self.link_latency(setup) + BYTES_PER_PARAM * setup.n_params / self.bandwidth
 
-    def wire_cost(self, setup: Setup) -> float:
-        """A shard's wire CPU for one whole message of one direction (its slice) of a replica
-        that is not local, averaged over its local and wire shards (all wire without ``cores``:
-        machines of their own)."""
+    def wire_cost(self, setup: Setup, payloads: int = 1) -> float:
+        """A shard's wire CPU for one request of a replica that is not local, carrying
+        ``payloads`` slices (2 for an exchange), averaged over its local and wire shards (all
+        wire without ``cores``: machines of their own)."""
         fraction = 1.0 if self.cores is None else setup.wire_fraction
-        return self.wire_per_param * setup.slice_params * fraction
+        return (self.wire_fixed + self.wire_per_param * setup.slice_params * payloads) * fraction
 
     def shard_step(self, setup: Setup, local: bool) -> float:
         """The shards' CPU seconds (summed over shards) that one step of a replica causes."""
-        per_step = 1.0 / setup.n_push + 1.0 / setup.n_fetch  # messages of each direction
         service = self.push_service(setup) / setup.n_push + self.pull_service(setup) / setup.n_fetch
-        wire = 0.0 if local else self.wire_cost(setup) * per_step
+        wire = 0.0
+        if not local:  # a request each, and a slice per push and per pull carried
+            payloads = 1.0 / setup.n_push + 1.0 / setup.n_fetch
+            wire = (
+                self.wire_cost(setup, 0) * setup.requests_per_step
+                + (self.wire_cost(setup, 1) - self.wire_cost(setup, 0)) * payloads
+            )
         return (service + wire) * setup.n_shards
 
     def step_scale(self, setup: Setup) -> float:
         """How much slower a step is because replicas and shards share ``cores`` (1 without).
 
         Processor sharing by CPU balance: if every step is stretched by ``k``, the replicas and
-        the shard CPU their steps cause use ``sum(1 + shards' / step_seconds) / k`` cores; ``k``
+        the shard CPU their steps cause use ``sum(1 + shards' / replica's) / k`` cores; ``k``
         is the smallest factor >= 1 that keeps that within ``cores``.
         """
         if self.cores is None:
             return 1.0
         local = min(setup.local_replicas, setup.n_replicas)
-        demand = local * (1 + self.shard_step(setup, True) / self.step_seconds) + (
+        demand = local * (1 + self.shard_step(setup, True) / self.replica_step(setup, True)) + (
             setup.n_replicas - local
-        ) * (1 + self.shard_step(setup, False) / self.step_seconds)
-        return max(1.0, demand / self.cores)
+        ) * (1 + self.shard_step(setup, False) / self.replica_step(setup, False))
+        crowded = 1.0 + self.crowding * max(0.0, setup.n_replicas / self.cores - 1.0)
+        return max(1.0, demand / self.cores) * crowded
 
     def with_(self, **changes: Any) -> Timing:
         """A copy with some fields changed."""

@@ -163,7 +163,7 @@ def train(
     alpha = rule.learning_rate if local_learning_rate is None else float(local_learning_rate)
     setup = setup.with_(n_params=int(model.n_params))
     if eval_every is None:
-        rough = setup.steps * timing.step_seconds * timing.step_scale(setup)
+        rough = setup.steps * timing.replica_step(setup) * timing.step_scale(setup)
         eval_every = max(rough / 50, 1e-12)
     held = None if test is None else (test.X, test.y)
     maths = _Mathematics(setup, model, rule, initial, data, held, alpha, seed, eval_every)
