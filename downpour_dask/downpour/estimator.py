@@ -115,6 +115,8 @@ class DownpourSGD(ParamServerEstimator):
         (so no shard waits for the others).  Whatever it is, a push whose update would make
         parameters or update-rule state non-finite is refused (``gradient_refused``), and a fit
         that ends diverged raises ``FloatingPointError``.
+    max_replicas : int, optional
+        Start replicas on workers that join while the fit runs, up to this many (>= n_replicas).
 
     Attributes
     ----------
@@ -171,6 +173,7 @@ class DownpourSGD(ParamServerEstimator):
         verbose: int = 0,
         warm_start: bool = False,
         max_grad_norm: float | None = None,
+        max_replicas: int | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -197,6 +200,7 @@ class DownpourSGD(ParamServerEstimator):
         self.verbose = verbose
         self.warm_start = warm_start
         self.max_grad_norm = max_grad_norm
+        self.max_replicas = max_replicas
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
@@ -228,6 +232,7 @@ class DownpourSGD(ParamServerEstimator):
         check_positive("eval_every", self.eval_every)
         check_positive("timeout", self.timeout)
         check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
+        check_int("max_replicas", self.max_replicas, self.n_replicas, allow_none=True)
         check_security(self.security)
         check_positive("checkpoint_every", self.checkpoint_every)
         path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
@@ -381,6 +386,7 @@ class DownpourSGD(ParamServerEstimator):
             config=self._config(model),
             initial=self._initial_params(),
             max_grad_norm=self.max_grad_norm,
+            max_replicas=self.max_replicas,
         )
 
     def _config(self, model: TrainableModel) -> dict[str, Any]:

@@ -83,6 +83,34 @@ def fetched_copy(run: str, shard: int, key: str) -> tuple[int, np.ndarray] | Non
         return _FETCHED.get((run, shard, key))
 
 
+#: Runs this worker process is leaving (it is closing: see ``membership.HoldForMigration``),
+#: and those whose driver released it (took what it needed off this worker).
+_LEAVING: set[str] = set()
+_RELEASED: set[str] = set()
+
+
+def mark_leaving(run: str) -> None:
+    """Note that this worker is leaving ``run``: its replicas stop after their next push."""
+    with _FETCHED_LOCK:
+        _LEAVING.add(run)
+
+
+def is_leaving(run: str) -> bool:
+    """Whether this worker is leaving ``run`` (its replicas check after every push)."""
+    return run in _LEAVING
+
+
+def release(run: str) -> None:
+    """The driver of ``run`` took what it needed off this worker (run with ``client.run``)."""
+    with _FETCHED_LOCK:
+        _RELEASED.add(run)
+
+
+def is_released(run: str) -> bool:
+    """Whether the driver of ``run`` released this leaving worker."""
+    return run in _RELEASED
+
+
 def forget_run(run: str) -> None:
     """Drop this process's fetched copies of ``run`` (at the end of a fit)."""
     with _FETCHED_LOCK:
@@ -91,3 +119,5 @@ def forget_run(run: str) -> None:
         for k in [k for k in _ACKED if k[0] == run]:
             del _ACKED[k]
         _ROWS.pop(run, None)
+        _LEAVING.discard(run)
+        _RELEASED.discard(run)

@@ -24,7 +24,7 @@ from ..log import PushRow, plain
 from ..ps.channel import open_channels
 from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
-from .registry import keep_acked, keep_row, remember_fetched, shard_variable
+from .registry import is_leaving, keep_acked, keep_row, remember_fetched, shard_variable
 from .replica_loop import ReplicaConfig, ReplicaLoop, gradient_scale
 
 __all__ = ["ReplicaConfig", "WorkerSink", "gradient_scale", "run_loop", "run_replica"]
@@ -47,10 +47,16 @@ class WorkerSink:
     def __init__(self, run: str, topic: str = ""):
         self.run, self.topic = run, topic
         self.last_metrics = -math.inf
+        #: Set by :func:`run_loop`: stops the replica after this push when its worker leaves.
+        self.stop_replica: Any = None
+        self.retired = False  # whether it stopped because its worker is leaving
 
     def keep_row(self, row: PushRow) -> None:
         if self.run:
             keep_row(self.run, row)
+            if self.stop_replica is not None and is_leaving(self.run):
+                self.retired = True  # finish this step, push what is accrued, hand back
+                self.stop_replica()
         if self.topic and row.time - self.last_metrics >= self.METRICS_EVERY:
             self._log_metrics(row)
 
@@ -97,7 +103,10 @@ def run_loop(
     )
     try:
         sink = WorkerSink(config.run, config.topic)
-        return loop_class(channels, server.ranges, model, config, sink).run(source)
+        loop = loop_class(channels, server.ranges, model, config, sink)
+        sink.stop_replica = lambda: setattr(loop, "stop", True)
+        result = loop.run(source)
+        return {**result, "retired": True} if sink.retired else result
     finally:
         for channel in channels:
             channel.close()

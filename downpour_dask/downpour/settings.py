@@ -47,6 +47,7 @@ class FitSettings:
     config: dict[str, Any]  # the estimator's part of the experiment's config
     initial: np.ndarray | None = None  # where to start (warm_start), in the model's layout
     max_grad_norm: float | None = None  # each shard clips a push's slice to this norm
+    max_replicas: int | None = None  # replicas may be added on workers that join, up to this
 
     @property
     def partitions(self) -> int:
