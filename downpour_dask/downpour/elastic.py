@@ -216,21 +216,24 @@ class Elastic:
 
     def _collect_departing(self) -> None:
         now, tasks = time.monotonic(), self.tasks
+        alive = set(self.cluster.workers(fresh=False))
         for i, worker in list(self.departing.items()):
-            task = tasks.tasks[i]
+            task, result = tasks.tasks[i], None
             if i in tasks.results or task.status == "finished":
                 try:
                     result = tasks.results.get(i) or task.result(timeout=self.timeout)
-                except Exception:  # noqa: BLE001 - lost with its worker: the crash path
-                    del self.departing[i]
-                    continue
-                del self.departing[i]
-                if id(result) not in self.handled and result.get("retired"):
-                    self._retire_replica(i, worker, result)
-                else:
-                    tasks.results[i] = result  # it had finished its work: nothing to move
-            elif task.status != "pending" or now > self.leaving[worker]:
-                del self.departing[i]  # errors and late ones: the supervisor's crash path
+                except Exception:  # noqa: BLE001 - lost with its worker: see below
+                    result = None
+            elif task.status == "pending" and worker in alive and now <= self.leaving[worker]:
+                continue  # still finishing its step
+            del self.departing[i]
+            if result is not None and result.get("retired") and id(result) not in self.handled:
+                self._retire_replica(i, worker, result)
+            elif result is not None:
+                tasks.results[i] = result  # it had finished its work: nothing to move
+            elif tasks.slots[i][0] >= self.n_replicas:  # an added replica, gone with its result
+                self._retire_replica(i, worker, {"replica": tasks.slots[i][0], "retired": True})
+            # an original replica whose result is lost: the supervisor's crash path restarts it
         for worker in self.leaving:
             if worker in self.released or worker in self.departing.values():
                 continue

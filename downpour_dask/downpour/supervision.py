@@ -138,9 +138,9 @@ class SupervisionLoop:
         limits = self.limits
         while True:
             self.cluster.wait(self.tasks.tasks, timeout=self.until_next_tick())
+            if self.elastic is not None:  # workers that joined or are leaving (first: an added
+                self.elastic.check()  # replica that left with its worker ends, not restarted)
             self.supervisor.check()  # restarts replicas and shards lost with their workers
-            if self.elastic is not None:  # workers that joined or are leaving
-                self.elastic.check()
             if self.tasks.all_gathered() and (self.elastic is None or self.elastic.settled()):
                 return
             try:

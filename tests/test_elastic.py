@@ -1,0 +1,152 @@
+"""A fit that follows its cluster, in-process: which worker gets a new replica, what a leaving
+worker's shards and replicas become, how a new replica's data is drawn.
+
+The fakes are those of ``tests/test_supervisor.py`` plus the membership calls of
+:class:`~downpour_dask.downpour.dask_cluster.DaskCluster`; ``tests/test_elastic_cluster.py``
+runs the same story on real local clusters (scale, retire_workers, adapt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from test_supervisor import FakeCluster, _events, _kinds, _run
+
+from downpour_dask.downpour.elastic import Elastic, fair_share, remaining, sample_share
+
+
+@dataclass
+class MembershipCluster(FakeCluster):
+    """A fake cluster that also reports membership events and records what the driver did."""
+
+    heard: list[dict] = field(default_factory=list)
+    stopped_on: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)
+
+    def membership(self) -> list[dict]:
+        taken, self.heard = self.heard, []
+        return taken
+
+    def stop_replicas_on(self, worker: str) -> None:
+        self.stopped_on.append(worker)
+
+    def release(self, worker: str) -> None:
+        self.released.append(worker)
+
+    def retire(self, worker: str) -> None:
+        self.retired.append(worker)
+
+
+def _elastic(workers, shard_workers, replica_workers, max_replicas=None):
+    """``_run``'s collaborators with a membership-aware cluster and an :class:`Elastic`."""
+    run = _run(workers, shard_workers, replica_workers)
+    cluster = MembershipCluster(run.cluster.alive, run.clock)
+    for part in (run.tasks, run.supervisor, run.supervisor.recovery, run.loop):
+        part.cluster = cluster
+    added: list[tuple[int, str, int]] = []
+
+    def add_replica(replica: int, worker: str, n_active: int) -> int:
+        added.append((replica, worker, n_active))
+        run.tasks.start_replica(replica, [worker], ("X", "y"), [], [run.tasks.configs[0]])
+        return 100 // n_active
+
+    elastic = Elastic(
+        cluster, run.server, run.tasks, run.supervisor.recovery, run.recorder,
+        n_replicas=len(replica_workers), max_replicas=max_replicas, add_replica=add_replica,
+    )  # fmt: skip
+    run.loop.elastic = elastic
+    run.cluster, run.elastic, run.added = cluster, elastic, added
+    return run
+
+
+def _join(run: Any, worker: str) -> None:
+    run.cluster.alive.append(worker)
+    run.cluster.heard.append({"action": "joined", "worker": worker})
+
+
+def test_a_fair_share_is_the_rows_over_the_replicas_and_a_limit_keeps_what_is_left():
+    assert fair_share(1000, 4) == 250 and fair_share(3, 8) == 1
+    assert remaining(5, 2.4) == 3 and remaining(5, 4.9) == 1 and remaining(5, 7) == 1
+    assert remaining(None, 3.0) is None
+    arrays = [(np.arange(a, a + 10.0)[:, None], np.arange(a, a + 10)) for a in (0, 10)]
+    X, y = sample_share(arrays, 6, seed=3)
+    assert len(X) == 6 and len(set(y)) == 6  # drawn without replacement from every replica
+    assert np.array_equal(X[:, 0], y)  # rows stay with their labels
+    assert np.array_equal(sample_share(arrays, 6, seed=3)[1], y)  # reproducible
+
+
+def test_workers_that_join_get_a_replica_each_up_to_max_replicas():
+    run = _elastic(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], max_replicas=3)
+    _join(run, "w2")
+    _join(run, "w3")
+    run.elastic.check()
+    assert run.added == [(2, "w2", 3)]  # a fair share among 3 replicas; w3 stays without one
+    [added] = _events(run, "replica_added")
+    assert added == {"replica": 2, "worker": "w2", "rows": 33}
+    run.tasks.tasks[0].finish({"replica": 0, "partition": 0, "steps": 10})
+    run.tasks.results[0] = run.tasks.tasks[0].outcome
+    run.elastic.check()  # replica 0 is done: room for one more, on the worker that waited
+    assert run.added[-1] == (3, "w3", 3)
+
+
+def test_without_max_replicas_a_joined_worker_gets_no_replica():
+    run = _elastic(["w0", "w1"], ["w0", "w1"], ["w0", "w1"])
+    _join(run, "w2")
+    run.elastic.check()
+    assert run.added == [] and "replica_added" not in _kinds(run)
+
+
+def test_a_leaving_workers_shard_migrates_with_its_exact_state_and_its_replica_moves_on():
+    run = _elastic(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w1"])
+    run.server.version = [7, 11]
+    run.cluster.heard.append({"action": "leaving", "worker": "w1", "status": "closing_gracefully"})
+    run.elastic.check()
+    [migrated] = _events(run, "shard_migrated")
+    assert migrated["shard"] == 1 and migrated["from_worker"] == "w1"
+    assert migrated["worker"] == "w2"  # the staying worker holding no shard
+    assert (migrated["version"], migrated["lost_updates"], migrated["generation"]) == (11, 0, 1)
+    assert "shard_lost" not in _kinds(run) and run.server.retired == {(1, 0): 11}
+    assert run.cluster.stopped_on == ["w1"]  # its replica stops after its next push
+    assert run.cluster.released == []  # not before the replica returned
+    # replica 1 finishes its step, pushes and returns: it continues elsewhere after its steps
+    run.tasks.tasks[1].finish({"replica": 1, "partition": 0, "steps": 42, "retired": True})
+    run.elastic.check()
+    [retired] = _events(run, "replica_retired")
+    assert retired == {"replica": 1, "worker": "w1", "steps": 42, "moved_to": "w2"}
+    assert run.cluster.submitted[-1].worker == "w2"
+    assert run.cluster.submitted[-1].config.start_step == 42
+    assert run.cluster.released == ["w1"]
+    run.clock.now += 1  # the retirement Dask aborted (the worker held a shard) is asked again
+    run.elastic.retire_due = {w: 0.0 for w in run.elastic.retire_due}
+    run.elastic.check()
+    assert run.cluster.retired == ["w1"]
+
+
+def test_an_added_replica_whose_worker_left_with_its_result_ends_without_a_restart():
+    run = _elastic(["w0", "w1"], ["w0", "w0"], ["w0", "w1"], max_replicas=3)
+    _join(run, "w2")
+    run.elastic.check()
+    run.cluster.heard.append({"action": "leaving", "worker": "w2", "status": "closing"})
+    run.elastic.check()
+    run.cluster.alive.remove("w2")  # gone before the replica's result could be read
+    run.tasks.tasks[2].status = "lost"
+    run.loop.supervisor.check = lambda: None  # only the elastic part is under test here
+    run.elastic.check()
+    [retired] = _events(run, "replica_retired")
+    assert retired["replica"] == 2 and retired["moved_to"] is None
+    assert 2 in run.tasks.results and "replica_restarted" not in _kinds(run)
+
+
+def test_a_migration_whose_fence_does_not_land_falls_back_to_the_crash_path():
+    run = _elastic(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w2"])
+    run.server.version = [3, 5]
+    run.server.lost.add(1)  # the leaving worker's shard does not answer: no exact state
+    run.cluster.heard.append({"action": "leaving", "worker": "w1", "status": "closing"})
+    run.elastic.check()
+    assert "shard_migrated" not in _kinds(run)
+    assert [e["shard"] for e in _events(run, "shard_lost")] == [1]
+    [restored] = _events(run, "shard_restored")
+    assert restored["fenced"] is False and restored["worker"] == "w2"
