@@ -134,10 +134,13 @@ def test_an_added_replica_whose_worker_left_with_its_result_ends_without_a_resta
     run.cluster.alive.remove("w2")  # gone before the replica's result could be read
     run.tasks.tasks[2].status = "lost"
     run.loop.supervisor.check = lambda: None  # only the elastic part is under test here
+    run.server.accepted_by_replica[2] = 6
     run.elastic.check()
     [retired] = _events(run, "replica_retired")
     assert retired["replica"] == 2 and retired["moved_to"] is None
+    assert retired["steps"] == 6  # the pushes shard 0 counted of it
     assert 2 in run.tasks.results and "replica_restarted" not in _kinds(run)
+    assert run.tasks.summary([run.tasks.results[2]])["replica_steps"] == [6]  # summable
 
 
 def test_a_migration_whose_fence_does_not_land_falls_back_to_the_crash_path():

@@ -167,6 +167,7 @@ class Driver:
             elastic = Elastic(
                 self.cluster, view, tasks, recovery, recorder, fit.n_replicas, fit.max_replicas,
                 grow if fit.plan is None else None, checkpoints.before_write, fit.timeout,
+                fit.n_push,
             )  # fmt: skip
             loop = SupervisionLoop(
                 self.cluster, view, tasks, supervisor, checkpoints, recorder,

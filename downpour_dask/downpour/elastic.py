@@ -100,6 +100,8 @@ class Elastic:
         Takes in the replicas' push-log rows (before a leaving worker is released).
     timeout : float
         Seconds a task result may take.
+    n_push : int
+        Steps per push (what an added replica lost with its worker had made).
     """
 
     def __init__(
@@ -114,11 +116,13 @@ class Elastic:
         add_replica: Callable[[int, str, int], int] | None = None,
         collect: Callable[[], None] | None = None,
         timeout: float = 60.0,
+        n_push: int = 1,
     ):
         self.cluster, self.server, self.tasks = cluster, server, tasks
         self.recovery, self.recorder = recovery, recorder
         self.n_replicas, self.max_replicas = n_replicas, max_replicas
         self.add_replica, self.collect, self.timeout = add_replica, collect, timeout
+        self.n_push = n_push
         self.known = set(cluster.workers())
         self.joined: list[str] = []  # workers that joined and host no replica yet
         self.leaving: dict[str, float] = {}  # worker -> when it is released at the latest
@@ -232,7 +236,7 @@ class Elastic:
             elif result is not None:
                 tasks.results[i] = result  # it had finished its work: nothing to move
             elif tasks.slots[i][0] >= self.n_replicas:  # an added replica, gone with its result
-                self._retire_replica(i, worker, {"replica": tasks.slots[i][0], "retired": True})
+                self._retire_replica(i, worker, self._lost_result(tasks.slots[i][0]))
             # an original replica whose result is lost: the supervisor's crash path restarts it
         for worker in self.leaving:
             if worker in self.released or worker in self.departing.values():
@@ -248,6 +252,15 @@ class Elastic:
                 del self.retire_due[worker]
                 if worker in self.cluster.workers(fresh=False):
                     self.cluster.retire(worker)
+
+    def _lost_result(self, replica: int) -> dict[str, Any]:
+        """What stands for the result of an added replica that left with its worker: the
+        steps it pushed, by shard 0's count (its pushes are on the shards; its newest push-log
+        rows are lost with the worker)."""
+        status = self.server.shard_status(0, self.timeout)
+        pushes = int(status["accepted_by_replica"].get(replica, 0))
+        return {"replica": replica, "partition": 0, "steps": pushes * self.n_push,
+                "retired": True, "result_lost": True}  # fmt: skip
 
     def _retire_replica(self, i: int, worker: str, result: dict[str, Any]) -> None:
         """Slot ``i``'s replica returned from leaving ``worker``: an original replica with work
