@@ -25,6 +25,10 @@ class MembershipCluster(FakeCluster):
     stopped_on: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     retired: list[str] = field(default_factory=list)
+    kept: dict[str, list[dict]] = field(default_factory=dict)  # worker -> returned results
+
+    def returned(self, worker: str) -> list[dict]:
+        return self.kept.pop(worker, [])
 
     def membership(self) -> list[dict]:
         taken, self.heard = self.heard, []
@@ -141,6 +145,19 @@ def test_an_added_replica_whose_worker_left_with_its_result_ends_without_a_resta
     assert retired["steps"] == 6  # the pushes shard 0 counted of it
     assert 2 in run.tasks.results and "replica_restarted" not in _kinds(run)
     assert run.tasks.summary([run.tasks.results[2]])["replica_steps"] == [6]  # summable
+
+
+def test_a_replica_whose_closing_worker_cancelled_its_task_is_read_from_the_worker():
+    run = _elastic(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w1"])
+    run.cluster.heard.append({"action": "leaving", "worker": "w1", "status": "closing"})
+    run.elastic.check()
+    run.tasks.tasks[1].status = "cancelled"  # Worker.close cancels what it runs
+    run.cluster.kept["w1"] = [{"replica": 1, "partition": 0, "steps": 17, "retired": True}]
+    run.elastic.check()
+    [retired] = _events(run, "replica_retired")
+    assert retired == {"replica": 1, "worker": "w1", "steps": 17, "moved_to": "w2"}
+    assert run.cluster.submitted[-1].config.start_step == 17
+    assert "replica_failed" not in _kinds(run) and run.cluster.released == ["w1"]
 
 
 def test_a_migration_whose_fence_does_not_land_falls_back_to_the_crash_path():

@@ -87,6 +87,33 @@ def test_retiring_a_shards_worker_migrates_the_shard_with_no_lost_update(mnist):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_scaling_down_closes_a_shards_worker_only_after_its_shard_and_replica_moved(mnist):
+    """``cluster.scale`` down closes a worker through its nanny, which cancels its tasks: the
+    worker plugin holds it while the shard migrates and the replica's result is read back."""
+    train, test = mnist
+    with _cluster(3) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=TIMEOUT)
+        asked: list[int] = []
+
+        def scale_down_at_150_pushes(progress) -> None:
+            if not asked and progress.pushes >= 150:
+                asked.append(progress.pushes)
+                cluster.scale(2)  # returns at once: every worker holds a shard and a replica
+
+        est = _estimator(n_replicas=3, n_shards=3, max_epochs=8).fit(
+            train, eval_data=test, client=client, callback=scale_down_at_150_pushes
+        )
+        kinds = list(est.experiment_.events["kind"])
+        [migrated] = _data(est, "shard_migrated")
+        assert migrated["lost_updates"] == 0 and list(est.server_status_["lost_updates"]) == [0] * 3
+        assert "shard_lost" not in kinds and "replica_failed" not in kinds
+        [retired] = _data(est, "replica_retired")  # it had work left: it continues elsewhere
+        assert retired["worker"] == migrated["from_worker"] and retired["moved_to"] is not None
+        assert kinds[-1] == "stop" and len(cluster_workers(client)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_workers_that_join_mid_run_get_replicas_that_train(mnist):
     train, test = mnist
     with _cluster(2) as cluster, Client(cluster) as client:

@@ -41,6 +41,7 @@ from .registry import (
     mark_leaving,
     release,
     shard_variable,
+    take_returned,
 )
 
 #: Seconds a cached worker list may be old (asking costs a scheduler round trip).
@@ -153,6 +154,11 @@ class DaskCluster:
         """Have the replicas on leaving ``worker`` stop after their next push (a worker whose
         retirement Dask aborted does not close, so its plugin's teardown does not say it)."""
         self._run_each(mark_leaving, self.run, workers=[worker])
+
+    def returned(self, worker: str) -> list[dict[str, Any]]:
+        """Results of the replicas that stopped on leaving ``worker`` (each handed over once)."""
+        found = self._run_each(take_returned, self.run, workers=[worker]).get(worker)
+        return found if isinstance(found, list) else []
 
     def release(self, worker: str) -> None:
         """Let leaving ``worker`` close: the driver took what it needed off it."""

@@ -126,7 +126,7 @@ class Elastic:
         self.known = set(cluster.workers())
         self.joined: list[str] = []  # workers that joined and host no replica yet
         self.leaving: dict[str, float] = {}  # worker -> when it is released at the latest
-        self.departing: dict[int, str] = {}  # slot -> its leaving worker
+        self.departing = tasks.leaving  # slot -> its leaving worker (the supervisor skips it)
         self.released: set[str] = set()
         self.retire_again: set[str] = set()
         self.retire_due: dict[str, float] = {}  # worker -> when its retirement is asked again
@@ -221,6 +221,7 @@ class Elastic:
     def _collect_departing(self) -> None:
         now, tasks = time.monotonic(), self.tasks
         alive = set(self.cluster.workers(fresh=False))
+        returned: dict[str, dict[int, dict[str, Any]]] = {}  # worker -> replica -> result
         for i, worker in list(self.departing.items()):
             task, result = tasks.tasks[i], None
             if i in tasks.results or task.status == "finished":
@@ -228,8 +229,12 @@ class Elastic:
                     result = tasks.results.get(i) or task.result(timeout=self.timeout)
                 except Exception:  # noqa: BLE001 - lost with its worker: see below
                     result = None
-            elif task.status == "pending" and worker in alive and now <= self.leaving[worker]:
-                continue  # still finishing its step
+            elif worker in alive:  # a closing worker cancelled the task: its registry has it
+                if worker not in returned:
+                    returned[worker] = {r["replica"]: r for r in self.cluster.returned(worker)}
+                result = returned[worker].get(tasks.slots[i][0])
+                if result is None and now <= self.leaving[worker]:
+                    continue  # still finishing its step
             del self.departing[i]
             if result is not None and result.get("retired") and id(result) not in self.handled:
                 self._retire_replica(i, worker, result)

@@ -111,6 +111,23 @@ def is_released(run: str) -> bool:
     return run in _RELEASED
 
 
+#: Results of replicas of this process that stopped because it is leaving, per run: a closing
+#: worker cancels its tasks, so their results reach the driver only through here.
+_RETURNED: dict[str, list[dict]] = {}
+
+
+def keep_returned(run: str, result: dict) -> None:
+    """Keep the result of a replica of ``run`` that stopped because this worker is leaving."""
+    with _FETCHED_LOCK:
+        _RETURNED.setdefault(run, []).append(result)
+
+
+def take_returned(run: str) -> list[dict]:
+    """Hand over (and forget) the results :func:`keep_returned` kept (``client.run``)."""
+    with _FETCHED_LOCK:
+        return _RETURNED.pop(run, [])
+
+
 def forget_run(run: str) -> None:
     """Drop this process's fetched copies of ``run`` (at the end of a fit)."""
     with _FETCHED_LOCK:
@@ -121,3 +138,4 @@ def forget_run(run: str) -> None:
         _ROWS.pop(run, None)
         _LEAVING.discard(run)
         _RELEASED.discard(run)
+        _RETURNED.pop(run, None)

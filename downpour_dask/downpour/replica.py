@@ -24,7 +24,14 @@ from ..log import PushRow, plain
 from ..ps.channel import open_channels
 from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
-from .registry import is_leaving, keep_acked, keep_row, remember_fetched, shard_variable
+from .registry import (
+    is_leaving,
+    keep_acked,
+    keep_returned,
+    keep_row,
+    remember_fetched,
+    shard_variable,
+)
 from .replica_loop import ReplicaConfig, ReplicaLoop, gradient_scale
 
 __all__ = ["ReplicaConfig", "WorkerSink", "gradient_scale", "run_loop", "run_replica"]
@@ -106,7 +113,10 @@ def run_loop(
         loop = loop_class(channels, server.ranges, model, config, sink)
         sink.stop_replica = lambda: setattr(loop, "stop", True)
         result = loop.run(source)
-        return {**result, "retired": True} if sink.retired else result
+        if sink.retired:  # a closing worker cancels this task: the driver reads it from there
+            result = {**result, "retired": True}
+            keep_returned(config.run, result)
+        return result
     finally:
         for channel in channels:
             channel.close()
