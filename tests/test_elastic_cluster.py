@@ -53,15 +53,17 @@ def test_retiring_a_shards_worker_migrates_the_shard_with_no_lost_update(mnist):
         workers = sorted(cluster_workers(client))
         asked: list[int] = []
 
-        def retire_at_150_pushes(progress) -> None:
-            if not asked and progress.pushes >= 150:  # not from the driver's own thread
+        def retire_at_50_pushes(progress) -> None:
+            if not asked and progress.pushes >= 50:  # not from the driver's own thread
                 asked.append(progress.pushes)
                 threading.Thread(target=client.retire_workers, args=([workers[1]],)).start()
 
-        est = _estimator(n_replicas=3, max_epochs=8).fit(
-            train, eval_data=test, client=client, callback=retire_at_150_pushes
+        est = _estimator(n_replicas=3, max_epochs=15).fit(
+            train, eval_data=test, client=client, callback=retire_at_50_pushes
         )
         assert asked
+        kinds = list(est.experiment_.events["kind"])
+        print(f"retirement asked at {asked[0]} pushes; events {kinds}")
         [migrated] = _data(est, "shard_migrated")
         assert migrated["shard"] == 1 and migrated["from_worker"] == workers[1]
         assert migrated["worker"] != workers[1] and migrated["lost_updates"] == 0
@@ -75,7 +77,7 @@ def test_retiring_a_shards_worker_migrates_the_shard_with_no_lost_update(mnist):
             assert acked[str(shard)] <= status["version"].iloc[shard]
         rows = train.n_rows // 3
         assert set(est.experiment_.config["replica_steps"]) <= {
-            8 * -(-(rows + extra) // 32) for extra in (0, 1)
+            15 * -(-(rows + extra) // 32) for extra in (0, 1)
         }  # every replica trained all its steps, replica 1 wherever it went
         assert est.experiment_.events["kind"].iloc[-1] == "stop"
         deadline = time.monotonic() + 30  # the retirement Dask aborted for the shard completes
@@ -95,15 +97,16 @@ def test_scaling_down_closes_a_shards_worker_only_after_its_shard_and_replica_mo
         client.wait_for_workers(3, timeout=TIMEOUT)
         asked: list[int] = []
 
-        def scale_down_at_150_pushes(progress) -> None:
-            if not asked and progress.pushes >= 150:
+        def scale_down_at_50_pushes(progress) -> None:
+            if not asked and progress.pushes >= 50:
                 asked.append(progress.pushes)
                 cluster.scale(2)  # returns at once: every worker holds a shard and a replica
 
-        est = _estimator(n_replicas=3, n_shards=3, max_epochs=8).fit(
-            train, eval_data=test, client=client, callback=scale_down_at_150_pushes
+        est = _estimator(n_replicas=3, n_shards=3, max_epochs=15).fit(
+            train, eval_data=test, client=client, callback=scale_down_at_50_pushes
         )
         kinds = list(est.experiment_.events["kind"])
+        print(f"scaled down at {asked[0]} pushes; events {kinds}")
         [migrated] = _data(est, "shard_migrated")
         assert migrated["lost_updates"] == 0 and list(est.server_status_["lost_updates"]) == [0] * 3
         assert "shard_lost" not in kinds and "replica_failed" not in kinds
