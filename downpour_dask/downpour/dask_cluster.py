@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -133,11 +134,21 @@ class DaskCluster:
 
     # -- membership (see .membership) -----------------------------------------------------------
     def watch_membership(self) -> None:
-        """Register the fit's scheduler and worker plugins and listen to their topic."""
-        self.client.subscribe_topic(membership_topic(self.run), self._hear)
-        self.client.register_plugin(MembershipPlugin(self.run))
-        self.client.register_plugin(HoldForMigration(self.run))
+        """Register the fit's scheduler and worker plugins and listen to their topic.  A
+        scheduler that refuses plugins (``distributed.scheduler.pickle`` off) leaves the fit
+        with the failure path only: a warning says so."""
         self._watching = True
+        try:
+            self.client.subscribe_topic(membership_topic(self.run), self._hear)
+            self.client.register_plugin(MembershipPlugin(self.run))
+            self.client.register_plugin(HoldForMigration(self.run))
+        except Exception as err:  # noqa: BLE001 - any refusal means the same
+            warnings.warn(
+                f"the Dask scheduler refused the plugins that let a fit follow workers joining "
+                f"and leaving ({err!r}); workers that leave are handled as failures",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _hear(self, event: tuple[float, Any]) -> None:
         if isinstance(event[1], dict):  # on the client's event loop: a deque append is safe
