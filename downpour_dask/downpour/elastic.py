@@ -192,8 +192,6 @@ class Elastic:
     def leave(self, worker: str, status: str = "") -> None:
         """``worker`` is going: move its shards, stop its replicas (collected later), and
         release it once nothing of the fit is left on it."""
-        if status == "closing_gracefully":
-            self.retire_again.add(worker)  # Dask aborts a retirement of an actor's worker
         if worker in self.leaving:
             return
         self.leaving[worker] = time.monotonic() + COLLECT_WAIT
@@ -203,6 +201,8 @@ class Elastic:
             for shard, holder in enumerate(list(self.server.workers)):
                 if holder == worker:
                     self._migrate(shard, worker, staying)
+                    if status == "closing_gracefully":  # Dask aborted: an actor's worker
+                        self.retire_again.add(worker)
         for i, slot_worker in enumerate(self.tasks.workers):
             if slot_worker == worker and i not in self.tasks.results:
                 self.departing[i] = worker
