@@ -144,7 +144,8 @@ def test_an_added_replica_whose_worker_left_with_its_result_ends_without_a_resta
     assert retired["replica"] == 2 and retired["moved_to"] is None
     assert retired["steps"] == 6  # the pushes shard 0 counted of it
     assert 2 in run.tasks.results and "replica_restarted" not in _kinds(run)
-    assert run.tasks.summary([run.tasks.results[2]])["replica_steps"] == [6]  # summable
+    summary = run.tasks.summary([run.tasks.results[2]])
+    assert summary["replica_steps"] == [6] and summary["acknowledged_pushes"] == {"0": 6, "1": 6}
 
 
 def test_a_replica_whose_closing_worker_cancelled_its_task_is_read_from_the_worker():

@@ -260,11 +260,15 @@ class Elastic:
 
     def _lost_result(self, replica: int) -> dict[str, Any]:
         """What stands for the result of an added replica that left with its worker: the
-        steps it pushed, by shard 0's count (its pushes are on the shards; its newest push-log
-        rows are lost with the worker)."""
-        status = self.server.shard_status(0, self.timeout)
-        pushes = int(status["accepted_by_replica"].get(replica, 0))
-        return {"replica": replica, "partition": 0, "steps": pushes * self.n_push,
+        pushes each shard accepted of it (its newest push-log rows are lost with the worker)
+        and the steps they make."""
+        accepted = {
+            str(s): int(self.server.shard_status(s, self.timeout)["accepted_by_replica"].get(
+                replica, 0))
+            for s in range(len(self.server.ranges))
+        }  # fmt: skip
+        return {"replica": replica, "partition": 0, "steps": accepted["0"] * self.n_push,
+                "acknowledged": {s: {"shards' count": [n, 0]} for s, n in accepted.items()},
                 "retired": True, "result_lost": True}  # fmt: skip
 
     def _retire_replica(self, i: int, worker: str, result: dict[str, Any]) -> None:
