@@ -96,6 +96,23 @@ def test_workers_that_join_get_a_replica_each_up_to_max_replicas():
     assert run.added[-1] == (3, "w3", 3)
 
 
+def test_a_new_replica_is_started_only_once_the_fresh_worker_list_shows_its_worker():
+    """The supervisor reads a cached worker list: a replica on a worker it does not list yet
+    would look like one whose worker left and be started a second time."""
+    run = _elastic(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], max_replicas=3)
+    asked = []
+    listed = run.cluster.workers
+    run.cluster.workers = lambda fresh=True: asked.append(fresh) or listed(fresh)
+    run.cluster.heard.append({"action": "joined", "worker": "w2"})  # not listed yet
+    run.elastic.check()
+    assert run.added == [] and True in asked
+    run.cluster.alive.append("w2")
+    run.elastic.check()
+    assert run.added == [(2, "w2", 3)]
+    run.supervisor.check()
+    assert "replica_failed" not in _kinds(run)
+
+
 def test_without_max_replicas_a_joined_worker_gets_no_replica():
     run = _elastic(["w0", "w1"], ["w0", "w1"], ["w0", "w1"])
     _join(run, "w2")

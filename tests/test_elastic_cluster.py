@@ -139,6 +139,8 @@ def test_workers_that_join_mid_run_get_replicas_that_train(mnist):
         pushes = est.experiment_.pushes
         new = pushes[pushes["replica"] >= 2]
         assert len(new) > 0  # the added replicas trained
+        assert "replica_failed" not in set(est.experiment_.events["kind"])
+        assert not pushes.duplicated(["replica", "step"]).any()  # each replica ran once
         assert new["version"].min() > 0  # ... from the current parameters (a warm start)
         assert est.experiment_.config["replicas_added"] == added
         joined = est.experiment_.events.query("kind == 'replica_added'")["time"].min()

@@ -172,9 +172,16 @@ class Elastic:
     def _grow(self) -> None:
         if self.max_replicas is None or self.add_replica is None:
             return
+        if not self.joined or self.active() >= self.max_replicas:
+            return
         hosting = {self.tasks.workers[i] for i in range(len(self.tasks.slots))}
-        while self.joined and self.active() < self.max_replicas:
-            worker = self.joined.pop(0)
+        # Asked afresh (which also renews the list the supervisor reads): a replica on a worker
+        # missing from a stale list would look like one whose worker left, and be restarted.
+        alive = self.cluster.workers(fresh=True)
+        ready = [w for w in self.joined if w in alive]
+        self.joined = [w for w in self.joined if w not in alive]  # not listed yet: next time
+        while ready and self.active() < self.max_replicas:
+            worker = ready.pop(0)
             if worker in self.leaving or worker in hosting:
                 continue
             replica = 1 + max((r for r, _ in self.tasks.slots), default=-1)
@@ -187,6 +194,7 @@ class Elastic:
                 worker=worker,
                 rows=rows,
             )
+        self.joined = ready + self.joined  # those that wait for room
 
     # -- departures ------------------------------------------------------------------------------
     def leave(self, worker: str, status: str = "") -> None:
