@@ -18,7 +18,8 @@ step of the supervision loop:
   worker, steps, moved_to}``).  Then the worker is released; one whose retirement Dask aborted
   because it held a shard (Dask never moves actors) is retired again.  A worker that goes
   before this is done (killed, or its nanny's grace period ran out) is handled by the crash
-  path: :mod:`.supervisor` and :mod:`.shard_recovery`.
+  path: :mod:`.supervisor` and :mod:`.shard_recovery` -- as does a model-parallel replica, whose
+  partitions move together.
 
 It reaches the cluster through :mod:`.protocols` (and the membership calls of
 :class:`~.dask_cluster.DaskCluster`), so its decisions are unit-tested with fakes.
@@ -212,7 +213,8 @@ class Elastic:
                     if status == "closing_gracefully":  # Dask aborted: an actor's worker
                         self.retire_again.add(worker)
         for i, slot_worker in enumerate(self.tasks.workers):
-            if slot_worker == worker and i not in self.tasks.results:
+            # a split replica (model parallelism) moves as a whole: the supervisor's crash path
+            if slot_worker == worker and i not in self.tasks.results and self.tasks.plan is None:
                 self.departing[i] = worker
         if any(w == worker for w in self.departing.values()):
             self.cluster.stop_replicas_on(worker)

@@ -111,7 +111,8 @@ def run_loop(
     try:
         sink = WorkerSink(config.run, config.topic)
         loop = loop_class(channels, server.ranges, model, config, sink)
-        sink.stop_replica = lambda: setattr(loop, "stop", True)
+        if loop_class is ReplicaLoop:  # a split replica's partitions move as one: crash path
+            sink.stop_replica = lambda: setattr(loop, "stop", True)
         result = loop.run(source)
         if sink.retired:  # a closing worker cancels this task: the driver reads it from there
             result = {**result, "retired": True}
