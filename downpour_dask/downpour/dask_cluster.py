@@ -134,21 +134,26 @@ class DaskCluster:
 
     # -- membership (see .membership) -----------------------------------------------------------
     def watch_membership(self) -> None:
-        """Register the fit's scheduler and worker plugins and listen to their topic.  A
-        scheduler that refuses plugins (``distributed.scheduler.pickle`` off) leaves the fit
-        with the failure path only: a warning says so."""
+        """Listen to the fit's membership topic and register its worker and scheduler plugins.
+        A refused plugin leaves the fit with less, and a warning says what: without the worker
+        plugin (downpour-dask not importable on the workers, ``distributed.scheduler.pickle``
+        off) leaving workers are failures; without the scheduler plugin (downpour-dask not
+        importable on the scheduler) no replica is added and only closing workers, not
+        retirements Dask aborted, are heard of."""
         self._watching = True
-        try:
-            self.client.subscribe_topic(membership_topic(self.run), self._hear)
-            self.client.register_plugin(MembershipPlugin(self.run))
-            self.client.register_plugin(HoldForMigration(self.run))
-        except Exception as err:  # noqa: BLE001 - any refusal means the same
-            warnings.warn(
-                f"the Dask scheduler refused the plugins that let a fit follow workers joining "
-                f"and leaving ({err!r}); workers that leave are handled as failures",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        self.client.subscribe_topic(membership_topic(self.run), self._hear)
+        for plugin, without in (
+            (HoldForMigration(self.run), "workers that leave are handled as failures"),
+            (MembershipPlugin(self.run), "workers that join get no replica"),
+        ):
+            try:
+                self.client.register_plugin(plugin)
+            except Exception as err:  # noqa: BLE001 - any refusal means the same
+                warnings.warn(
+                    f"the Dask cluster refused {type(plugin).__name__} ({err!r}): {without}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def _hear(self, event: tuple[float, Any]) -> None:
         if isinstance(event[1], dict):  # on the client's event loop: a deque append is safe
