@@ -8,13 +8,19 @@ runs the same story on real local clusters (scale, retire_workers, adapt).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 from test_supervisor import FakeCluster, _events, _kinds, _run
 
+from downpour_dask.downpour import registry
+from downpour_dask.downpour.dask_cluster import DaskCluster
 from downpour_dask.downpour.elastic import Elastic, fair_share, remaining, sample_share
+from downpour_dask.downpour.membership import HoldForMigration, MembershipPlugin, membership_topic
 
 
 @dataclass
@@ -188,3 +194,73 @@ def test_a_migration_whose_fence_does_not_land_falls_back_to_the_crash_path():
     assert [e["shard"] for e in _events(run, "shard_lost")] == [1]
     [restored] = _events(run, "shard_restored")
     assert restored["fenced"] is False and restored["worker"] == "w2"
+
+
+# -- the Dask hooks, in-process ---------------------------------------------------------------
+
+
+class _Scheduler:
+    def __init__(self) -> None:
+        self.logged: list[tuple[str, dict]] = []
+
+    def log_event(self, topic: str, msg: dict) -> None:
+        self.logged.append((topic, msg))
+
+
+def test_the_scheduler_plugin_reports_a_retirement_as_it_starts_and_joins_and_departures():
+    scheduler = _Scheduler()
+    plugin = MembershipPlugin("run1")
+    asyncio.run(plugin.start(scheduler))
+    plugin.add_worker(scheduler, "w9")
+    # what Scheduler.retire_workers logs on the worker's own topic when it starts
+    plugin.log_event("w1", {"action": "worker-status-change", "status": "closing_gracefully"})
+    plugin.log_event("w1", {"action": "worker-status-change", "status": "running"})
+    plugin.log_event(plugin.topic, {"action": "leaving", "worker": "w1"})  # its own: ignored
+    plugin.remove_worker(scheduler, "w1")
+    assert [(t, m["action"], m["worker"]) for t, m in scheduler.logged] == [
+        (membership_topic("run1"), "joined", "w9"),
+        (membership_topic("run1"), "leaving", "w1"),
+        (membership_topic("run1"), "left", "w1"),
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_a_closing_worker_waits_for_the_driver_a_running_one_does_not():
+    worker = SimpleNamespace(
+        status=SimpleNamespace(name="closing"), address="w1", log_event=lambda t, m: None
+    )
+    plugin = HoldForMigration("run2", wait=3600.0)  # only the release can end the wait
+
+    async def close_and_release() -> None:
+        closing = asyncio.ensure_future(plugin.teardown(worker))
+        await asyncio.sleep(0.1)
+        assert not closing.done() and registry.is_leaving("run2")  # its replicas stop now
+        registry.release("run2")  # what the driver does once it moved the shards
+        await closing
+
+    try:
+        asyncio.run(close_and_release())
+        worker.status.name = "running"  # the plugin is unregistered at the end of the fit
+        registry.forget_run("run2")
+        asyncio.run(plugin.teardown(worker))
+        assert not registry.is_leaving("run2")
+    finally:
+        registry.forget_run("run2")
+
+
+def test_a_cluster_that_refuses_the_scheduler_plugin_keeps_the_worker_plugin_and_warns():
+    class RefusingClient:
+        registered: list = []
+
+        def subscribe_topic(self, topic: str, handler: Any) -> None:
+            self.topic = topic
+
+        def register_plugin(self, plugin: Any) -> None:
+            if isinstance(plugin, MembershipPlugin):
+                raise ModuleNotFoundError("No module named 'downpour_dask'")
+            self.registered.append(plugin)
+
+    client = RefusingClient()
+    with pytest.warns(RuntimeWarning, match="MembershipPlugin.*no replica"):
+        DaskCluster(client, "run3").watch_membership()
+    assert [type(p) for p in client.registered] == [HoldForMigration]
