@@ -3,7 +3,8 @@
 Read it top down: ``estimator`` (arguments, ``fit``) builds ``settings`` for the ``driver``, which
 places the data, starts the shards and the replicas' ``tasks`` and runs the ``supervision`` loop;
 the ``supervisor`` notices failures and restarts replicas or has ``shard_recovery`` bring a shard
-back; ``checkpoints`` keeps the shards' state.  The driver reaches Dask only through the
+back; ``elastic`` follows workers that join and leave (heard through ``membership``'s Dask
+plugins); ``checkpoints`` keeps the shards' state.  The driver reaches Dask only through the
 ``protocols`` that ``dask_cluster`` implements, so it is unit-tested with fakes.  On the workers,
 ``replica`` runs ``replica_loop`` (with ``pushes``' bookkeeping; ``clocked_loop`` for SSP/BSP,
 ``elastic_loop`` for EASGD; its settings in ``config``) over one
@@ -18,6 +19,9 @@ The events of a run (``experiment_.events``; each event's ``data`` in braces): `
 ``replica_restarted`` {replica, workers, step}, ``shard_lost`` {shard, worker, reason,
 generation}, ``shard_restored`` {shard, worker, source, version, lost_updates, generation,
 fenced, acknowledged}, ``shard_fenced`` {shard, generation, version, lost_updates},
+``replica_added`` {replica, worker, rows}, ``replica_retired`` {replica, worker, steps,
+moved_to}, ``shard_migrated`` {shard, from_worker, worker, version, generation, lost_updates}
+(:mod:`.elastic`),
 ``checkpoint`` {versions}, ``stop_requested`` {max_seconds}, ``stop`` {versions}; and the
 shards' own events ({shard, ...}): ``gradient_refused`` {replica, non_finite, reason},
 ``stop_refused`` ...

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any
@@ -25,7 +27,23 @@ from ..ps.calls import Done
 from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
-from .registry import acked_version, drain_rows, fetched_copy, forget_run, shard_variable
+from .membership import (
+    HoldForMigration,
+    MembershipPlugin,
+    finish_retirement,
+    membership_topic,
+    plugin_name,
+)
+from .registry import (
+    acked_version,
+    drain_rows,
+    fetched_copy,
+    forget_run,
+    mark_leaving,
+    release,
+    shard_variable,
+    take_returned,
+)
 
 #: Seconds a cached worker list may be old (asking costs a scheduler round trip).
 ALIVE_EVERY = 0.5
@@ -45,6 +63,8 @@ class DaskCluster:
         self._alive: list[str] = []
         self._alive_at = -math.inf
         self._skip: dict[str, float] = {}  # unresponsive worker -> until when it is skipped
+        self._heard: deque[dict[str, Any]] = deque()  # membership events not yet taken
+        self._watching = False
 
     def workers(self, fresh: bool = True) -> list[str]:
         now = time.monotonic()
@@ -112,8 +132,68 @@ class DaskCluster:
         self.variables[-1 - shard].set(generation)  # first: whoever sees the actor finds it
         self.variables[shard].set(future)  # replicas waiting for a replacement pick it up
 
+    # -- membership (see .membership) -----------------------------------------------------------
+    def watch_membership(self) -> None:
+        """Listen to the fit's membership topic and register its worker and scheduler plugins.
+        A refused plugin leaves the fit with less, and a warning says what: without the worker
+        plugin (downpour-dask not importable on the workers, ``distributed.scheduler.pickle``
+        off) leaving workers are failures; without the scheduler plugin (downpour-dask not
+        importable on the scheduler) no replica is added and only closing workers, not
+        retirements Dask aborted, are heard of."""
+        self._watching = True
+        self.client.subscribe_topic(membership_topic(self.run), self._hear)
+        for plugin, without in (
+            (HoldForMigration(self.run), "workers that leave are handled as failures"),
+            (MembershipPlugin(self.run), "workers that join get no replica"),
+        ):
+            try:
+                self.client.register_plugin(plugin)
+            except Exception as err:  # noqa: BLE001 - any refusal means the same
+                warnings.warn(
+                    f"the Dask cluster refused {type(plugin).__name__} ({err!r}): {without}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _hear(self, event: tuple[float, Any]) -> None:
+        if isinstance(event[1], dict):  # on the client's event loop: a deque append is safe
+            self._heard.append(event[1])
+
+    def membership(self) -> list[dict[str, Any]]:
+        """The membership events heard since the last call, in order."""
+        taken = []
+        while self._heard:
+            taken.append(self._heard.popleft())
+        return taken
+
+    def stop_replicas_on(self, worker: str) -> None:
+        """Have the replicas on leaving ``worker`` stop after their next push (a worker whose
+        retirement Dask aborted does not close, so its plugin's teardown does not say it)."""
+        self._run_each(mark_leaving, self.run, workers=[worker])
+
+    def returned(self, worker: str) -> list[dict[str, Any]]:
+        """Results of the replicas that stopped on leaving ``worker`` (each handed over once)."""
+        found = self._run_each(take_returned, self.run, workers=[worker]).get(worker)
+        return found if isinstance(found, list) else []
+
+    def release(self, worker: str) -> None:
+        """Let leaving ``worker`` close: the driver took what it needed off it."""
+        self._run_each(release, self.run, workers=[worker])
+
+    def retire(self, worker: str) -> None:
+        """Complete (without waiting) a retirement of ``worker`` that Dask aborted because it
+        held a shard, now that the shard moved (:func:`.membership.finish_retirement`)."""
+        self._run_each(finish_retirement, workers=[worker])
+
     def forget(self) -> None:
         """At the end of the fit: drop what workers keep for this run, and the variables."""
+        if self._watching:
+            with contextlib.suppress(Exception):
+                self.client.unsubscribe_topic(membership_topic(self.run))
+            with contextlib.suppress(Exception):
+                self.client.unregister_scheduler_plugin(plugin_name(self.run))
+            with contextlib.suppress(Exception):
+                self.client.unregister_worker_plugin(plugin_name(self.run))
         with contextlib.suppress(Exception):
             self._run_each(forget_run, self.run)
         for variable in self.variables.values():
@@ -137,6 +217,14 @@ class DaskServer:
         self.stopped = False
         #: The actors of replaced incarnations, by (shard, generation): to retire them.
         self.replaced: dict[tuple[int, int], Any] = {}
+        self.replaced_futures: dict[tuple[int, int], Future] = {}
+
+    def release_replaced(self, shard: int, generation: int) -> None:
+        """Let go of incarnation ``generation`` of ``shard`` (migrated: fenced with its final
+        state taken), so that its worker holds no actor of the run and Dask can retire it."""
+        future = self.replaced_futures.pop((shard, generation), None)
+        if future is not None:
+            future.release()
 
     @property
     def workers(self) -> list[str]:
@@ -194,7 +282,10 @@ class DaskServer:
         self, shard: int, values: np.ndarray, worker: str, state: dict[str, Any], timeout: float
     ) -> Future:
         restore = {**state, "stopped": self.stopped}
-        self.replaced[(shard, self.server.generations[shard])] = self.server.shards[shard]
+        generation = self.server.generations[shard]
+        self.replaced[(shard, generation)] = self.server.shards[shard]
+        if shard < len(self.server.futures):
+            self.replaced_futures[(shard, generation)] = self.server.futures[shard]
         return self.server.replace_shard(
             self.client, shard, values, self.rule, worker, restore, timeout
         )

@@ -13,6 +13,7 @@ name.  The decisions of the run are its collaborators': :mod:`.supervisor`,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import secrets
 import uuid
@@ -34,6 +35,7 @@ from ..runtime.cluster import cluster_workers
 from ..runtime.placement import place_replicas
 from .checkpoints import Checkpoints, initial_states, restore_args, steps_pushed
 from .dask_cluster import DaskCluster, DaskServer
+from .elastic import Elastic, fair_share, remaining, sample_share
 from .model_parallel import partition_workers
 from .publication import Publication
 from .replica import ReplicaConfig
@@ -132,7 +134,7 @@ class Driver:
             self.cluster, view, fit.model, self.token, fit.timeout, fit.plan,
             [*first_shards, fit.n_shards], arrays,
         )  # fmt: skip
-        publication = None
+        publication, elastic = None, None
         if self.publish is not None:
             info = self._live_info(recorder, placed.n_rows)
             publication = Publication(client, self.publish, info)
@@ -160,9 +162,16 @@ class Driver:
             supervisor = Supervisor(
                 self.cluster, view, tasks, recovery, recorder, fit.n_push, fit.timeout
             )
+            self.cluster.watch_membership()  # workers that join or leave (.membership)
+            grow = functools.partial(self._add_replica, tasks, view, placed, recorder.t0, seed)
+            elastic = Elastic(
+                self.cluster, view, tasks, recovery, recorder, fit.n_replicas, fit.max_replicas,
+                grow if fit.plan is None else None, checkpoints.before_write, fit.timeout,
+                fit.n_push,
+            )  # fmt: skip
             loop = SupervisionLoop(
                 self.cluster, view, tasks, supervisor, checkpoints, recorder,
-                self._limits(placed.n_rows), self._scorer(), self._reporter(publication),
+                self._limits(placed.n_rows), self._scorer(), self._reporter(publication), elastic,
             )  # fmt: skip
             if publication is not None:
                 publication.publish(server)
@@ -197,8 +206,11 @@ class Driver:
                 publication.unpublish()
             self.cluster.forget()
             server.close()
+            if elastic is not None:  # its workers' shards are let go of now
+                elastic.finish()
         config = {**fit.config, "n_rows": placed.n_rows, "workers": workers, "data": placed.info}
-        config.update(tasks.summary(results), replica_restarts=supervisor.restarts)
+        config.update(elastic.summary(tasks.summary(results)), max_replicas=fit.max_replicas)
+        config["replica_restarts"] = supervisor.restarts
         config["shard_incarnations"] = recovery.incarnations()
         self.experiment = recorder.experiment(config)
         evals = recorder.evals
@@ -289,6 +301,31 @@ class Driver:
             elastic_alpha=fit.elastic_alpha,
             centre_rate=fit.rule.learning_rate,
         )
+
+    def _add_replica(
+        self, tasks: ReplicaTasks, view: DaskServer, placed: Any, t0: float, seed: int,
+        replica: int, worker: str, n_active: int,
+    ) -> int:  # fmt: skip
+        """Start ``replica`` on ``worker`` (which joined): a fair share of the data among
+        ``n_active`` replicas, for what is left of the others' epochs or steps; its rows."""
+        fit = self.fit
+        status = view.shard_status(0, fit.timeout)
+        n_rows = placed.n_rows or 0
+        if isinstance(self.data, list):  # in memory: a sample of every replica's rows
+            X, y = sample_share(self.data, fair_share(n_rows, n_active), seed + replica)
+            self.data.append((X, y))
+            data, parts, rows = tuple(self.cluster.scatter([X, y], worker)), (), len(X)
+        else:  # streamed: the files of an original replica, read again
+            place = placed.replicas[replica % fit.n_replicas]
+            data, parts, rows = place.data, place.parts, place.rows
+        done_steps = int(status["accepted"]) * fit.n_push / max(1, n_active - 1)
+        config = dataclasses.replace(
+            self._replica_config(replica, 0, t0, seed, 0, 0),
+            max_epochs=remaining(fit.max_epochs, int(status["examples"]) / max(1, n_rows)),
+            max_steps=remaining(fit.max_steps, done_steps),
+        )
+        tasks.start_replica(replica, [worker], data, parts, [config])
+        return rows
 
     def _limits(self, n_rows: int | None) -> Limits:
         fit = self.fit

@@ -131,6 +131,8 @@ class DownpourSGD(ParamServerEstimator):
         Asynchronous EASGD instead of Downpour: replicas train their own variables and every
         ``n_push`` steps (tau) exchange ``elastic_alpha * (x_i - centre)`` with the centre on
         the shards (:mod:`~.downpour.elastic_loop`); needs ``optimizer="sgd"``.
+    max_replicas : int, optional
+        Start replicas on workers that join while the fit runs, up to this many (>= n_replicas).
 
     Attributes
     ----------
@@ -191,6 +193,7 @@ class DownpourSGD(ParamServerEstimator):
         staleness_bound: int | None = None,
         top_k: float | None = None,
         elastic_alpha: float | None = None,
+        max_replicas: int | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -219,6 +222,7 @@ class DownpourSGD(ParamServerEstimator):
         self.max_grad_norm = max_grad_norm
         self.consistency, self.staleness_bound = consistency, staleness_bound
         self.top_k, self.elastic_alpha = top_k, elastic_alpha
+        self.max_replicas = max_replicas
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
@@ -250,6 +254,7 @@ class DownpourSGD(ParamServerEstimator):
         check_positive("eval_every", self.eval_every)
         check_positive("timeout", self.timeout)
         check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
+        check_int("max_replicas", self.max_replicas, self.n_replicas, allow_none=True)
         check_security(self.security)
         self._consistency()
         compression.check_fraction(self.top_k, self.partitions)

@@ -83,6 +83,51 @@ def fetched_copy(run: str, shard: int, key: str) -> tuple[int, np.ndarray] | Non
         return _FETCHED.get((run, shard, key))
 
 
+#: Runs this worker process is leaving (it is closing: see ``membership.HoldForMigration``),
+#: and those whose driver released it (took what it needed off this worker).
+_LEAVING: set[str] = set()
+_RELEASED: set[str] = set()
+
+
+def mark_leaving(run: str) -> None:
+    """Note that this worker is leaving ``run``: its replicas stop after their next push."""
+    with _FETCHED_LOCK:
+        _LEAVING.add(run)
+
+
+def is_leaving(run: str) -> bool:
+    """Whether this worker is leaving ``run`` (its replicas check after every push)."""
+    return run in _LEAVING
+
+
+def release(run: str) -> None:
+    """The driver of ``run`` took what it needed off this worker (run with ``client.run``)."""
+    with _FETCHED_LOCK:
+        _RELEASED.add(run)
+
+
+def is_released(run: str) -> bool:
+    """Whether the driver of ``run`` released this leaving worker."""
+    return run in _RELEASED
+
+
+#: Results of replicas of this process that stopped because it is leaving, per run: a closing
+#: worker cancels its tasks, so their results reach the driver only through here.
+_RETURNED: dict[str, list[dict]] = {}
+
+
+def keep_returned(run: str, result: dict) -> None:
+    """Keep the result of a replica of ``run`` that stopped because this worker is leaving."""
+    with _FETCHED_LOCK:
+        _RETURNED.setdefault(run, []).append(result)
+
+
+def take_returned(run: str) -> list[dict]:
+    """Hand over (and forget) the results :func:`keep_returned` kept (``client.run``)."""
+    with _FETCHED_LOCK:
+        return _RETURNED.pop(run, [])
+
+
 def forget_run(run: str) -> None:
     """Drop this process's fetched copies of ``run`` (at the end of a fit)."""
     with _FETCHED_LOCK:
@@ -91,3 +136,6 @@ def forget_run(run: str) -> None:
         for k in [k for k in _ACKED if k[0] == run]:
             del _ACKED[k]
         _ROWS.pop(run, None)
+        _LEAVING.discard(run)
+        _RELEASED.discard(run)
+        _RETURNED.pop(run, None)

@@ -26,7 +26,14 @@ from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
 from .clocked_loop import ClockedReplicaLoop
 from .elastic_loop import ElasticReplicaLoop
-from .registry import keep_acked, keep_row, remember_fetched, shard_variable
+from .registry import (
+    is_leaving,
+    keep_acked,
+    keep_returned,
+    keep_row,
+    remember_fetched,
+    shard_variable,
+)
 from .replica_loop import ReplicaConfig, ReplicaLoop, gradient_scale
 
 __all__ = ["ReplicaConfig", "WorkerSink", "gradient_scale", "run_loop", "run_replica"]
@@ -49,10 +56,16 @@ class WorkerSink:
     def __init__(self, run: str, topic: str = ""):
         self.run, self.topic = run, topic
         self.last_metrics = -math.inf
+        #: Set by :func:`run_loop`: stops the replica after this push when its worker leaves.
+        self.stop_replica: Any = None
+        self.retired = False  # whether it stopped because its worker is leaving
 
     def keep_row(self, row: PushRow) -> None:
         if self.run:
             keep_row(self.run, row)
+            if self.stop_replica is not None and is_leaving(self.run):
+                self.retired = True  # finish this step, push what is accrued, hand back
+                self.stop_replica()
         if self.topic and row.time - self.last_metrics >= self.METRICS_EVERY:
             self._log_metrics(row)
 
@@ -99,7 +112,14 @@ def run_loop(
     )
     try:
         sink = WorkerSink(config.run, config.topic)
-        return loop_class(channels, server.ranges, model, config, sink).run(source)
+        loop = loop_class(channels, server.ranges, model, config, sink)
+        if loop_class is ReplicaLoop:  # a split replica's partitions move as one: crash path
+            sink.stop_replica = lambda: setattr(loop, "stop", True)
+        result = loop.run(source)
+        if sink.retired:  # a closing worker cancels this task: the driver reads it from there
+            result = {**result, "retired": True}
+            keep_returned(config.run, result)
+        return result
     finally:
         for channel in channels:
             channel.close()

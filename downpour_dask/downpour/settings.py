@@ -52,6 +52,7 @@ class FitSettings:
     consistency: Consistency = ASYNC  # async, SSP or BSP (core/consistency.py)
     top_k: float | None = None  # share of each shard's coordinates a push sends
     elastic_alpha: float | None = None  # EASGD's moving rate alpha (None: not EASGD)
+    max_replicas: int | None = None  # replicas may be added on workers that join, up to this
 
     @property
     def partitions(self) -> int:

@@ -107,9 +107,15 @@ class ShardRecovery:
         for i in lost:
             self.recover(i, f"{error}", alive)
 
-    def recover(self, shard: int, reason: str, alive: list[str]) -> None:
+    def recover(self, shard: int, reason: str, alive: list[str], leaving: bool = False) -> None:
         """Fence ``shard``'s current incarnation and start its next one on a worker of
         ``alive`` other than its own, from the freshest state available.
+
+        ``leaving``: its worker is retiring and still serves (a graceful migration, see
+        :mod:`.elastic`); the fence then has the run's ``timeout`` to land and, when it does,
+        the one event is ``shard_migrated`` ``{shard, from_worker, worker, version, generation,
+        lost_updates}`` (0: the new incarnation starts from the retired one's final state).
+        A fence that does not land falls back to the crash path's events below.
 
         Events: ``shard_lost`` ``{shard, worker, reason, generation}``, then ``shard_restored``
         ``{shard, worker, source, version, lost_updates, generation, fenced, acknowledged}``:
@@ -120,19 +126,18 @@ class ShardRecovery:
         """
         lost_worker, lost_key = self.server.workers[shard], self.server.shard_key(shard)
         generation = self.server.generation(shard)
-        self.recorder.event(
-            "shard_lost",
-            f"shard {shard} generation {generation} on {lost_worker}: {reason}",
-            shard=shard,
-            worker=lost_worker,
-            reason=reason,
-            generation=generation,
-        )
+        lost = {"shard": shard, "worker": lost_worker, "reason": reason, "generation": generation}
+        what = f"shard {shard} generation {generation} on {lost_worker}: {reason}"
+        if not leaving:
+            self.recorder.event("shard_lost", what, **lost)
         survivors = [w for w in alive if w != lost_worker]
         if not survivors:
             raise RuntimeError(f"shard {shard} was lost and no worker survives to hold it")
         fence = self.server.start_retire(shard, generation)
-        final = _outcome(fence, FENCE_WAIT)
+        final = _outcome(fence, min(self.timeout, PROBE_TIMEOUT) if leaving else FENCE_WAIT)
+        if leaving and final is None:  # the migration failed: the crash path from here
+            self.recorder.event("shard_lost", what, **lost)
+            leaving = False
         if final is not None:
             state, source, where = final["state"], "retired_shard", "its retired incarnation"
             acknowledged = int(final["version"])
@@ -159,6 +164,19 @@ class ShardRecovery:
         if self.on_replaced is not None:
             self.on_replaced()
         self.checkpoints.replaced(shard, {**restore, "values": np.array(state["values"])})
+        if leaving:
+            self.recorder.event(
+                "shard_migrated",
+                f"shard {shard} generation {generation + 1} moved from {lost_worker} to {worker} "
+                f"at version {version}; {lost_updates} updates lost ({reason})",
+                shard=shard,
+                from_worker=lost_worker,
+                worker=worker,
+                version=version,
+                generation=generation + 1,
+                lost_updates=lost_updates,
+            )
+            return
         fenced = "fenced" if final is not None else "not reachable yet: refused by generation"
         self.recorder.event(
             "shard_restored",

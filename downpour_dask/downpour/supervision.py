@@ -22,6 +22,7 @@ from ..base import RunRecorder
 from ..log import Progress
 from ..ps.protocol import SHARD_ERRORS
 from .checkpoints import Checkpoints
+from .elastic import Elastic
 from .protocols import Cluster, Server
 from .supervisor import Supervisor
 from .tasks import ReplicaTasks
@@ -69,6 +70,8 @@ class SupervisionLoop:
         evaluations.
     report : callable, optional
         Receives a :class:`Progress` snapshot every :attr:`REPORT_EVERY` seconds.
+    elastic : Elastic, optional
+        Follows workers that join and leave (:mod:`.elastic`); None: the workers of the start.
     """
 
     #: Seconds between progress reports.
@@ -87,10 +90,12 @@ class SupervisionLoop:
         limits: Limits,
         score: Callable[[np.ndarray], dict[str, float]] | None = None,
         report: Callable[[Progress], None] | None = None,
+        elastic: Elastic | None = None,
     ):
         self.cluster, self.server, self.tasks = cluster, server, tasks
         self.supervisor, self.checkpoints, self.recorder = supervisor, checkpoints, recorder
         self.limits, self.score, self.report_to = limits, score, report
+        self.elastic = elastic
         self.phase = "training"
         self.stop_sent = False
         self.last_report = -math.inf
@@ -133,8 +138,10 @@ class SupervisionLoop:
         limits = self.limits
         while True:
             self.cluster.wait(self.tasks.tasks, timeout=self.until_next_tick())
+            if self.elastic is not None:  # workers that joined or are leaving (first: an added
+                self.elastic.check()  # replica that left with its worker ends, not restarted)
             self.supervisor.check()  # restarts replicas and shards lost with their workers
-            if self.tasks.all_gathered():
+            if self.tasks.all_gathered() and (self.elastic is None or self.elastic.settled()):
                 return
             try:
                 self.tick()

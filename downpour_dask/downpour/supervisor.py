@@ -86,7 +86,7 @@ class Supervisor:
                 reason = f"worker {worker} left the cluster"
                 self.recovery.recover(shard, reason, self.cluster.workers())
         for i, task in enumerate(tasks.tasks):
-            if i in tasks.results:
+            if i in tasks.results or i in tasks.leaving:  # leaving ones: see .elastic
                 continue
             reason = self._trouble(i, task, alive)
             if reason is None:

@@ -71,6 +71,7 @@ class ReplicaTasks:
         self.configs: list[ReplicaConfig] = []
         self.tasks: list[Task] = []
         self.results: dict[int, dict[str, Any]] = {}  # gathered as each slot finishes
+        self.leaving: dict[int, str] = {}  # slots on a leaving worker (.elastic collects them)
         # per model-parallel replica: its partitions' mailbox actors, and where they are
         self.mailboxes: dict[int, list[Task]] = {}
         self.mailbox_workers: dict[int, list[str]] = {}

@@ -101,10 +101,13 @@ def generation_variable(replacements: str) -> str:
 
 def is_fenced(error: BaseException) -> bool:
     """Whether ``error`` says the shard answering was retired: a :class:`FencedError`, or the
-    text of one carried over a direct connection (``WireError("FencedError: fenced: ...")``)."""
+    text of one carried over a direct connection (``WireError("FencedError: fenced: ...")``, or
+    the service's ``"this parameter-server shard was retired"``)."""
     if isinstance(error, FencedError):
         return True
-    return isinstance(error, RuntimeError) and f"FencedError: {FencedError.PREFIX}" in str(error)
+    text = str(error) if isinstance(error, RuntimeError) else ""
+    # the direct-connection service's refusal once its shard left it (``ps/service.py``)
+    return f"FencedError: {FencedError.PREFIX}" in text or "shard was retired" in text
 
 
 def is_shard_lost(error: BaseException) -> bool:

@@ -1,0 +1,169 @@
+"""A fit that follows a real local cluster: workers added by ``cluster.scale``, a shard's worker
+retired with ``client.retire_workers``, ``cluster.adapt``.  Each test starts its own cluster of
+worker processes (with nannies) and closes it: all are slow.  ``tests/test_elastic.py`` pins the
+same decisions in-process, with fakes.
+
+Where things run (``Driver``): replica r starts on worker r and shard i on worker i (sorted
+addresses, round robin), so with three workers worker 1 holds shard 1 and replica 1.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from distributed import Client, LocalCluster
+
+from downpour_dask import DownpourSGD, datasets, models
+from downpour_dask.runtime.cluster import cluster_workers
+
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return datasets.load("mnist5k")
+
+
+def _cluster(n: int) -> LocalCluster:
+    return LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0")
+
+
+def _estimator(**kw) -> DownpourSGD:
+    settings = dict(
+        n_replicas=2, n_shards=2, batch_size=32, warmstart_steps=20, random_state=0,
+        eval_every=0.25, timeout=TIMEOUT,
+    )  # fmt: skip
+    settings.update(kw)
+    return DownpourSGD(models.MLP(784, (64,), 10), **settings)
+
+
+def _data(est: DownpourSGD, kind: str) -> list[dict]:
+    events = est.experiment_.events
+    return list(events.loc[events["kind"] == kind, "data"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_retiring_a_shards_worker_migrates_the_shard_with_no_lost_update(mnist):
+    train, test = mnist
+    with _cluster(3) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=TIMEOUT)
+        workers = sorted(cluster_workers(client))
+        asked: list[int] = []
+
+        def retire_at_50_pushes(progress) -> None:
+            if not asked and progress.pushes >= 50:  # not from the driver's own thread
+                asked.append(progress.pushes)
+                threading.Thread(target=client.retire_workers, args=([workers[1]],)).start()
+
+        est = _estimator(n_replicas=3, max_epochs=15).fit(
+            train, eval_data=test, client=client, callback=retire_at_50_pushes
+        )
+        assert asked
+        kinds = list(est.experiment_.events["kind"])
+        print(f"retirement asked at {asked[0]} pushes; events {kinds}")
+        [migrated] = _data(est, "shard_migrated")
+        assert migrated["shard"] == 1 and migrated["from_worker"] == workers[1]
+        assert migrated["worker"] != workers[1] and migrated["lost_updates"] == 0
+        assert "shard_lost" not in set(est.experiment_.events["kind"])
+        [old] = est.experiment_.config["shard_incarnations"]
+        assert old["fenced"] and old["restored_from"] == old["acknowledged"]  # exact: 0 lost
+        status = est.server_status_
+        assert list(status["lost_updates"]) == [0, 0]
+        acked = est.experiment_.config["acknowledged_pushes"]
+        for shard in (0, 1):  # every push a replica saw acknowledged is in the final state
+            assert acked[str(shard)] <= status["version"].iloc[shard]
+        rows = train.n_rows // 3
+        assert set(est.experiment_.config["replica_steps"]) <= {
+            15 * -(-(rows + extra) // 32) for extra in (0, 1)
+        }  # every replica trained all its steps, replica 1 wherever it went
+        assert est.experiment_.events["kind"].iloc[-1] == "stop"
+        deadline = time.monotonic() + 30  # the retirement Dask aborted for the shard completes
+        while workers[1] in cluster_workers(client) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers[1] not in cluster_workers(client)
+        print(f"migrated: {migrated}; retired replicas: {_data(est, 'replica_retired')}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_scaling_down_closes_a_shards_worker_only_after_its_shard_and_replica_moved(mnist):
+    """``cluster.scale`` down closes a worker through its nanny, which cancels its tasks: the
+    worker plugin holds it while the shard migrates and the replica's result is read back."""
+    train, test = mnist
+    with _cluster(3) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=TIMEOUT)
+        asked: list[int] = []
+
+        def scale_down_at_50_pushes(progress) -> None:
+            if not asked and progress.pushes >= 50:
+                asked.append(progress.pushes)
+                cluster.scale(2)  # returns at once: every worker holds a shard and a replica
+
+        est = _estimator(n_replicas=3, n_shards=3, max_epochs=15).fit(
+            train, eval_data=test, client=client, callback=scale_down_at_50_pushes
+        )
+        kinds = list(est.experiment_.events["kind"])
+        print(f"scaled down at {asked[0]} pushes; events {kinds}")
+        [migrated] = _data(est, "shard_migrated")
+        assert migrated["lost_updates"] == 0 and list(est.server_status_["lost_updates"]) == [0] * 3
+        assert "shard_lost" not in kinds and "replica_failed" not in kinds
+        [retired] = _data(est, "replica_retired")  # it had work left: it continues elsewhere
+        assert retired["worker"] == migrated["from_worker"] and retired["moved_to"] is not None
+        assert kinds[-1] == "stop" and len(cluster_workers(client)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_workers_that_join_mid_run_get_replicas_that_train(mnist):
+    train, test = mnist
+    with _cluster(2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=TIMEOUT)
+        scaled: list[float] = []
+
+        def scale_up(progress) -> None:
+            if not scaled:
+                scaled.append(progress.time)
+                cluster.scale(4)  # returns at once; the workers join seconds later
+
+        est = _estimator(max_replicas=4, max_epochs=None, max_seconds=12).fit(
+            train, eval_data=test, client=client, callback=scale_up
+        )
+        start = _data(est, "start")[0]
+        assert start["n_replicas"] == 2 and start["n_workers"] == 2
+        added = _data(est, "replica_added")
+        assert added and {a["replica"] for a in added} <= {2, 3}
+        assert all(a["rows"] > 0 for a in added)
+        pushes = est.experiment_.pushes
+        new = pushes[pushes["replica"] >= 2]
+        assert len(new) > 0  # the added replicas trained
+        assert "replica_failed" not in set(est.experiment_.events["kind"])
+        assert not pushes.duplicated(["replica", "step"]).any()  # each replica ran once
+        assert new["version"].min() > 0  # ... from the current parameters (a warm start)
+        assert est.experiment_.config["replicas_added"] == added
+        joined = est.experiment_.events.query("kind == 'replica_added'")["time"].min()
+        before, after = pushes[pushes["time"] < joined], pushes[pushes["time"] >= joined]
+        rate = [
+            part["examples"].sum() / max(1e-9, part["time"].max() - part["time"].min())
+            for part in (before, after)
+        ]
+        print(f"added {added}; examples/s before the join {rate[0]:.0f}, after {rate[1]:.0f}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_fit_on_an_adaptive_cluster_finishes(mnist):
+    train, test = mnist
+    with _cluster(2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=TIMEOUT)
+        cluster.adapt(minimum=2, maximum=4, interval="200ms", wait_count=2)
+        est = _estimator(max_replicas=4, max_epochs=None, max_seconds=4).fit(
+            train, eval_data=test, client=client
+        )
+        kinds = list(est.experiment_.events["kind"])
+        assert kinds[-1] == "stop" and "replica_failed" not in kinds
+        assert list(est.server_status_["lost_updates"]) == [0, 0]
+        assert est.score(test) > 0.8
+        print(f"events: {kinds}")
