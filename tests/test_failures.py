@@ -266,7 +266,7 @@ def test_a_cli_run_killed_after_a_checkpoint_resumes_and_finishes(tmp_path):
     out = tmp_path / "runs"
     command = [sys.executable, "-m", "downpour_dask", "train", "--quiet"]
     settings = ["--dataset", "digits", "--model", "mlp:32", "--n-replicas", "2", "--out", str(out)]
-    settings += ["--name", "job", "--max-epochs", "none", "--max-seconds", "10"]
+    settings += ["--name", "job", "--max-epochs", "none", "--max-seconds", "6"]
     settings += ["--checkpoint-every", "0.5", "--seed", "1"]
     partial = out / ".job.partial"
     # its own session: SIGKILL takes the driver and its embedded cluster down together
@@ -311,7 +311,7 @@ def test_a_cli_run_killed_after_a_checkpoint_resumes_and_finishes(tmp_path):
     assert all(f > b for f, b in zip(final, before.versions))  # the version counters continued
     assert events["time"].is_monotonic_increasing and run.evals["time"].is_monotonic_increasing
     assert len(run.evals) > len(before.meta["evals"]) > 0  # one experiment: old rows kept
-    assert run.evals["time"].iloc[-1] >= 9.0  # the time axis continued to max_seconds
+    assert run.evals["time"].iloc[-1] >= 5.0  # the time axis continued to max_seconds
     assert run.pushes["time"].min() < before.elapsed < run.pushes["time"].max()
     assert len(run.pushes) >= len(before.meta["pushes"]) > 0  # pushes before the kill are kept
     assert run.evals["accuracy"].iloc[-1] >= 0.85
