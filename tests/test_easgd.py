@@ -1,4 +1,4 @@
-"""Asynchronous EASGD (downpour/elastic_loop.py): one replica matches the serial elastic rule,
+"""Asynchronous EASGD (downpour/easgd_loop.py): one replica matches the serial elastic rule,
 bad combinations are refused, and a fit on a real cluster trains the centre."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from test_replica import INITIAL, LR, MODEL, Batches, FakeChannel, Sink, config, data, shards_for
 
 from downpour_dask import DownpourSGD
-from downpour_dask.downpour.elastic_loop import ElasticReplicaLoop
+from downpour_dask.downpour.easgd_loop import ElasticReplicaLoop
 
 ALPHA = 0.3
 

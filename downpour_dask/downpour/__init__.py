@@ -7,7 +7,7 @@ back; ``elastic`` follows workers that join and leave (heard through ``membershi
 plugins); ``checkpoints`` keeps the shards' state.  The driver reaches Dask only through the
 ``protocols`` that ``dask_cluster`` implements, so it is unit-tested with fakes.  On the workers,
 ``replica`` runs ``replica_loop`` (with ``pushes``' bookkeeping; ``clocked_loop`` for SSP/BSP,
-``elastic_loop`` for EASGD; its settings in ``config``) over one
+``easgd_loop`` for EASGD; its settings in ``config``) over one
 :class:`~downpour_dask.ps.protocol.ShardChannel` per shard, and leaves what must outlive it in
 ``registry``; ``model_parallel`` runs a replica split into partitions.  Sparse models (tables
 of which a batch touches few rows): ``sparse_fit`` starts table shards and replica tasks running

@@ -30,6 +30,6 @@ class ReplicaConfig:
     wire_secret: bytes = field(default=b"", repr=False)  # the run's, for ps/service.py
     staleness_bound: int | None = None  # SSP's s (0: BSP); None: asynchronous (clocked_loop.py)
     n_replicas: int = 1  # replicas whose clocks an SSP/BSP replica waits on
-    elastic_alpha: float | None = None  # EASGD's moving rate (elastic_loop.py); None: not EASGD
+    elastic_alpha: float | None = None  # EASGD's moving rate (easgd_loop.py); None: not EASGD
     centre_rate: float = 1.0  # the shards' SGD rate, which an EASGD push is divided by
     top_k: float | None = None  # share of each shard's coordinates a push sends (compression.py)

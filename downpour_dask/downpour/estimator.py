@@ -27,7 +27,7 @@ from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from .checkpoints import read_resumable
 from .driver import Driver
-from .elastic_loop import check_elastic
+from .easgd_loop import check_elastic
 from .settings import FitSettings, from_arguments, replica_subsets
 
 #: Values of ``DownpourSGD(transport=...)``.
@@ -130,7 +130,7 @@ class DownpourSGD(ParamServerEstimator):
     elastic_alpha : float, optional
         Asynchronous EASGD instead of Downpour: replicas train their own variables and every
         ``n_push`` steps (tau) exchange ``elastic_alpha * (x_i - centre)`` with the centre on
-        the shards (:mod:`~.downpour.elastic_loop`); needs ``optimizer="sgd"``.
+        the shards (:mod:`~.downpour.easgd_loop`); needs ``optimizer="sgd"``.
     max_replicas : int, optional
         Start replicas on workers that join while the fit runs, up to this many (>= n_replicas).
 

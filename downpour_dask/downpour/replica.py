@@ -25,7 +25,7 @@ from ..ps.channel import open_channels
 from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
 from .clocked_loop import ClockedReplicaLoop
-from .elastic_loop import ElasticReplicaLoop
+from .easgd_loop import ElasticReplicaLoop
 from .registry import (
     is_leaving,
     keep_acked,
@@ -144,6 +144,6 @@ def run_replica(
     loop: type[ReplicaLoop] = ReplicaLoop
     if config.staleness_bound is not None:  # SSP or BSP: see clocked_loop.py
         loop = ClockedReplicaLoop
-    elif config.elastic_alpha is not None:  # EASGD: see elastic_loop.py
+    elif config.elastic_alpha is not None:  # EASGD: see easgd_loop.py
         loop = ElasticReplicaLoop
     return run_loop(server, model, config, source, loop)
