@@ -35,6 +35,7 @@ from ..runtime.cluster import cluster_workers
 from ..runtime.placement import place_replicas
 from .checkpoints import Checkpoints, initial_states, restore_args, steps_pushed
 from .dask_cluster import DaskCluster, DaskServer
+from .divergence import check_finite
 from .elastic import Elastic, fair_share, remaining, sample_share
 from .model_parallel import partition_workers
 from .publication import Publication
@@ -44,23 +45,6 @@ from .shard_recovery import ShardRecovery
 from .supervision import Limits, SupervisionLoop, take_rows
 from .supervisor import Supervisor
 from .tasks import ReplicaTasks
-
-
-def check_finite(params: np.ndarray | None, final_loss: float | None = None) -> None:
-    """Raise FloatingPointError if the fit diverged: its final parameters are not all finite
-    (the shards refuse updates that would make them so, but a resumed or user-made state may
-    be), or the final evaluation's loss is not finite (parameters so large that the model's
-    outputs overflow).  Such a model cannot predict, and must not pass as trained."""
-    if params is not None and not np.isfinite(params).all():
-        bad = int(np.count_nonzero(~np.isfinite(params)))
-        what = f"{bad} non-finite parameters (NaN or inf) of {params.size}"
-    elif final_loss is not None and not np.isfinite(final_loss):
-        what = f"a non-finite loss ({final_loss}) on eval_data"
-    else:
-        return
-    raise FloatingPointError(
-        f"the fit diverged: it ended with {what}; lower learning_rate, or set max_grad_norm"
-    )
 
 
 class Driver:
