@@ -143,6 +143,9 @@ def test_workers_that_join_mid_run_get_replicas_that_train(mnist):
         assert not pushes.duplicated(["replica", "step"]).any()  # each replica ran once
         assert new["version"].min() > 0  # ... from the current parameters (a warm start)
         assert est.experiment_.config["replicas_added"] == added
+        shares = est.experiment_.config["rows_per_epoch"]  # re-split: a row read once an epoch
+        assert sum(shares.values()) == est.experiment_.config["n_rows"]
+        assert set(shares) >= {"0", "1", "2"}
         joined = est.experiment_.events.query("kind == 'replica_added'")["time"].min()
         before, after = pushes[pushes["time"] < joined], pushes[pushes["time"] >= joined]
         rate = [
