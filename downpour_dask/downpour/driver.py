@@ -40,6 +40,7 @@ from .elastic import Elastic, remaining
 from .model_parallel import partition_workers
 from .publication import Publication
 from .replica import ReplicaConfig
+from .replica_count import replica_limit
 from .settings import FitSettings
 from .shard_recovery import ShardRecovery
 from .shares import DataShares, shareable
@@ -154,7 +155,7 @@ class Driver:
                 self._add_replica, tasks, view, shares, placed, recorder.t0, seed
             )
             elastic = Elastic(
-                self.cluster, view, tasks, recovery, recorder, fit.n_replicas, fit.max_replicas,
+                self.cluster, view, tasks, recovery, recorder, fit.n_replicas, replica_limit(fit),
                 grow if fit.plan is None and shares.data else None, checkpoints.before_write,
                 fit.timeout, fit.n_push,
             )  # fmt: skip

@@ -74,8 +74,9 @@ class Elastic:
         Receives the events.
     n_replicas : int
         The replicas the fit started with: they keep training wherever their worker goes.
-    max_replicas : int, optional
-        Upper bound on replicas training at once; None: no replica is added.
+    max_replicas : int or float, optional
+        Upper bound on replicas training at once (``inf``: a replica on every worker that
+        joins); None: no replica is added.
     add_replica : callable, optional
         ``add_replica(replica, worker, n_active)`` starts replica ``replica`` on ``worker`` with
         a fair share of the data among ``n_active`` replicas and returns its rows, or None
@@ -96,7 +97,7 @@ class Elastic:
         recovery: ShardRecovery,
         recorder: RunRecorder,
         n_replicas: int,
-        max_replicas: int | None = None,
+        max_replicas: float | None = None,
         add_replica: Callable[[int, str, int], int | None] | None = None,
         collect: Callable[[], None] | None = None,
         timeout: float = 60.0,
