@@ -12,21 +12,20 @@ from downpour_dask.downpour.replica_count import check_replicas, resolve
 
 
 @pytest.mark.parametrize(
-    ("n", "most", "message"),
+    ("n", "most", "error", "message"),
     [
-        (0, None, "n_replicas must be an integer >= 1 or 'auto'"),
-        ("many", None, "n_replicas must be an integer >= 1 or 'auto'"),
-        (True, None, "n_replicas must be an integer >= 1 or 'auto'"),
-        (2.0, None, "n_replicas must be an integer >= 1 or 'auto'"),
-        (4, 3, "max_replicas must be None or an integer >= 4 (n_replicas=4), got 3"),
-        ("auto", 0, "max_replicas must be None or an integer >= 1 (n_replicas='auto'), got 0"),
-        ("auto", "all", "max_replicas must be None or an integer >= 1"),
+        (0, None, ValueError, "n_replicas must be >= 1, got 0"),
+        ("many", None, ValueError, "n_replicas must be an integer >= 1 or 'auto'"),
+        (True, None, TypeError, "n_replicas must be an int, got True"),
+        (4, 3, ValueError, "max_replicas must be >= 4, got 3"),
+        ("auto", 0, ValueError, "max_replicas must be >= 1, got 0"),
+        ("auto", "all", TypeError, "max_replicas must be an int or None, got 'all'"),
     ],
 )
-def test_bad_replica_counts_are_refused_with_what_is_allowed(n, most, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+def test_bad_replica_counts_are_refused_with_what_is_allowed(n, most, error, message):
+    with pytest.raises(error, match=message):
         check_replicas(n, most)
-    with pytest.raises(ValueError, match="n_replicas|max_replicas"):  # before any cluster work
+    with pytest.raises(error, match=message):  # by the estimator, before any cluster work
         DownpourSGD(models.SoftmaxRegression(4, 3), n_replicas=n, max_replicas=most).fit(
             [[0.0] * 4] * 8, [0, 1, 2, 0] * 2, client=object()
         )
@@ -44,7 +43,11 @@ def test_auto_is_one_replica_per_worker_up_to_max_replicas():
 def test_a_fit_with_auto_replicas_starts_one_replica_per_worker(client):
     train, _ = datasets.load("digits")
     est = DownpourSGD(
-        models.SoftmaxRegression(64, 10), n_replicas="auto", n_shards=1, max_epochs=1, random_state=0
+        models.SoftmaxRegression(64, 10),
+        n_replicas="auto",
+        n_shards=1,
+        max_epochs=1,
+        random_state=0,
     ).fit(train, client=client)
     start = est.experiment_.events.query("kind == 'start'")["data"].iloc[0]
     assert start["n_replicas"] == 2 == start["n_workers"]

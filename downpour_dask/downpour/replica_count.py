@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..base import check_int
 from ..runtime.cluster import cluster_workers
 from .settings import FitSettings
 
@@ -19,23 +20,19 @@ AUTO = "auto"
 
 
 def check_replicas(n_replicas: Any, max_replicas: Any) -> None:
-    """Raise ValueError unless ``n_replicas`` is an int >= 1 or ``"auto"`` and ``max_replicas``
-    None or an int >= ``n_replicas`` (>= 1 with ``"auto"``)."""
-
-    def count(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    if not (n_replicas == AUTO or (count(n_replicas) and n_replicas >= 1)):
+    """Raise unless ``n_replicas`` is an int >= 1 or ``"auto"`` (TypeError/ValueError as
+    :func:`~downpour_dask.base.check_int`; a ValueError naming both forms for another string)
+    and ``max_replicas`` None or an int >= ``n_replicas`` (>= 1 with ``"auto"``)."""
+    if isinstance(n_replicas, str) and n_replicas != AUTO:
         raise ValueError(
             f"n_replicas must be an integer >= 1 or 'auto' (one replica per worker, following "
             f"the cluster), got {n_replicas!r}"
         )
-    lowest = 1 if n_replicas == AUTO else n_replicas
-    if max_replicas is not None and not (count(max_replicas) and max_replicas >= lowest):
-        raise ValueError(
-            f"max_replicas must be None or an integer >= {lowest} (n_replicas={n_replicas!r}), "
-            f"got {max_replicas!r}"
-        )
+    if n_replicas != AUTO:
+        check_int("n_replicas", n_replicas, 1)
+    check_int(
+        "max_replicas", max_replicas, 1 if n_replicas == AUTO else n_replicas, allow_none=True
+    )
 
 
 def resolve(n_replicas: int | str, max_replicas: int | None, n_workers: int,

@@ -110,7 +110,6 @@ class DataShares:
             return sum(data.shards[i].rows for i in keep)
         return len(keep)
 
-
     def rows_read(self) -> dict[str, int]:
         """Rows per epoch of each replica, by replica (for the experiment's config): they add
         up to the dataset's rows while no added replica left."""
