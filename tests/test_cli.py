@@ -104,7 +104,7 @@ def free_port() -> int:
     [
         (["--learning-rate", "-0.1"], "learning_rate must be a finite number > 0, got -0.1"),
         (["--dataset", "imagenet"], "dataset 'imagenet' is neither a shipped dataset"),
-        (["--n-replicas", "two"], "argument --n-replicas: expected an integer, got 'two'"),
+        (["--n-replicas", "two"], "--n-replicas: expected an integer or 'auto', got 'two'"),
         (["--model", "mlp:64,x"], "hidden widths must be integers"),
         (["--model", "resnet"], "unknown model 'resnet'"),
         (["--optimizer", "rmsprop"], "optimizer"),

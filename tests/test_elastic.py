@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 from test_supervisor import FakeCluster, _events, _kinds, _run
 
 from downpour_dask.downpour import registry
 from downpour_dask.downpour.dask_cluster import DaskCluster
-from downpour_dask.downpour.elastic import Elastic, fair_share, remaining, sample_share
+from downpour_dask.downpour.elastic import Elastic, remaining
 from downpour_dask.downpour.membership import HoldForMigration, MembershipPlugin, membership_topic
 
 
@@ -77,15 +76,18 @@ def _join(run: Any, worker: str) -> None:
     run.cluster.heard.append({"action": "joined", "worker": worker})
 
 
-def test_a_fair_share_is_the_rows_over_the_replicas_and_a_limit_keeps_what_is_left():
-    assert fair_share(1000, 4) == 250 and fair_share(3, 8) == 1
+def test_a_limit_keeps_what_is_left_for_a_joined_replica():
     assert remaining(5, 2.4) == 3 and remaining(5, 4.9) == 1 and remaining(5, 7) == 1
     assert remaining(None, 3.0) is None
-    arrays = [(np.arange(a, a + 10.0)[:, None], np.arange(a, a + 10)) for a in (0, 10)]
-    X, y = sample_share(arrays, 6, seed=3)
-    assert len(X) == 6 and len(set(y)) == 6  # drawn without replacement from every replica
-    assert np.array_equal(X[:, 0], y)  # rows stay with their labels
-    assert np.array_equal(sample_share(arrays, 6, seed=3)[1], y)  # reproducible
+
+
+def test_a_joined_worker_gets_no_replica_when_there_is_no_data_to_share():
+    run = _elastic(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], max_replicas=3)
+    run.elastic.add_replica = lambda replica, worker, n_active: None  # one file per replica
+    _join(run, "w2")
+    run.elastic.check()
+    assert run.elastic.added == [] and "replica_added" not in _kinds(run)
+    assert run.elastic.active() == 2
 
 
 def test_workers_that_join_get_a_replica_each_up_to_max_replicas():

@@ -143,6 +143,9 @@ def test_workers_that_join_mid_run_get_replicas_that_train(mnist):
         assert not pushes.duplicated(["replica", "step"]).any()  # each replica ran once
         assert new["version"].min() > 0  # ... from the current parameters (a warm start)
         assert est.experiment_.config["replicas_added"] == added
+        shares = est.experiment_.config["rows_per_epoch"]  # re-split: a row read once an epoch
+        assert sum(shares.values()) == est.experiment_.config["n_rows"]
+        assert set(shares) >= {"0", "1", "2"}
         joined = est.experiment_.events.query("kind == 'replica_added'")["time"].min()
         before, after = pushes[pushes["time"] < joined], pushes[pushes["time"] >= joined]
         rate = [
@@ -150,6 +153,43 @@ def test_workers_that_join_mid_run_get_replicas_that_train(mnist):
             for part in (before, after)
         ]
         print(f"added {added}; examples/s before the join {rate[0]:.0f}, after {rate[1]:.0f}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_adaptive_cluster_grows_for_queued_work_and_lets_a_worker_without_replica_go(mnist):
+    """``adapt`` sizes the cluster by the work queued on it; replicas leave the thread pool, so
+    they count for nothing: a burst of other tasks makes it add two workers, one of which gets a
+    replica (``max_replicas=3``).  Once the burst's results are let go of, adapt retires the
+    other one while the fit goes on -- never a worker running a replica:
+    ``Scheduler.workers_to_close`` skips workers with long-running (seceded) tasks, so under
+    adapt a replica's worker leaves only after the fit."""
+    train, test = mnist
+    with _cluster(2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=TIMEOUT)
+        cluster.adapt(minimum=2, maximum=4, interval="200ms", wait_count=3)
+        burst: list = []
+        sizes: list[int] = []
+        replicas: set[str] = set()  # the replicas' task keys seen running
+
+        def queue_a_burst(progress) -> None:
+            sizes.append(len(cluster_workers(client)))
+            replicas.update(str(k).split("-")[1] for ks in client.processing().values()
+                            for k in ks if str(k).startswith("replica-"))  # fmt: skip
+            if not burst and progress.pushes >= 20:  # ~20 s of 0.5 s tasks: 4 workers' worth
+                burst.extend(client.map(time.sleep, [0.5] * 40, pure=False))
+            if burst and burst[0] is not None and all(f.status == "finished" for f in burst):
+                burst[:] = [None]  # its results let go of: nothing left on the 4th worker
+            if burst == [None] and sizes[-1] == 3:
+                raise StopIteration  # adapt let the worker without a replica go: done
+
+        with pytest.raises(StopIteration):  # a callback's exception stops the fit, and goes up
+            _estimator(max_replicas=3, max_epochs=None, max_seconds=90).fit(
+                train, eval_data=test, client=client, callback=queue_a_burst
+            )
+        assert max(sizes) == 4 and sizes[-1] == 3  # grew to 4, shrank to 3 during the fit
+        assert replicas == {"0", "1", "2"}  # a replica on a joined worker, and no more
+        assert len(cluster_workers(client)) == 3  # the replicas' workers stayed
 
 
 @pytest.mark.slow

@@ -51,8 +51,11 @@ def value_parser(annotation: str) -> Callable[[str], Any]:
     """A converter for a flag from the annotation string(s) of its estimator argument.
 
     ``int`` and ``float`` arguments get numbers ("2" stays an int, valid where a count is meant
-    too), an optional one (``... | None``) also accepts ``none``; anything else is a string.
+    too), an optional one (``... | None``) also accepts ``none``, one with ``Literal[...]``
+    words (``n_replicas``: a count or "auto") those words; anything else is a string.
     """
+    literals = "".join(re.findall(r"Literal\[([^\]]*)\]", annotation))
+    words = re.findall(r"['\"](\w+)['\"]", literals)
     optional = "None" in annotation
     base = "float" if "float" in annotation else "int"
     if "str" in annotation:
@@ -61,6 +64,8 @@ def value_parser(annotation: str) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         if optional and text.lower() == "none":
             return None
+        if text in words:
+            return text
         try:
             if base == "int":
                 return int(text)
@@ -68,7 +73,7 @@ def value_parser(annotation: str) -> Callable[[str], Any]:
                 return int(text) if text.lstrip("+-").isdigit() else float(text)
         except ValueError:
             kind = "an integer" if base == "int" else "a number"
-            extra = " or 'none'" if optional else ""
+            extra = "".join(f" or {w!r}" for w in [*words, *(["none"] if optional else [])])
             raise argparse.ArgumentTypeError(f"expected {kind}{extra}, got {text!r}") from None
         return text
 

@@ -258,6 +258,9 @@ class ShardStream:
 
     def __init__(self, spec: StreamSpec, parts: Sequence[Any] = ()):
         self.spec, self.parts = spec, list(parts)
+        #: Whether shard ``i`` is still this replica's to read (asked before opening it): a
+        #: running fit may hand shards not yet read to a replica that joined.
+        self.keeps: Callable[[int], bool] = lambda i: True
 
     def epoch(self, rng: np.random.Generator) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """One pass over every row of the shards, shuffled; batches are read ahead in a thread.
@@ -284,6 +287,7 @@ class ShardStream:
         chunks = (
             chunk
             for i in order
+            if self.keeps(int(i))
             for chunk in read_chunks(
                 spec.shards[i],
                 schema,

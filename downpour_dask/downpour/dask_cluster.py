@@ -36,6 +36,7 @@ from .membership import (
 )
 from .registry import (
     acked_version,
+    assign_share,
     drain_rows,
     fetched_copy,
     forget_run,
@@ -179,6 +180,11 @@ class DaskCluster:
     def release(self, worker: str) -> None:
         """Let leaving ``worker`` close: the driver took what it needed off it."""
         self._run_each(release, self.run, workers=[worker])
+
+    def assign_share(self, worker: str, replica: int, positions: Any) -> None:
+        """Tell ``replica`` on ``worker`` which part of its data it reads from now on
+        (:mod:`.shares`)."""
+        self._run_each(assign_share, self.run, replica, positions, workers=[worker])
 
     def retire(self, worker: str) -> None:
         """Complete (without waiting) a retirement of ``worker`` that Dask aborted because it

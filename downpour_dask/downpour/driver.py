@@ -35,32 +35,18 @@ from ..runtime.cluster import cluster_workers
 from ..runtime.placement import place_replicas
 from .checkpoints import Checkpoints, initial_states, restore_args, steps_pushed
 from .dask_cluster import DaskCluster, DaskServer
-from .elastic import Elastic, fair_share, remaining, sample_share
+from .divergence import check_finite
+from .elastic import Elastic, remaining
 from .model_parallel import partition_workers
 from .publication import Publication
 from .replica import ReplicaConfig
+from .replica_count import replica_limit
 from .settings import FitSettings
 from .shard_recovery import ShardRecovery
+from .shares import DataShares, shareable
 from .supervision import Limits, SupervisionLoop, take_rows
 from .supervisor import Supervisor
 from .tasks import ReplicaTasks
-
-
-def check_finite(params: np.ndarray | None, final_loss: float | None = None) -> None:
-    """Raise FloatingPointError if the fit diverged: its final parameters are not all finite
-    (the shards refuse updates that would make them so, but a resumed or user-made state may
-    be), or the final evaluation's loss is not finite (parameters so large that the model's
-    outputs overflow).  Such a model cannot predict, and must not pass as trained."""
-    if params is not None and not np.isfinite(params).all():
-        bad = int(np.count_nonzero(~np.isfinite(params)))
-        what = f"{bad} non-finite parameters (NaN or inf) of {params.size}"
-    elif final_loss is not None and not np.isfinite(final_loss):
-        what = f"a non-finite loss ({final_loss}) on eval_data"
-    else:
-        return
-    raise FloatingPointError(
-        f"the fit diverged: it ended with {what}; lower learning_rate, or set max_grad_norm"
-    )
 
 
 class Driver:
@@ -163,11 +149,15 @@ class Driver:
                 self.cluster, view, tasks, recovery, recorder, fit.n_push, fit.timeout
             )
             self.cluster.watch_membership()  # workers that join or leave (.membership)
-            grow = functools.partial(self._add_replica, tasks, view, placed, recorder.t0, seed)
+            shares = DataShares(shareable(self.data, placed.replicas), seed)
+            tasks.share_of = shares.positions
+            grow = functools.partial(
+                self._add_replica, tasks, view, shares, placed, recorder.t0, seed
+            )
             elastic = Elastic(
-                self.cluster, view, tasks, recovery, recorder, fit.n_replicas, fit.max_replicas,
-                grow if fit.plan is None else None, checkpoints.before_write, fit.timeout,
-                fit.n_push,
+                self.cluster, view, tasks, recovery, recorder, fit.n_replicas, replica_limit(fit),
+                grow if fit.plan is None and shares.data else None, checkpoints.before_write,
+                fit.timeout, fit.n_push,
             )  # fmt: skip
             loop = SupervisionLoop(
                 self.cluster, view, tasks, supervisor, checkpoints, recorder,
@@ -209,7 +199,8 @@ class Driver:
             if elastic is not None:  # its workers' shards are let go of now
                 elastic.finish()
         config = {**fit.config, "n_rows": placed.n_rows, "workers": workers, "data": placed.info}
-        config.update(elastic.summary(tasks.summary(results)), max_replicas=fit.max_replicas)
+        config.update(elastic.summary(tasks.summary(results)), max_replicas=fit.max_replicas,
+                      rows_per_epoch=shares.rows_read())  # fmt: skip
         config["replica_restarts"] = supervisor.restarts
         config["shard_incarnations"] = recovery.incarnations()
         self.experiment = recorder.experiment(config)
@@ -303,29 +294,34 @@ class Driver:
         )
 
     def _add_replica(
-        self, tasks: ReplicaTasks, view: DaskServer, placed: Any, t0: float, seed: int,
-        replica: int, worker: str, n_active: int,
-    ) -> int:  # fmt: skip
-        """Start ``replica`` on ``worker`` (which joined): a fair share of the data among
-        ``n_active`` replicas, for what is left of the others' epochs or steps; its rows."""
+        self, tasks: ReplicaTasks, view: DaskServer, shares: DataShares, placed: Any, t0: float,
+        seed: int, replica: int, worker: str, n_active: int,
+    ) -> int | None:  # fmt: skip
+        """Start ``replica`` on ``worker`` (which joined) with ``1/n_active`` of what each
+        training replica reads (:mod:`.shares`), for what is left of the others' epochs or
+        steps; its rows per epoch, None if there was nothing to share (one file each)."""
         fit = self.fit
+        sharing = sorted({r for i, (r, _) in enumerate(tasks.slots) if i not in tasks.results})
+        split = shares.add(replica, sharing)
+        if split is None:
+            return None
+        new, changed = split
+        for r, positions in changed.items():  # they read less from their next epoch (or file)
+            self.cluster.assign_share(tasks.workers[tasks.slots_of(r)[0]], r, positions)
+        data = new
+        if isinstance(self.data, list):  # in memory: to the new worker
+            self.data.append(new)  # (ReplicaTasks.arrays)
+            data = tuple(self.cluster.scatter(list(new), worker))
         status = view.shard_status(0, fit.timeout)
         n_rows = placed.n_rows or 0
-        if isinstance(self.data, list):  # in memory: a sample of every replica's rows
-            X, y = sample_share(self.data, fair_share(n_rows, n_active), seed + replica)
-            self.data.append((X, y))
-            data, parts, rows = tuple(self.cluster.scatter([X, y], worker)), (), len(X)
-        else:  # streamed: the files of an original replica, read again
-            place = placed.replicas[replica % fit.n_replicas]
-            data, parts, rows = place.data, place.parts, place.rows
         done_steps = int(status["accepted"]) * fit.n_push / max(1, n_active - 1)
         config = dataclasses.replace(
             self._replica_config(replica, 0, t0, seed, 0, 0),
             max_epochs=remaining(fit.max_epochs, int(status["examples"]) / max(1, n_rows)),
             max_steps=remaining(fit.max_steps, done_steps),
         )
-        tasks.start_replica(replica, [worker], data, parts, [config])
-        return rows
+        tasks.start_replica(replica, [worker], data, (), [config])
+        return shares.rows(replica)
 
     def _limits(self, n_rows: int | None) -> Limits:
         fit = self.fit

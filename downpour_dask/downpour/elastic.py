@@ -7,8 +7,9 @@ step of the supervision loop:
 
 - **a worker joins**: while fewer than ``max_replicas`` replicas train, a new replica starts on
   it (``replica_added`` ``{replica, worker, rows}``).  It fetches the current parameters before
-  its first step (a warm start) and gets a fair share of the data: ``1/n`` of the rows for ``n``
-  replicas, for the epochs the others have left (:func:`fair_share`, :func:`remaining`).
+  its first step (a warm start) and gets a fair share of the data for the epochs the others
+  have left (:func:`remaining`): ``1/n`` of what each of the others reads, for ``n`` replicas
+  (they read the rest from their next epoch, or streamed from their next file: :mod:`.shares`).
 - **a worker leaves** (retired, scaled down, closing): each shard it holds is fenced and its
   next incarnation starts on a staying worker from the fenced one's exact final state
   (``shard_migrated``, 0 updates lost; :meth:`.ShardRecovery.recover` with ``leaving``).  Its
@@ -32,8 +33,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ..base import RunRecorder
 from .shard_recovery import ShardRecovery
 from .tasks import ReplicaTasks
@@ -46,28 +45,11 @@ COLLECT_WAIT = 2.5
 RETIRE_AGAIN_AFTER = 0.5
 
 
-def fair_share(n_rows: int, n_replicas: int) -> int:
-    """Rows of a replica's fair share when ``n_replicas`` replicas share ``n_rows`` (at least 1)."""
-    return max(1, n_rows // max(1, n_replicas))
-
-
 def remaining(limit: int | None, done: float) -> int | None:
     """What is left of ``limit`` (epochs or steps) after ``done``, at least 1 (None: no limit)."""
     if limit is None:
         return None
     return max(1, math.ceil(limit - done))
-
-
-def sample_share(
-    arrays: list[tuple[np.ndarray, np.ndarray]], rows: int, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` rows drawn without replacement from all the replicas' in-memory data (a new
-    replica's share; the draw is reproducible from ``seed``)."""
-    X = np.concatenate([a[0] for a in arrays])
-    y = np.concatenate([a[1] for a in arrays])
-    rng = np.random.default_rng(seed)
-    pick = np.sort(rng.choice(len(X), size=min(rows, len(X)), replace=False))
-    return X[pick], y[pick]
 
 
 def least_loaded(candidates: list[str], load: dict[str, int]) -> str:
@@ -92,11 +74,13 @@ class Elastic:
         Receives the events.
     n_replicas : int
         The replicas the fit started with: they keep training wherever their worker goes.
-    max_replicas : int, optional
-        Upper bound on replicas training at once; None: no replica is added.
+    max_replicas : int or float, optional
+        Upper bound on replicas training at once (``inf``: a replica on every worker that
+        joins); None: no replica is added.
     add_replica : callable, optional
         ``add_replica(replica, worker, n_active)`` starts replica ``replica`` on ``worker`` with
-        a fair share of the data among ``n_active`` replicas and returns its rows.
+        a fair share of the data among ``n_active`` replicas and returns its rows, or None
+        without starting it when there is no data to share.
     collect : callable, optional
         Takes in the replicas' push-log rows (before a leaving worker is released).
     timeout : float
@@ -113,8 +97,8 @@ class Elastic:
         recovery: ShardRecovery,
         recorder: RunRecorder,
         n_replicas: int,
-        max_replicas: int | None = None,
-        add_replica: Callable[[int, str, int], int] | None = None,
+        max_replicas: float | None = None,
+        add_replica: Callable[[int, str, int], int | None] | None = None,
         collect: Callable[[], None] | None = None,
         timeout: float = 60.0,
         n_push: int = 1,
@@ -187,6 +171,8 @@ class Elastic:
                 continue
             replica = 1 + max((r for r, _ in self.tasks.slots), default=-1)
             rows = self.add_replica(replica, worker, self.active() + 1)
+            if rows is None:  # nothing to share (each replica reads a single file)
+                continue
             self.added.append({"replica": replica, "worker": worker, "rows": rows})
             self.recorder.event(
                 "replica_added",

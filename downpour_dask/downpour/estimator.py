@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from distributed import Client, Security
@@ -28,6 +28,7 @@ from ..runtime.cluster import check_security, cluster_client
 from .checkpoints import read_resumable
 from .driver import Driver
 from .easgd_loop import check_elastic
+from .replica_count import check_replicas, resolve_settings
 from .settings import FitSettings, from_arguments, replica_subsets
 
 #: Values of ``DownpourSGD(transport=...)``.
@@ -45,8 +46,9 @@ class DownpourSGD(ParamServerEstimator):
         ``"softmax"``, ``"logistic"``, ``"linear"``, ``"cnn"``) built at fit for the data; None
         is ``"mlp"``.  A classifier model makes this a scikit-learn classifier (labels of any
         kind, kept in ``classes_``), ``"linear"`` or a regression model a regressor.
-    n_replicas : int, default 4
-        Model replicas; each trains on its own 1/n_replicas of the data.
+    n_replicas : int or "auto", default 4
+        Model replicas; each trains on its own 1/n_replicas of the data.  ``"auto"``: one per
+        worker at the start and one on each worker that joins (up to ``max_replicas``).
     n_shards : int, default 2
         Parameter-server shards (Dask actors), placed on distinct workers where possible.
     optimizer : str or UpdateRule, default "adagrad"
@@ -165,7 +167,7 @@ class DownpourSGD(ParamServerEstimator):
     def __init__(
         self,
         model: TrainableModel | str | None = None,
-        n_replicas: int = 4,
+        n_replicas: int | Literal["auto"] = 4,
         n_shards: int = 2,
         optimizer: str | optim.UpdateRule = "adagrad",
         learning_rate: float = 0.05,
@@ -229,7 +231,7 @@ class DownpourSGD(ParamServerEstimator):
         """Check every constructor argument (and a model given ready-built against them);
         return the update rule.  Raises before any Dask work."""
         self._check_fit_arguments(callback)
-        check_int("n_replicas", self.n_replicas, 1)
+        check_replicas(self.n_replicas, self.max_replicas)
         check_int("partitions", self.partitions, 1)
         if self.model is not None and not isinstance(self.model, str):
             self._check_model(self.model)  # a spec is built, and checked, at fit
@@ -254,7 +256,6 @@ class DownpourSGD(ParamServerEstimator):
         check_positive("eval_every", self.eval_every)
         check_positive("timeout", self.timeout)
         check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
-        check_int("max_replicas", self.max_replicas, self.n_replicas, allow_none=True)
         check_security(self.security)
         self._consistency()
         compression.check_fraction(self.top_k, self.partitions)
@@ -349,8 +350,9 @@ class DownpourSGD(ParamServerEstimator):
                 ranges = self._shard_ranges(model)
                 resumed = read_resumable(resume_from, ranges, self.partitions, model)
             settings = self._settings(model, rule, self.checkpoint_dir or resume_from)
+            settings = resolve_settings(settings, active)  # n_replicas="auto": on its workers
             driver = Driver(
-                settings, active, replica_subsets(train, self.n_replicas), evaluation, resumed,
+                settings, active, replica_subsets(train, settings.n_replicas), evaluation, resumed,
                 callback, publish,
             )  # fmt: skip
             driver.execute()

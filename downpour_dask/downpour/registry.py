@@ -128,6 +128,23 @@ def take_returned(run: str) -> list[dict]:
         return _RETURNED.pop(run, [])
 
 
+#: The share of its data each replica of a run reads (positions into its task's arrays or file
+#: list), per (run, replica), when the driver re-split the data for a replica that joined.
+_SHARES: dict[tuple[str, int], np.ndarray] = {}
+
+
+def assign_share(run: str, replica: int, positions: np.ndarray) -> None:
+    """Replica ``replica`` of ``run`` reads only ``positions`` of its data from now on (run on
+    its worker with ``client.run`` by the driver; see ``downpour/shares.py``)."""
+    with _FETCHED_LOCK:
+        _SHARES[(run, replica)] = np.asarray(positions)
+
+
+def assigned_share(run: str, replica: int) -> np.ndarray | None:
+    """The positions :func:`assign_share` gave ``replica`` last, None if it reads everything."""
+    return _SHARES.get((run, replica))
+
+
 def forget_run(run: str) -> None:
     """Drop this process's fetched copies of ``run`` (at the end of a fit)."""
     with _FETCHED_LOCK:
@@ -139,3 +156,5 @@ def forget_run(run: str) -> None:
         _LEAVING.discard(run)
         _RELEASED.discard(run)
         _RETURNED.pop(run, None)
+        for k in [k for k in _SHARES if k[0] == run]:
+            del _SHARES[k]

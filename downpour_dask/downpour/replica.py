@@ -35,6 +35,7 @@ from .registry import (
     shard_variable,
 )
 from .replica_loop import ReplicaConfig, ReplicaLoop, gradient_scale
+from .shares import shared_source
 
 __all__ = ["ReplicaConfig", "WorkerSink", "gradient_scale", "run_loop", "run_replica"]
 
@@ -140,7 +141,9 @@ def run_replica(
     """
     secede()  # a replica runs for the whole fit; it must not hold one of the worker's task slots
     tune_malloc()  # see runtime/malloc.py: received messages must not be page-faulted afresh
-    source = make_source(data, config.batch_size, parts)
+    source: Any = make_source(data, config.batch_size, parts)
+    if config.run:  # follows the share of the data the driver assigns it (a replica joined)
+        source = shared_source(source, config.run, config.replica)
     loop: type[ReplicaLoop] = ReplicaLoop
     if config.staleness_bound is not None:  # SSP or BSP: see clocked_loop.py
         loop = ClockedReplicaLoop

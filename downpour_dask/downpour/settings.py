@@ -27,7 +27,7 @@ class FitSettings:
 
     model: TrainableModel
     rule: UpdateRule
-    n_replicas: int
+    n_replicas: int  # "auto" until replica_count.resolve_settings
     n_shards: int
     ranges: list[tuple[int, int]]  # each shard's range of the server's vector
     plan: PartitionPlan | None  # how replicas are split (None: not)
@@ -53,6 +53,7 @@ class FitSettings:
     top_k: float | None = None  # share of each shard's coordinates a push sends
     elastic_alpha: float | None = None  # EASGD's moving rate alpha (None: not EASGD)
     max_replicas: int | None = None  # replicas may be added on workers that join, up to this
+    follow_workers: bool = False  # n_replicas="auto" without max_replicas: a replica per worker
 
     @property
     def partitions(self) -> int:

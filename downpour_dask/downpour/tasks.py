@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,9 @@ class ReplicaTasks:
         self.mailboxes: dict[int, list[Task]] = {}
         self.mailbox_workers: dict[int, list[str]] = {}
         self.generation = 0  # one more at each move: keys stay unique
+        #: Set by the driver: the part of a replica's data it reads (``DataShares.positions``),
+        #: sent to a replica's new worker when it moves.
+        self.share_of: Callable[[int], Any] | None = None
 
     # -- reading ---------------------------------------------------------------------------------
     def slots_of(self, replica: int) -> list[int]:
@@ -196,6 +200,9 @@ class ReplicaTasks:
         """Start ``replica``'s partitions again, partition p on ``workers[p]``, skipping the
         first ``start_step`` steps; in-memory data is scattered to ``workers[0]`` afresh."""
         self.generation += 1
+        share = None if self.share_of is None else self.share_of(replica)
+        if share is not None:  # its part of its data, since a replica joined (.shares)
+            self.cluster.assign_share(workers[0], replica, share)
         if self.arrays is not None:
             self.data[replica] = tuple(self.cluster.scatter(list(self.arrays[replica]), workers[0]))
         if self.plan is not None:
