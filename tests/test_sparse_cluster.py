@@ -76,6 +76,34 @@ def test_incremental_checkpoints_of_4_shards_restore_into_3(client, tmp_path):
         again.close()
 
 
+def test_a_reachable_shard_is_replaced_from_its_fenced_final_state_rows_included(client):
+    model = SparseLogisticRegression(2000, 4, n_numeric=2)
+    data = click_data(n=600, n_rows=2000)
+    fit = fit_sparse(model, data, client=client, n_shards=2, batch_size=32, timeout=60)
+    recovery = fit.recovery
+    try:
+        dense, (table,) = fit.state()
+        before, old, worker = fit.counters()[0], fit.actors[0], fit.workers[0]
+        assert fit.events.empty and fit.lost_updates == [0, 0]  # nothing was lost while it ran
+        alive = sorted(client.scheduler_info()["workers"])
+        recovery.recover(0, "replaced by the test", alive)
+        restored = recovery.recorder.events[-1]
+        assert restored.kind == "shard_restored"
+        assert restored.data["source"] == "retired_shard" and restored.data["fenced"]
+        assert restored.data["lost_updates"] == 0 and restored.data["generation"] == 1
+        assert restored.data["version"] == before["version"]
+        assert fit.workers[0] != worker and restored.data["worker"] == fit.workers[0]
+        dense2, (table2,) = fit.state()  # every row and the dense part moved exactly
+        assert np.array_equal(dense2, dense) and np.array_equal(table2, table)
+        after = fit.counters()[0]
+        assert after["version"] == before["version"] and after["generation"] == 1
+        with pytest.raises(Exception, match="retired"):  # the old incarnation serves no one
+            old.pull_rows([np.array([0])]).result(timeout=30)
+    finally:
+        recovery.cluster.forget()
+        fit.close()
+
+
 def test_data_that_does_not_fit_the_model_is_refused_before_any_work(client, tmp_path):
     model = SparseLogisticRegression(100, 26, n_numeric=13)
     files = [tmp_path / "a.parquet"]
