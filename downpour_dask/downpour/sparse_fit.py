@@ -10,10 +10,12 @@ incremental checkpoint every ``checkpoint_every`` seconds while the replicas run
 end (:mod:`.sparse_checkpoints`); ``restore`` continues from such a directory with any number
 of shards.
 
-What it does not do yet, unlike the dense :class:`~downpour_dask.downpour.estimator.DownpourSGD`:
-replace a lost shard or restart a lost replica (a lost shard ends the fit with
-:class:`~downpour_dask.ps.protocol.ShardLostError`; restore from the last checkpoint), or run
-``n_fetch``/``n_push`` other than 1.
+A shard whose worker leaves the cluster is restored on a surviving worker as its next
+generation and the replicas switch to it (:mod:`.sparse_recovery`, the dense path's
+:class:`~.shard_recovery.ShardRecovery`); ``SparseFit.events`` and ``SparseFit.lost_updates``
+say what happened and what was lost.  What it does not do yet, unlike the dense
+:class:`~downpour_dask.downpour.estimator.DownpourSGD`: restart a lost replica (a replica whose
+worker dies fails the fit), or run ``n_fetch``/``n_push`` other than 1.
 """
 
 from __future__ import annotations
