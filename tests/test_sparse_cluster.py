@@ -119,6 +119,25 @@ def test_data_that_does_not_fit_the_model_is_refused_before_any_work(client, tmp
         fit_sparse(small, bad, client=client)
 
 
+def kill_after_a_checkpoint(pid, root, shard):
+    """A thread that SIGKILLs process ``pid`` once a checkpoint under ``root`` holds updates of
+    ``shard`` (within 120 s)."""
+
+    def checkpointed():
+        manifests = root.glob("sparse-*/manifest.json")
+        return any(json.loads(m.read_text())["versions"][shard] > 0 for m in manifests)
+
+    def kill():
+        deadline = time.monotonic() + 120
+        while not checkpointed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    return killer
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_shard_worker_is_restored_and_the_fit_finishes_with_exact_lost_updates(
@@ -129,18 +148,7 @@ def test_a_killed_shard_worker_is_restored_and_the_fit_finishes_with_exact_lost_
     victim = sorted(client.scheduler_info()["workers"])[2]  # holds shard 2, not the replica
     pid = client.run(os.getpid, workers=[victim])[victim]
 
-    def shard2_checkpointed():
-        manifests = tmp_path.glob("sparse-*/manifest.json")
-        return any(json.loads(m.read_text())["versions"][2] > 0 for m in manifests)
-
-    def kill_after_a_checkpoint():
-        deadline = time.monotonic() + 120
-        while not shard2_checkpointed() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_after_a_checkpoint)
-    killer.start()
+    killer = kill_after_a_checkpoint(pid, tmp_path, shard=2)
     fit = fit_sparse(model, data, client=client, n_shards=3, batch_size=16, max_epochs=10_000,
                      max_steps=4000, checkpoint_dir=tmp_path, checkpoint_every=0.2, timeout=30)
     killer.join(timeout=130)
@@ -172,3 +180,27 @@ def test_a_killed_shard_worker_is_restored_and_the_fit_finishes_with_exact_lost_
     finally:
         fit.close()
     read_sparse(tmp_path)  # every increment written is complete and readable
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_replica_worker_fails_the_fit_with_a_clear_error_and_checkpoints_restore(
+        three_workers, tmp_path):
+    client = three_workers
+    model = SparseLogisticRegression(3000, 4, n_numeric=2)
+    data = click_data(n=2000, n_rows=3000)
+    victim = sorted(client.scheduler_info()["workers"])[0]  # replica 0 and shard 0
+    pid = client.run(os.getpid, workers=[victim])[victim]
+
+    killer = kill_after_a_checkpoint(pid, tmp_path, shard=0)
+    with pytest.raises(RuntimeError, match="replica 0 was lost with its worker"):
+        fit_sparse(model, data, client=client, n_shards=3, batch_size=16, max_epochs=10_000,
+                   max_steps=20_000, checkpoint_dir=tmp_path, checkpoint_every=0.2, timeout=30)
+    killer.join(timeout=130)
+    again = fit_sparse(model, data, client=client, n_shards=2, max_steps=0, restore=tmp_path)
+    try:
+        rows = read_sparse(tmp_path)["tables"][0]
+        assert len(rows["ids"]) > 0
+        assert np.array_equal(again.state()[1][0][rows["ids"]], rows["values"])
+    finally:
+        again.close()

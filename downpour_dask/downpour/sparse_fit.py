@@ -301,7 +301,8 @@ def fit_sparse(
         for r in range(n_replicas)
     ]
     try:
-        supervise(tasks, fit, recovery, cluster,
+        supervise(tasks, [workers[r % len(workers)] for r in range(n_replicas)], fit, recovery,
+                  cluster,
                   checkpoint_dir, checkpoint_every if checkpoint_dir is not None else 1e9)
         records = [row for t in tasks for row in t.result(timeout=timeout)]
         if checkpoint_dir is not None:

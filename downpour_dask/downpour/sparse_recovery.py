@@ -142,15 +142,25 @@ class SparseSaved:
 SUPERVISE_EVERY = 0.25
 
 
-def supervise(tasks: list[Any], fit: Any, recovery: ShardRecovery, cluster: Any,
-              checkpoint_dir: str | Path | None, checkpoint_every: float) -> None:
-    """Wait for the replica ``tasks``, writing an increment every ``checkpoint_every`` seconds
-    (with ``checkpoint_dir``) and restoring every shard whose worker left the cluster, or that
-    does not answer the checkpoint's call, on a surviving worker."""
+def supervise(tasks: list[Any], placed: list[str], fit: Any, recovery: ShardRecovery,
+              cluster: Any, checkpoint_dir: str | Path | None, checkpoint_every: float) -> None:
+    """Wait for the replica ``tasks`` (task r runs on worker ``placed[r]``), writing an
+    increment every ``checkpoint_every`` seconds (with ``checkpoint_dir``) and restoring every
+    shard whose worker left the cluster, or that does not answer the checkpoint's call, on a
+    surviving worker.  A replica whose worker left is not restarted: RuntimeError (the
+    checkpoints written so far restore with ``restore=``)."""
     due = time.monotonic() + checkpoint_every
-    while not all(t.done() for t in tasks):
-        time.sleep(SUPERVISE_EVERY)
+    while True:
         alive = cluster.workers()
+        for r, (task, worker) in enumerate(zip(tasks, placed)):
+            # (its input data, scattered to that worker, is lost too: the task may be cancelled)
+            if worker not in alive and task.status != "finished":
+                raise RuntimeError(
+                    f"replica {r} was lost with its worker {worker}: sparse fits do not restart "
+                    f"replicas yet; fit_sparse(..., restore=<checkpoint_dir>) continues from the "
+                    f"last checkpoint")
+        if all(t.done() for t in tasks):
+            return
         for shard in [s for s, w in enumerate(recovery.server.workers) if w not in alive]:
             recovery.recover(shard, "its worker left the cluster", alive)
         recovery.poll_fences()
@@ -160,6 +170,7 @@ def supervise(tasks: list[Any], fit: Any, recovery: ShardRecovery, cluster: Any,
                 fit.checkpoint(checkpoint_dir)
             except Exception as err:  # noqa: BLE001 - recover_lost re-raises what is not a loss
                 recovery.recover_lost(err)
+        time.sleep(SUPERVISE_EVERY)
 
 
 def await_replacement(client: Client, run: str, shard: int, generation: int,
