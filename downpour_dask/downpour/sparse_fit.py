@@ -45,7 +45,7 @@ from ..runtime.cluster import cluster_workers
 from .dask_cluster import DaskCluster
 from .registry import keep_acked
 from .shard_recovery import ShardRecovery
-from .sparse_checkpoints import read_sparse, restore_arguments, write_increment
+from .sparse_checkpoints import merge_exports, read_sparse, restore_arguments, write_increment
 from .sparse_loop import run_sparse_replica
 from .sparse_recovery import (
     SparseSaved,
@@ -149,6 +149,7 @@ class SparseFit:
         self.actors = [f.result(timeout=timeout) for f in futures]
         self.pushes = pd.DataFrame()
         self.checkpoints: list[Path] = []
+        self._pending: dict[int, dict[str, Any]] = {}  # exports of a checkpoint that failed
         #: ``shard_lost`` / ``shard_restored`` / ``shard_fenced`` events (time, kind, detail...).
         self.events = pd.DataFrame()
         #: Per shard, updates its replaced incarnations acknowledged that the fit lost.
@@ -162,7 +163,20 @@ class SparseFit:
     def checkpoint(self, root: str | Path, step: int = 0) -> Path:
         """Write an increment: the rows changed since the previous one (see
         :mod:`.sparse_checkpoints`); its path."""
-        path = write_increment(root, self._all("export_changed"), self.layout, self.seed, step)
+        calls = [actor.export_changed() for actor in self.actors]
+        exports, error = [], None
+        for s, call in enumerate(calls):
+            try:
+                export = call.result(timeout=self.timeout)
+            except Exception as err:  # noqa: BLE001 - raised below, after keeping the others
+                export, error = None, error or err
+            if export is not None and s in self._pending:  # rows an earlier failure took
+                export = merge_exports(self._pending.pop(s), export)
+            exports.append(export)
+        if error is not None:  # the shards that answered marked their rows saved: keep them
+            self._pending.update({s: e for s, e in enumerate(exports) if e is not None})
+            raise error
+        path = write_increment(root, exports, self.layout, self.seed, step)
         self.checkpoints.append(path)
         return path
 
