@@ -38,6 +38,7 @@ ON_FIRST_USE = {
     "ParameterServerShard": ".ps.shard",
     "ProgressBar": ".progress",
     "SandblasterLBFGS": ".sandblaster.estimator",
+    "SparseDownpourClassifier": ".downpour.sparse_estimator",
     "attach": ".live",
     "expected_failed_checks": ".base",
 }
@@ -73,6 +74,7 @@ __all__ = [
     "ProgressBar",
     "SandblasterLBFGS",
     "ShardedDataset",
+    "SparseDownpourClassifier",
     "attach",
     "datasets",
     "expected_failed_checks",

@@ -11,6 +11,7 @@ from downpour_dask.core import optim
 from downpour_dask.core.sparse import SparseBatch, table_rows
 from downpour_dask.core.sparse_models import EmbeddingMLP, FactorizationMachine
 from downpour_dask.core.sparse_serial import serial_train
+from downpour_dask.downpour.sparse_checkpoints import merge_exports
 from downpour_dask.downpour.sparse_loop import run_sparse_replica
 from downpour_dask.ps.protocol import FencedError
 from downpour_dask.ps.rows import RowsLink, SparseLayout
@@ -159,3 +160,26 @@ def test_a_retired_sparse_shard_is_fenced_and_its_final_state_carries_the_rows()
                         restore=final["state"])
     assert np.array_equal(again.blocks[0].values, shard.blocks[0].values)
     assert again.version == shard.version
+
+
+def test_a_restored_shard_saves_its_restored_rows_and_merged_exports_keep_every_row():
+    model = FactorizationMachine(200, 4, n_factors=2, n_numeric=2)
+    batches = click_batches(12, n_rows=200)
+    layout, (shard,) = shards_for(model, 1, optim.adagrad(0.1))
+    links = [RowsLink(shard, 0, 0, 10.0)]
+    run_sparse_replica(model, links, layout, batches[:6])
+    first = asyncio.run(shard.export_changed())  # (a checkpoint that then failed elsewhere)
+    run_sparse_replica(model, links, layout, batches[6:], start_step=6)
+    merged = merge_exports(first, asyncio.run(shard.export_changed()))
+    state = asyncio.run(shard.export_state())  # every row ever updated
+    assert np.array_equal(merged["tables"][0]["ids"], state["tables"][0]["ids"])
+    for key in ("values", "versions", "state/sum_sq"):
+        assert np.array_equal(merged["tables"][0][key], state["tables"][0][key])
+    assert merged["version"] == shard.version == 12
+    # a replacement started from a state saves the rows it was given in its first increment
+    lo, hi = layout.dense[0]
+    twin = SparseShard(0, lo, hi, state["values"], optim.adagrad(0.1),
+                       tables=layout.shard_tables(0), seed=0, restore=state, generation=1)
+    again = asyncio.run(twin.export_changed())
+    assert np.array_equal(again["tables"][0]["values"], state["tables"][0]["values"])
+    assert again["version"] == 12

@@ -13,7 +13,10 @@ state.  The driver reaches Dask only through the
 :class:`~downpour_dask.ps.protocol.ShardChannel` per shard, and leaves what must outlive it in
 ``registry``; ``model_parallel`` runs a replica split into partitions.  Sparse models (tables
 of which a batch touches few rows): ``sparse_fit`` starts table shards and replica tasks running
-``sparse_loop``, and ``sparse_checkpoints`` writes incremental checkpoints of the tables.
+``sparse_loop``, ``sparse_checkpoints`` writes incremental checkpoints of the tables,
+``sparse_recovery`` gives a sparse fit's shards to ``shard_recovery`` (a lost table shard comes
+back on a surviving worker), and ``sparse_estimator`` wraps ``fit_sparse`` as a scikit-learn
+classifier.
 
 The events of a run (``experiment_.events``; each event's ``data`` in braces): ``start``
 {n_replicas, n_shards, n_workers}, ``resumed`` {path, versions, elapsed}, ``warmstart_done``

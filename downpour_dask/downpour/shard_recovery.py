@@ -155,6 +155,7 @@ class ShardRecovery:
             "rule_state": state["rule_state"],
             "version": version,
             "counters": state.get("counters", {}),
+            **({"tables": state["tables"]} if "tables" in state else {}),  # a sparse shard's rows
         }
         worker, future = self._start(shard, state["values"], restore, survivors)
         self.retired.append(record)

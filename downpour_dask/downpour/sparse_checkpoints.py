@@ -130,6 +130,13 @@ def _collapse(parts: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: v[keep] for k, v in joined.items()}
 
 
+def merge_exports(older: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any]:
+    """One shard's ``export_changed`` results taken one after the other as one: the newer
+    dense part and version, the rows of both (a newer row overriding)."""
+    tables = [_collapse({0: a, 1: b}) for a, b in zip(older["tables"], newer["tables"])]
+    return {**newer, "tables": tables}
+
+
 def restore_arguments(saved: dict[str, Any], layout: SparseLayout) -> list[dict[str, Any]]:
     """Per shard of ``layout`` (any number of shards): its dense slice and the ``restore``
     argument of :class:`~downpour_dask.ps.table.SparseShard` (rule state, the shard's version:

@@ -10,10 +10,12 @@ incremental checkpoint every ``checkpoint_every`` seconds while the replicas run
 end (:mod:`.sparse_checkpoints`); ``restore`` continues from such a directory with any number
 of shards.
 
-What it does not do yet, unlike the dense :class:`~downpour_dask.downpour.estimator.DownpourSGD`:
-replace a lost shard or restart a lost replica (a lost shard ends the fit with
-:class:`~downpour_dask.ps.protocol.ShardLostError`; restore from the last checkpoint), or run
-``n_fetch``/``n_push`` other than 1.
+A shard whose worker leaves the cluster is restored on a surviving worker as its next
+generation and the replicas switch to it (:mod:`.sparse_recovery`, the dense path's
+:class:`~.shard_recovery.ShardRecovery`); ``SparseFit.events`` and ``SparseFit.lost_updates``
+say what happened and what was lost.  What it does not do yet, unlike the dense
+:class:`~downpour_dask.downpour.estimator.DownpourSGD`: restart a lost replica (a replica whose
+worker dies fails the fit), or run ``n_fetch``/``n_push`` other than 1.
 """
 
 from __future__ import annotations
@@ -26,19 +28,32 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from distributed import Client, secede, wait
+from distributed import Client, get_client, secede
 
+from ..base import RunRecorder
 from ..core import optim
 from ..core.sparse import SparseBatch, check_batch, check_sparse_model, table_rows
 from ..data.hashing import HashSpec, minibatches, read_hashed
+from ..log import events_frame
 from ..ps.frames import WireError
+from ..ps.protocol import ShardLostError
 from ..ps.refs import ActorRef, refer
 from ..ps.rows import RowsLink, SparseLayout
 from ..ps.rows_wire import RowsWireClient
 from ..ps.table import SparseShard
 from ..runtime.cluster import cluster_workers
-from .sparse_checkpoints import read_sparse, restore_arguments, write_increment
+from .dask_cluster import DaskCluster
+from .registry import keep_acked
+from .shard_recovery import ShardRecovery
+from .sparse_checkpoints import merge_exports, read_sparse, restore_arguments, write_increment
 from .sparse_loop import run_sparse_replica
+from .sparse_recovery import (
+    SparseSaved,
+    SparseServer,
+    await_replacement,
+    settle_acknowledged,
+    supervise,
+)
 
 
 def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: int,
@@ -58,7 +73,8 @@ def _link(ref: ActorRef, s: int, replica: int, timeout: float, n_tables: int,
           secret: bytes | None) -> RowsLink:
     """A line to shard ``s``: in-process if it is on this worker, else over the direct wire
     when ``secret`` is given and the shard offers an endpoint, else actor messages."""
-    link = RowsLink(ref.open(), s, replica, timeout)
+    shard = ref.open() if isinstance(ref, ActorRef) else ref  # (a replacement's handle)
+    link = RowsLink(shard, s, replica, timeout)
     if link.local or secret is None:
         return link
     try:
@@ -70,23 +86,57 @@ def _link(ref: ActorRef, s: int, replica: int, timeout: float, n_tables: int,
     return link
 
 
-def replica_task(model: Any, refs: list[ActorRef], layout: SparseLayout, data: Any,
+def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
                  replica: int, n_replicas: int, batch_size: int, epochs: int,
                  max_steps: int | None, seed: int, timeout: float,
-                 started: float, secret: bytes | None = None) -> list[dict[str, Any]]:
-    """One replica's whole run, as a Dask task (see :func:`fit_sparse`)."""
+                 started: float, secret: bytes | None = None,
+                 run: str = "") -> list[dict[str, Any]]:
+    """One replica's whole run, as a Dask task (see :func:`fit_sparse`).  When a shard is
+    lost it waits for the driver to announce the shard's next generation
+    (:func:`~.sparse_recovery.await_replacement`), opens fresh links to every shard and goes on
+    with its next batch (the batch in flight when the shard was lost is dropped)."""
     secede()  # it runs for the whole fit: it must not hold one of the worker's task slots
-    links = [_link(ref, s, replica, timeout, len(layout.specs), secret)
-             for s, ref in enumerate(refs)]
-    try:
-        batches = _batches(data, replica, n_replicas, batch_size, epochs, seed)
-        records = run_sparse_replica(model, links, layout, batches, replica, max_steps, started)
-    finally:
-        for link in links:
-            link.close()
-    for record in records:
-        record["transport"] = links[record["shard"]].transport
+    refs, records, generations = list(refs), [], [0] * len(refs)
+    batches = _batches(data, replica, n_replicas, batch_size, epochs, seed)
+    start, first_seq = 0, None
+    while True:
+        links = [_link(ref, s, replica, timeout, len(layout.specs), secret)
+                 for s, ref in enumerate(refs)]
+        for link, generation in zip(links, generations):
+            link.generation = generation
+        keys = [ref.key for ref in refs]
+
+        def acked(s: int, version: int, keys: list[str] = keys) -> None:
+            keep_acked(run, s, keys[s], version)
+
+        try:
+            left = None if max_steps is None else max(0, max_steps - start)
+            run_sparse_replica(model, links, layout, batches, replica, left, started,
+                               start_step=start, records=records, first_seq=first_seq,
+                               acked=acked)
+            break
+        except ShardLostError as err:
+            if not run:
+                raise
+            generations[err.shard] = links[err.shard].generation
+            actor = await_replacement(get_client(), run, err.shard,
+                                      generations[err.shard], timeout)
+            generations[err.shard] += 1
+            refs[err.shard] = actor
+            start = max((r["step"] for r in records), default=-1) + 1
+            first_seq = 0  # fresh links: fresh push sessions
+        finally:
+            for link in links:
+                link.close()
+                record_transport(records, link)
     return records
+
+
+def record_transport(records: list[dict[str, Any]], link: RowsLink) -> None:
+    """Name the transport of each of ``link``'s shard's records not yet named."""
+    for record in records:
+        if record["shard"] == link.index and "transport" not in record:
+            record["transport"] = link.transport
 
 
 class SparseFit:
@@ -99,6 +149,12 @@ class SparseFit:
         self.actors = [f.result(timeout=timeout) for f in futures]
         self.pushes = pd.DataFrame()
         self.checkpoints: list[Path] = []
+        self._pending: dict[int, dict[str, Any]] = {}  # exports of a checkpoint that failed
+        #: ``shard_lost`` / ``shard_restored`` / ``shard_fenced`` events (time, kind, detail...).
+        self.events = pd.DataFrame()
+        #: Per shard, updates its replaced incarnations acknowledged that the fit lost.
+        self.lost_updates = [0] * layout.n_shards
+        self.recovery: Any = None
 
     def _all(self, method: str) -> list[Any]:
         calls = [getattr(actor, method)() for actor in self.actors]
@@ -107,7 +163,20 @@ class SparseFit:
     def checkpoint(self, root: str | Path, step: int = 0) -> Path:
         """Write an increment: the rows changed since the previous one (see
         :mod:`.sparse_checkpoints`); its path."""
-        path = write_increment(root, self._all("export_changed"), self.layout, self.seed, step)
+        calls = [actor.export_changed() for actor in self.actors]
+        exports, error = [], None
+        for s, call in enumerate(calls):
+            try:
+                export = call.result(timeout=self.timeout)
+            except Exception as err:  # noqa: BLE001 - raised below, after keeping the others
+                export, error = None, error or err
+            if export is not None and s in self._pending:  # rows an earlier failure took
+                export = merge_exports(self._pending.pop(s), export)
+            exports.append(export)
+        if error is not None:  # the shards that answered marked their rows saved: keep them
+            self._pending.update({s: e for s, e in enumerate(exports) if e is not None})
+            raise error
+        path = write_increment(root, exports, self.layout, self.seed, step)
         self.checkpoints.append(path)
         return path
 
@@ -131,9 +200,13 @@ class SparseFit:
 
     def close(self) -> None:
         """Let the shard actors go."""
-        for f in self.futures:
+        replaced = [] if self.recovery is None else self.recovery.server.replaced_futures
+        for f in [*self.futures, *replaced]:
             f.release()
         self.futures, self.actors = [], []
+        if self.recovery is not None:
+            self.recovery.server.replaced.clear()
+            replaced.clear()
 
 
 def _check_files(model: Any, data: Any, n_replicas: int) -> None:
@@ -207,7 +280,7 @@ def fit_sparse(
                              f"model has {[list(s) for s in layout.specs]}")
         seed, restored = saved["seed"], restore_arguments(saved, layout)
     secret = uuid.uuid4().hex.encode()
-    futures, placed = [], []
+    futures, placed, initial = [], [], []
     for s, (lo, hi) in enumerate(layout.dense):
         address = workers[s % len(workers)]
         values = dense[lo:hi] if restored is None else restored[s]["values"]
@@ -217,8 +290,16 @@ def fit_sparse(
             wire_secret=secret, **extra, actor=True, workers=[address],
             allow_other_workers=False, pure=False))
         placed.append(address)
+        initial.append({"values": np.array(values), "rule_state": {}, "version": 0,
+                        **extra.get("restore", {})})
     fit = SparseFit(client, model, layout, futures, placed, seed, timeout)
     refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, placed)]
+    run = uuid.uuid4().hex[:12]
+    cluster, recorder = DaskCluster(client, run), RunRecorder("accuracy")
+    server = SparseServer(fit, rule, secret)
+    recovery = ShardRecovery(cluster, server, SparseSaved(layout, initial, checkpoint_dir),
+                             recorder, timeout)
+    fit.recovery = recovery
     started = time.time()
     if isinstance(data, SparseBatch):
         parts = [data.take(slice(r, None, n_replicas)) for r in range(n_replicas)]
@@ -229,25 +310,28 @@ def fit_sparse(
     tasks = [
         client.submit(replica_task, model, refs, layout, parts[r], r, n_replicas, batch_size,
                       max_epochs, max_steps, seed, timeout, started,
-                      secret if direct else None, pure=False,
+                      secret if direct else None, run, pure=False,
                       workers=[workers[r % len(workers)]])
         for r in range(n_replicas)
     ]
     try:
-        while True:  # the replicas run; checkpoints every checkpoint_every seconds meanwhile
-            try:
-                wait(tasks, timeout=checkpoint_every if checkpoint_dir is not None else 5.0)
-                break
-            except TimeoutError:
-                if checkpoint_dir is not None:
-                    fit.checkpoint(checkpoint_dir)
+        supervise(tasks, [workers[r % len(workers)] for r in range(n_replicas)], fit, recovery,
+                  cluster,
+                  checkpoint_dir, checkpoint_every if checkpoint_dir is not None else 1e9)
         records = [row for t in tasks for row in t.result(timeout=timeout)]
+        if checkpoint_dir is not None:
+            fit.checkpoint(checkpoint_dir)
     except BaseException:
         for t in tasks:
             t.release()
         fit.close()
         raise
-    if checkpoint_dir is not None:
-        fit.checkpoint(checkpoint_dir)
+    finally:
+        cluster.forget()
     fit.pushes = pd.DataFrame(records)
+    if recovery.retired:
+        recovery.settle()
+        settle_acknowledged(recovery, fit.pushes)
+    fit.events = events_frame(recorder.events)
+    fit.lost_updates = recovery.lost_updates(layout.n_shards)
     return fit

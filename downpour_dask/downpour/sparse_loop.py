@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,15 +45,23 @@ def run_sparse_replica(
     max_steps: int | None = None,
     started: float | None = None,
     start_step: int = 0,
+    records: list[dict[str, Any]] | None = None,
+    first_seq: int | None = None,
+    acked: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Train on ``batches`` until they end, ``max_steps`` steps or a shard's stop flag.
 
     Steps (and the pushes' numbers, by which a shard ignores a push delivered twice) count on
     from ``start_step``, for links that already pushed.  Returns one record per push (see the
-    module docstring).
+    module docstring).  ``records``: a list to append them to as they come (a caller keeps
+    them when a lost shard interrupts the loop); ``first_seq``: the first push's number when
+    it differs from ``start_step`` (fresh links after a shard was replaced start at 0);
+    ``acked(shard, version)`` is called for every accepted push (the dense path's note of what
+    each shard acknowledged, for shard recovery's accounting).
     """
     started = time.time() if started is None else started
-    records: list[dict[str, Any]] = []
+    records = [] if records is None else records
+    seq_offset = 0 if first_seq is None else first_seq - start_step
     batches = iter(batches)
     batch = next(batches, None)
     if batch is None or max_steps == 0:
@@ -80,7 +88,7 @@ def run_sparse_replica(
             for t, (ids, g) in enumerate(row_grads):
                 first = int(np.searchsorted(ids, parts[s][t][0])) if len(parts[s][t]) else 0
                 pushes.append((parts[s][t], np.asarray(g[first : first + len(parts[s][t])], DTYPE)))
-            call = link.push(grad[lo:hi], pushes, replies[s].pull.version, step,
+            call = link.push(grad[lo:hi], pushes, replies[s].pull.version, step + seq_offset,
                              len(batch.y), float(loss))
             sent.append((call, pushes))
         pulled = [_pull_bytes(p, r) for p, r in zip(parts, replies)]
@@ -105,7 +113,10 @@ def run_sparse_replica(
                 "examples": examples, "staleness": reply.staleness,
                 "version": reply.version, "accepted": reply.accepted,
                 "rows": sum(len(i) for i, _ in pushes), "bytes": moved + pulled[s],
+                "generation": link.generation,
             })
+            if acked is not None and reply.accepted:
+                acked(s, reply.version)
         if batch is None or stop:
             if pipelined and batch is not None:
                 for link, call in zip(links, pulls):  # let the pull started ahead finish

@@ -105,6 +105,7 @@ class SparseShard(ParameterServerShard):
         block.versions[local] = np.asarray(saved["versions"])[mine]
         for name, array in block.state.items():
             array[local] = np.asarray(saved[f"state/{name}"])[mine]
+        self.changed[t][local] = True  # the next increment holds them: it may be the first
 
     # -- what replicas call ----------------------------------------------------------------------
     async def pull_rows(

@@ -1,0 +1,205 @@
+"""Shard recovery for sparse fits: the dense path's :class:`~.shard_recovery.ShardRecovery`
+over the shards of :func:`~.sparse_fit.fit_sparse`.
+
+:class:`ShardRecovery` decides everything -- fence the lost incarnation (within ``FENCE_WAIT``;
+then the replacement starts from its exact final state, rows included), else restore from the
+freshest state the driver has, start the next generation on the least-loaded survivor, announce
+it (the dense path's ``distributed.Variable`` per shard, through
+:class:`~.dask_cluster.DaskCluster`), and log ``shard_lost`` / ``shard_restored`` /
+``shard_fenced``.  This module only gives it the sparse shards through the small interfaces it
+expects:
+
+- :class:`SparseServer` -- the actors of the fit by shard, their generations, retiring one,
+  probing which are lost and starting a replacement :class:`~downpour_dask.ps.table.SparseShard`
+  (with its table rows);
+- :class:`SparseSaved` -- the freshest saved state of a shard: the fit's incremental checkpoints
+  replayed (:func:`~.sparse_checkpoints.read_sparse`), else the state the fit started from.
+
+:func:`await_replacement` is the replica's half: after a lost shard it waits for the announced
+next generation.  :func:`settle_acknowledged` makes the lost-update count exact at the end: the
+newest version each replaced incarnation acknowledged according to every replica's push records.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from distributed import Client, Variable
+
+from ..ps.calls import Done
+from ..ps.protocol import ShardLostError, generation_variable
+from ..ps.rows import SparseLayout
+from ..ps.table import SparseShard
+from .registry import shard_variable
+from .shard_recovery import ShardRecovery
+from .sparse_checkpoints import PREFIX, read_sparse, restore_arguments
+
+
+class SparseServer:
+    """The sparse fit's shards as :class:`ShardRecovery` sees a server (see the module
+    docstring); ``fit`` is the :class:`~.sparse_fit.SparseFit`, whose ``actors``, ``futures``
+    and ``workers`` follow the replacements."""
+
+    def __init__(self, fit: Any, rule: Any, secret: bytes):
+        self.fit, self.rule, self.secret = fit, rule, secret
+        self.generations = [0] * fit.layout.n_shards
+        #: Actors of replaced incarnations by (shard, generation): to retire them again.
+        self.replaced: dict[tuple[int, int], Any] = {}
+        self.replaced_futures: list[Any] = []
+
+    @property
+    def workers(self) -> list[str]:
+        return self.fit.workers
+
+    def shard_key(self, shard: int) -> str:
+        return self.fit.actors[shard].key
+
+    def generation(self, shard: int) -> int:
+        return self.generations[shard]
+
+    def start_retire(self, shard: int, generation: int) -> Any:
+        actor = self.replaced.get((shard, generation), self.fit.actors[shard])
+        try:
+            return actor.retire(generation + 1, self.secret)
+        except Exception as err:  # noqa: BLE001 - a lost actor's handle may raise at once
+            return Done(error=err)
+
+    def lost_shards(self, timeout: float) -> list[int]:
+        calls = [actor.current_version() for actor in self.fit.actors]
+        lost = []
+        for s, call in enumerate(calls):
+            try:
+                call.result(timeout=timeout)
+            except Exception:  # noqa: BLE001 - no answer in time is what "lost" means here
+                lost.append(s)
+        return lost
+
+    def replace_shard(self, shard: int, values: np.ndarray, worker: str,
+                      state: dict[str, Any], timeout: float) -> Any:
+        """Start generation ``generation(shard) + 1`` of ``shard`` on ``worker`` from ``values``
+        and ``state`` (``rule_state``, ``version``, ``counters``, ``tables``)."""
+        fit, layout = self.fit, self.fit.layout
+        lo, hi = layout.dense[shard]
+        generation = self.generations[shard] + 1
+        future = fit.client.submit(
+            SparseShard, shard, lo, hi, np.asarray(values), self.rule,
+            tables=layout.shard_tables(shard), seed=fit.seed, wire_secret=self.secret,
+            restore=state, generation=generation, actor=True, workers=[worker],
+            allow_other_workers=False, pure=False)
+        actor = future.result(timeout=timeout)
+        self.replaced[(shard, generation - 1)] = fit.actors[shard]
+        self.replaced_futures.append(fit.futures[shard])
+        fit.futures[shard], fit.actors[shard], fit.workers[shard] = future, actor, worker
+        self.generations[shard] = generation
+        return future
+
+
+class _States:
+    """``saved[shard]``: the freshest of the fit's checkpoint and the state it started from."""
+
+    def __init__(self, owner: SparseSaved):
+        self.owner = owner
+
+    def __getitem__(self, shard: int) -> dict[str, Any]:
+        return self.owner.state(shard)
+
+
+class SparseSaved:
+    """What :class:`ShardRecovery` asks of checkpoints, for a sparse fit: ``saved[shard]``,
+    ``known_versions`` and ``replaced`` (see the module docstring)."""
+
+    def __init__(self, layout: SparseLayout, initial: list[dict[str, Any]],
+                 checkpoint_dir: str | Path | None):
+        self.layout, self.initial, self.root = layout, initial, checkpoint_dir
+        self.known_versions = [int(s["version"]) for s in initial]
+        self.saved = _States(self)
+
+    def state(self, shard: int) -> dict[str, Any]:
+        """Shard ``shard``'s freshest saved state: ``values``, ``rule_state``, ``version`` and
+        ``tables`` (every saved row; the shard keeps those in its range)."""
+        best = self.initial[shard]
+        if self.root is not None and any(Path(self.root).glob(f"{PREFIX}*/manifest.json")):
+            saved = read_sparse(self.root)
+            versions = saved["versions"]
+            mine = restore_arguments(saved, self.layout)[shard]
+            version = versions[shard] if len(versions) == self.layout.n_shards else max(versions)
+            if version >= int(best["version"]):
+                best = {"values": mine["values"], "rule_state": mine["restore"]["rule_state"],
+                        "version": int(version), "tables": mine["restore"]["tables"]}
+        return best
+
+    def replaced(self, shard: int, state: dict[str, Any]) -> None:
+        """A replacement started from ``state``: a later loss restores at least that."""
+        self.initial[shard] = state
+        self.known_versions[shard] = int(state["version"])
+
+
+#: Seconds between the driver's looks at the cluster while the replicas run.
+SUPERVISE_EVERY = 0.25
+
+
+def supervise(tasks: list[Any], placed: list[str], fit: Any, recovery: ShardRecovery,
+              cluster: Any, checkpoint_dir: str | Path | None, checkpoint_every: float) -> None:
+    """Wait for the replica ``tasks`` (task r runs on worker ``placed[r]``), writing an
+    increment every ``checkpoint_every`` seconds (with ``checkpoint_dir``) and restoring every
+    shard whose worker left the cluster, or that does not answer the checkpoint's call, on a
+    surviving worker.  A replica whose worker left is not restarted: RuntimeError (the
+    checkpoints written so far restore with ``restore=``)."""
+    due = time.monotonic() + checkpoint_every
+    while True:
+        alive = cluster.workers()
+        for r, (task, worker) in enumerate(zip(tasks, placed)):
+            # (its input data, scattered to that worker, is lost too: the task may be cancelled)
+            if worker not in alive and task.status != "finished":
+                raise RuntimeError(
+                    f"replica {r} was lost with its worker {worker}: sparse fits do not restart "
+                    f"replicas yet; fit_sparse(..., restore=<checkpoint_dir>) continues from the "
+                    f"last checkpoint")
+        if all(t.done() for t in tasks):
+            return
+        for shard in [s for s, w in enumerate(recovery.server.workers) if w not in alive]:
+            recovery.recover(shard, "its worker left the cluster", alive)
+        recovery.poll_fences()
+        if checkpoint_dir is not None and time.monotonic() >= due:
+            due = time.monotonic() + checkpoint_every
+            try:
+                fit.checkpoint(checkpoint_dir)
+            except Exception as err:  # noqa: BLE001 - recover_lost re-raises what is not a loss
+                recovery.recover_lost(err)
+        time.sleep(SUPERVISE_EVERY)
+
+
+def await_replacement(client: Client, run: str, shard: int, generation: int,
+                      timeout: float) -> Any:
+    """In a replica task: wait up to ``timeout`` seconds for the driver to announce a
+    generation of ``shard`` newer than ``generation``; the new actor's handle.  Raises
+    ShardLostError if none comes."""
+    name = shard_variable(run, shard)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            announced = int(Variable(generation_variable(name), client=client).get(timeout=1.0))
+            if announced > generation:
+                future = Variable(name, client=client).get(timeout=1.0)
+                return future.result(timeout=max(1.0, deadline - time.monotonic()))
+        except TimeoutError:
+            pass
+        time.sleep(0.1)
+    raise ShardLostError(f"parameter-server shard {shard} was lost and no replacement was "
+                         f"announced within {timeout} s", shard)
+
+
+def settle_acknowledged(recovery: ShardRecovery, pushes: pd.DataFrame) -> None:
+    """Raise each replaced incarnation's ``acknowledged`` to the newest version the replicas
+    recorded it acknowledging (accepted pushes of that shard and generation), and recount."""
+    for record in recovery.retired:
+        if len(pushes) and "generation" in pushes:
+            mine = pushes[(pushes["shard"] == record.shard)
+                          & (pushes["generation"] == record.generation) & pushes["accepted"]]
+            if len(mine):
+                record.acknowledged = max(record.acknowledged, int(mine["version"].max()))
+        record.account()

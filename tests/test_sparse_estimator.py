@@ -1,0 +1,63 @@
+"""SparseDownpourClassifier: scikit-learn's estimator API over fit_sparse, on the cluster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.metrics import log_loss
+
+from downpour_dask import SparseDownpourClassifier
+
+
+def clicks(n=1500, seed=0):
+    """Three categorical columns whose categories carry the click rate, one numeric column."""
+    rng = np.random.default_rng(seed)
+    effect = {f: rng.normal(0, 1.5, 40) for f in ("site", "ad", "device")}
+    cats = {f: rng.integers(0, 40, n) for f in effect}
+    z = sum(effect[f][cats[f]] for f in effect)
+    frame = pd.DataFrame({f: [f"{f}-{c}" for c in cats[f]] for f in effect})
+    frame["hour"] = rng.normal(size=n)
+    return frame, (rng.random(n) < 1 / (1 + np.exp(-z))).astype(int)
+
+
+def estimator(**kw):
+    args = dict(categorical=["site", "ad", "device"], numeric=["hour"], n_rows=4096,
+                learning_rate=0.1, batch_size=32, max_epochs=3, timeout=60)
+    return SparseDownpourClassifier(**{**args, **kw})
+
+
+@pytest.mark.parametrize("model", ["logistic", "fm"])
+def test_fit_learns_the_click_rates_and_predicts_locally(client, model):
+    X, y = clicks()
+    clf = estimator(model=model, n_shards=2).fit(X, y, client=client)
+    proba = clf.predict_proba(X)
+    assert proba.shape == (len(X), 2) and np.allclose(proba.sum(axis=1), 1)
+    baseline = log_loss(y, np.full(len(y), y.mean()))
+    assert log_loss(y, proba[:, 1]) < 0.9 * baseline  # it learned the categories' effects
+    assert clf.score(X, y) == np.mean(clf.predict(X) == y) > max(y.mean(), 1 - y.mean())
+    assert set(clf.pushes_["shard"]) == {0, 1} and clf.lost_updates_ == [0, 0]
+    assert clf.events_.empty
+    unseen = X.assign(site="never-seen-site")  # a new category hashes to some row: no error
+    assert np.isfinite(clf.predict_proba(unseen)).all()
+
+
+def test_params_clone_and_refusals_before_any_work(client):
+    clf = estimator(model="embedding_mlp", model_options={"dim": 4, "hidden": [8]})
+    assert clf.get_params()["model_options"] == {"dim": 4, "hidden": [8]}
+    twin = clone(clf)
+    assert twin.get_params() == clf.get_params() and not hasattr(twin, "dense_")
+    with pytest.raises(NotFittedError):
+        clf.predict(clicks(10)[0])
+    X, y = clicks(50)
+    with pytest.raises(TypeError, match="X must be a pandas DataFrame"):
+        clf.fit(X.to_numpy(), y, client=client)
+    with pytest.raises(ValueError, match=r"columns \['device'\] are missing"):
+        clf.fit(X.drop(columns="device"), y, client=client)
+    with pytest.raises(ValueError, match="y must be 50 labels of 0 and 1 only"):
+        clf.fit(X, y + 1, client=client)
+    with pytest.raises(ValueError, match="model must be one of"):
+        clone(clf).set_params(model="tree").fit(X, y, client=client)
+    assert not hasattr(clf, "dense_")
