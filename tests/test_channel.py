@@ -218,3 +218,37 @@ def test_time_the_replicas_own_process_was_stopped_does_not_count_against_the_sh
     channel = DaskShardChannel(ActorStub(make_shard(), "shard-a"), 0, SIZE, 0, 1.0, direct=False)
     channel.FROZEN = 0.2
     assert channel.wait(FrozenThenAnswered(), "shard-a", 0.0).version == 1
+
+
+class EndedFitChannel(DaskShardChannel):
+    """A channel whose fit has ended: the replacements variable is gone, and a read of it blocks
+    for its whole timeout (what ``distributed.Variable.get`` does for a missing variable)."""
+
+    looks = 0
+
+    def _published(self, timeout):
+        self.looks += 1
+        # a look and a wait for the call take >= 1.2 s: a 3 s deadline sees at most 3 looks
+        assert self.looks <= 3, "the blocked looks were taken for a stopped process"
+        time.sleep(timeout)
+        return None
+
+
+class WaitedUnanswered(Unanswered):
+    """A call nobody answers, waited for as long as asked each time."""
+
+    def result(self, timeout=None):
+        time.sleep(timeout)
+        raise TimeoutError("no answer")
+
+
+def test_a_slow_look_for_a_replacement_is_not_taken_for_a_stopped_process():
+    # an interrupted fit left a replica waiting on a call its deleted shard never answers: the
+    # wait must end at its timeout, not extend it by every blocked look as if it were a freeze
+    channel = EndedFitChannel(
+        ActorStub(make_shard(), "shard-a"), 0, SIZE, 0, 3.0, replacements="gone", direct=False
+    )
+    channel.FROZEN, channel.CHECK_EVERY = 0.7, 0.0  # longer than one 0.5 s wait for the call
+    with pytest.raises(ShardLostError, match="did not answer within 3.0 s"):
+        channel.wait(WaitedUnanswered(), "shard-a", 0.0)
+    assert channel.looks >= 1

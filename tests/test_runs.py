@@ -103,8 +103,8 @@ def test_overwrite_replaces_a_run_directory(tmp_path):
 def test_a_failed_fit_leaves_no_run_directory(tmp_path, client):
     job = runs.prepare(
         {"dataset": "digits", "model": "softmax", "out": str(tmp_path), "name": "failed",
-         "max_epochs": 1}
-    )  # fmt: skip
+         "max_epochs": 1, "timeout": 10}
+    )  # fmt: skip  # a replica the interrupt leaves behind gives up on its shards within 10 s
 
     def interrupt(progress):
         raise KeyboardInterrupt

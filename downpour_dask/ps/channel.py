@@ -251,7 +251,7 @@ class DaskShardChannel:
         if self.replacements is None or early:
             return False
         self._checked = now
-        future = self._published(self.timeout)
+        future = self._published(min(self.timeout, self.FROZEN))  # a deleted variable blocks
         return future is not None and future.key != key
 
     def wait(self, call: Any, key: str, sent: float) -> Any:
@@ -259,14 +259,14 @@ class DaskShardChannel:
         deadline = last + self.timeout
         try:
             while not call.done():
-                if self.replaced(key, sent):
-                    message = f"parameter-server shard {self.shard} was replaced"
-                    raise ShardLostError(message, self.shard)
                 now = time.monotonic()  # time this process was stopped (SIGSTOP) is not the shard's
-                deadline, last = deadline + max(0.0, now - last - self.FROZEN), now
+                deadline += max(0.0, now - last - self.FROZEN)
                 if now >= deadline:
                     message = f"shard {self.shard} did not answer within {self.timeout} s"
                     raise TimeoutError(message)
+                if self.replaced(key, sent):
+                    raise ShardLostError(f"shard {self.shard} was replaced", self.shard)
+                last = time.monotonic()  # a slow look at the replacements is not a freeze
                 with contextlib.suppress(TimeoutError):
                     reply = actor_result(call, min(0.5, max(0.01, deadline - time.monotonic())))
                     return self._fenced(reply, key)
