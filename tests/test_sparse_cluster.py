@@ -53,7 +53,7 @@ def test_incremental_checkpoints_of_4_shards_restore_into_3(client, tmp_path):
     model = SparseLogisticRegression(5000, 4, n_numeric=2)
     data = click_data(n=3000, n_rows=5000)
     fit = fit_sparse(model, data, client=client, n_replicas=2, n_shards=4, batch_size=32,
-                     max_epochs=2, checkpoint_dir=tmp_path, checkpoint_every=0.3, timeout=60)
+                     max_epochs=4, checkpoint_dir=tmp_path, checkpoint_every=0.05, timeout=60)
     try:
         saved = read_sparse(tmp_path)
         dense, (table,) = fit.state()
