@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import optim
-from .optim import UpdateRule
+from .optim import UpdateRule, WrappedRule
 
 #: DC-ASGD's ``lam`` when none is given (the paper's lambda_0 for DC-ASGD-c on CIFAR-10).
 DEFAULT_LAMBDA = 0.04
@@ -35,7 +35,7 @@ DEFAULT_LAMBDA = 0.04
 PREFIX = "dc_"
 
 
-class DelayCompensated(UpdateRule):
+class DelayCompensated(WrappedRule):
     """``rule`` applied to delay-compensated gradients (module docstring).
 
     Parameters
@@ -54,17 +54,8 @@ class DelayCompensated(UpdateRule):
         self.rule, self.lam = rule, float(lam)
         self.name = PREFIX + rule.name
 
-    @property
-    def learning_rate(self) -> float:
-        """The wrapped rule's learning rate."""
-        return self.rule.learning_rate
-
     def _hyper(self) -> dict[str, float]:
         return {**self.rule._hyper(), "lam": self.lam}
-
-    def init(self, size: int) -> dict[str, np.ndarray]:
-        """The wrapped rule's state."""
-        return self.rule.init(size)
 
     def update(
         self,
@@ -77,9 +68,6 @@ class DelayCompensated(UpdateRule):
     ) -> None:
         """The wrapped rule's update (``grad`` already compensated, see :meth:`compensate`)."""
         self.rule.update(params, grad, state, staleness=staleness, rate_scale=rate_scale)
-
-    def _step(self, params, grad, state, lr) -> None:  # update() delegates; kept for the ABC
-        self.rule._step(params, grad, state, lr)
 
     def compensate(self, grad: np.ndarray, now: np.ndarray, fetched: np.ndarray) -> np.ndarray:
         """``grad + lam * grad * grad * (now - fetched)`` as a new array (``grad`` untouched)."""

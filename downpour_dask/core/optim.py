@@ -240,7 +240,32 @@ class Adam(UpdateRule):
         params -= tmp
 
 
-class StalenessAware(UpdateRule):
+class WrappedRule(UpdateRule):
+    """A rule that applies another rule, ``rule``, with something changed (the staleness-aware
+    rate below, DC-ASGD's compensated gradient in :mod:`~downpour_dask.core.compensation`):
+    the learning rate, the hyperparameters and the state are the wrapped rule's."""
+
+    rule: UpdateRule
+
+    @property
+    def learning_rate(self) -> float:
+        """The wrapped rule's learning rate."""
+        return self.rule.learning_rate
+
+    def _hyper(self) -> dict[str, float]:
+        return self.rule._hyper()
+
+    def init(self, size: int) -> dict[str, np.ndarray]:
+        """The wrapped rule's state."""
+        return self.rule.init(size)
+
+    def _step(
+        self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], lr: float
+    ) -> None:
+        self.rule._step(params, grad, state, lr)
+
+
+class StalenessAware(WrappedRule):
     """Wrap a rule so a push of staleness ``s`` steps with rate ``lr / max(1, s)``.
 
     Staleness 0 and 1 leave the inner rule unchanged.  The state is the inner rule's.
@@ -253,18 +278,6 @@ class StalenessAware(UpdateRule):
             )
         self.rule = rule
         self.name = "staleness_aware_" + rule.name
-
-    @property
-    def learning_rate(self) -> float:
-        """The inner rule's learning rate."""
-        return self.rule.learning_rate
-
-    def _hyper(self):
-        return self.rule._hyper()
-
-    def init(self, size: int) -> dict[str, np.ndarray]:
-        """The inner rule's state."""
-        return self.rule.init(size)
 
     def update(
         self,
@@ -279,11 +292,6 @@ class StalenessAware(UpdateRule):
         super().update(
             params, grad, state, staleness=staleness, rate_scale=rate_scale / max(1, staleness)
         )
-
-    def _step(
-        self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], lr: float
-    ) -> None:
-        self.rule._step(params, grad, state, lr)
 
 
 def sgd(learning_rate: float) -> SGD:
