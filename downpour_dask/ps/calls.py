@@ -1,7 +1,9 @@
 """Calls on their way to a shard, as the replica loop sees them (``done()``, ``result()``).
 
 :class:`Done` is a call that completed as it was made (the shard is in the caller's process, or
-the call could not be sent); :class:`Half` is one half of an ``exchange``.
+the call could not be sent); :class:`Half` is one half of an ``exchange``; :func:`start` makes a
+call on a shard object or handle and turns a refusal by a fenced or lost shard into a failed
+:class:`Done`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..runtime.dask_internals import actor_result
+from .protocol import FencedError, is_shard_lost
 
 
 class Done:
@@ -42,3 +45,19 @@ class Half:
 
     def result(self, timeout: float | None = None) -> Any:
         return actor_result(self.call, timeout)[self.index]
+
+
+def start(method: Any, *args: Any, local: bool = False, **kw: Any) -> Any:
+    """Call ``method(*args, **kw)`` on a shard: ``local`` (the shard object itself) returns a
+    complete :class:`Done`, otherwise the handle's pending call.  A retired shard's refusal or a
+    lost shard's handle fails the call when it is waited for; anything else (a bug) is raised
+    now."""
+    try:
+        result = method(*args, **kw)
+    except FencedError as err:
+        return Done(error=err)
+    except Exception as err:
+        if is_shard_lost(err):
+            return Done(error=err)
+        raise
+    return Done(result) if local else result

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .calls import Done
-from .protocol import FencedError, is_shard_lost
+from .calls import start
 
 #: What :meth:`ReplicaClocks.clock_state` returns.
 ClockState = tuple[int, int, int, bool]
@@ -100,16 +99,9 @@ def _call(channel: Any, name: str, *args: Any) -> Any:
     """Call shard method ``name`` over ``channel``: in-process (complete at once) or as an actor
     message; a call its lost shard's handle refuses fails when waited for."""
     local = getattr(channel, "local", None)
-    try:
-        if local is not None:
-            return Done(getattr(local, name)(*args))
-        return getattr(channel.actor, name)(*args)
-    except FencedError as err:
-        return Done(error=err)
-    except Exception as err:
-        if is_shard_lost(err):
-            return Done(error=err)
-        raise
+    if local is not None:
+        return start(getattr(local, name), *args, local=True)
+    return start(getattr(channel.actor, name), *args)
 
 
 def poll_clock(channel: Any, n_replicas: int, read: bool = False, run: str = "") -> Any:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..core.sparse import TableSpec
 from ..runtime.dask_internals import actor_result, local_actor
-from .calls import Done
+from .calls import start
 from .protocol import FencedError, ShardLostError, is_fenced, is_shard_lost
 from .table import SparseShard
 
@@ -104,17 +104,10 @@ class RowsLink:
         return "local" if self.local else "wire" if self.wire is not None else "actor"
 
     def _call(self, name: str, *args: Any, **kw: Any) -> Any:
-        try:
-            if self.local:
-                return Done(getattr(self.shard, _LOCAL[name])(*args, **kw))
-            target = self.wire if self.wire is not None else self.shard
-            return getattr(target, name)(*args, **kw)
-        except FencedError as err:
-            return Done(error=err)
-        except Exception as err:
-            if is_shard_lost(err):
-                return Done(error=err)
-            raise
+        if self.local:
+            return start(getattr(self.shard, _LOCAL[name]), *args, local=True, **kw)
+        target = self.wire if self.wire is not None else self.shard
+        return start(getattr(target, name), *args, **kw)
 
     def pull(self, requests: Sequence[np.ndarray]) -> Any:
         """Start pulling the dense slice and the rows ``requests[t]`` of each table."""
