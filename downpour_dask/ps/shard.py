@@ -33,7 +33,7 @@ from distributed import get_worker
 
 from ..core.compensation import DelayCompensated, FetchedCopies
 from ..core.compression import SparseGradient
-from ..core.guard import GuardedUpdate, clip_norm
+from ..core.guard import GuardedUpdate, all_finite, clip_norm
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
 from ..runtime.malloc import tune_malloc
@@ -240,9 +240,7 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
                 return self._reply(staleness, False)
             tracker.add(seq)
         self._tick(replica)  # the replica's clock (ps/clock.py), for SSP/BSP runs
-        # One fast float32 sum: it is NaN or inf if any element is.  Huge finite values can make
-        # it overflow too; only then is every element checked (a temporary the grad's size).
-        if not math.isfinite(float(np.add.reduce(grad))) and not np.isfinite(grad).all():
+        if not all_finite(grad):  # one fast reduction (core/guard.py)
             bad = int(np.count_nonzero(~np.isfinite(grad)))
             return self._refuse(replica, staleness, f"pushed {bad} non-finite values", bad)
         if self._fetched is not None:  # DC-ASGD: a new array, the caller's buffer stays as sent

@@ -1,0 +1,112 @@
+"""A/B of two versions of the code: Downpour's share of the ceiling, old and new code alternating.
+
+``bench_ab.py`` compares values of one ``DownpourSGD`` argument on one cluster; a change of the
+code itself cannot be switched on a running cluster.  This script exports a git revision of the
+project (``git archive``, default ``HEAD``: the last commit) into a temporary directory and runs
+the same measurement alternately with that code and with the working tree, each run a fresh
+process with its own 2-worker cluster (``PYTHONPATH`` points the process and its workers at one
+version).  Every run measures, on its own cluster: the ceiling (the serial loop on both workers at
+once, no communication, as in ``bench_downpour.py``) and Downpour (2 replicas, 2 shards unless
+told) at n_fetch = n_push of 1 and 4.  Its "of ceiling" ratios are per run, so the machine's drift
+between runs cancels; medians over the rounds.
+
+    python benchmarks/bench_code_ab.py [--base HEAD] [--rounds 4] [--seconds 4] [--replicas 2]
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def measure(seconds: float, replicas: int, shards: int) -> dict[str, float]:
+    """One run on a fresh cluster with whatever ``downpour_dask`` this process imports."""
+    from bench_downpour import downpour_examples_per_s, no_communication_examples_per_s
+    from distributed import Client, LocalCluster
+
+    from downpour_dask import datasets, models
+
+    train, _ = datasets.load("mnist5k")
+    model = models.MLP(784, (256,), 10)
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        ceiling = no_communication_examples_per_s(client, model, train.X, train.y, seconds)
+        rates = {"ceiling": ceiling}
+        for every in (1, 4):
+            rates[f"n={every}"] = downpour_examples_per_s(
+                client, model, train, replicas, every, seconds, shards
+            )
+    return rates
+
+
+def run_one(code: Path, args: argparse.Namespace) -> dict[str, float]:
+    """``measure`` in a new process importing the project from ``code``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(HERE)])}
+    command = [
+        sys.executable, str(Path(__file__).resolve()), "--child", "--seconds", str(args.seconds),
+        "--replicas", str(args.replicas), "--shards", str(args.shards),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, env=env, cwd=code, capture_output=True, text=True, timeout=600, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare against")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.seconds, args.replicas, args.shards)))
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-code-ab-") as tmp:
+        archive = subprocess.run(
+            ["git", "archive", args.base], cwd=ROOT, capture_output=True, check=True, timeout=60
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True, timeout=60)
+        versions = {f"base {args.base}": Path(tmp), "working tree": ROOT}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
+        for i in range(args.rounds):
+            for name, code in versions.items() if i % 2 == 0 else reversed(versions.items()):
+                runs[name].append(run_one(code, args))
+                print(f"round {i + 1} {name}: {runs[name][-1]}", flush=True)
+    print(
+        f"\n{args.replicas} replicas, {args.shards} shards, MLP 784-256-10, batch 128; "
+        f"{args.rounds} rounds of {args.seconds:.0f} s runs, old and new code alternating; "
+        "share of the ceiling measured in the same run (median; range)"
+    )
+    print(f"{'code':24} {'n':>3} {'examples/s':>11} {'of ceiling':>10}  range")
+    for name, rows in runs.items():
+        for every in (1, 4):
+            shares = [row[f"n={every}"] / row["ceiling"] for row in rows]
+            rate = statistics.median(row[f"n={every}"] for row in rows)
+            print(
+                f"{name:24} {every:>3} {rate:>11,.0f} {statistics.median(shares):>9.0%}  "
+                f"{min(shares):.0%}-{max(shares):.0%}"
+            )
+
+
+if __name__ == "__main__":
+    main()
