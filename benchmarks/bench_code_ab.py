@@ -8,7 +8,11 @@ process with its own 2-worker cluster (``PYTHONPATH`` points the process and its
 version).  Every run measures, on its own cluster: the ceiling (the serial loop on both workers at
 once, no communication, as in ``bench_downpour.py``) and Downpour (2 replicas, 2 shards unless
 told) at n_fetch = n_push of 1 and 4.  Its "of ceiling" ratios are per run, so the machine's drift
-between runs cancels; medians over the rounds.
+between runs cancels; medians over the rounds.  On a machine shared with other jobs even that
+moves with their load from second to second, so the script also reports the CPU time the two
+worker processes used per example (``time.process_time`` in each, before and after the whole
+fit, over all the examples it trained on, start-up included), against the ceiling's: CPU spent
+by other processes does not count in it, CPU spent on anything but gradients does.
 
     python benchmarks/bench_code_ab.py [--base HEAD] [--rounds 4] [--seconds 4] [--replicas 2]
 """
@@ -26,33 +30,54 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
+def _cpu(client) -> float:
+    """CPU seconds the cluster's worker processes have used so far (all their threads)."""
+    return sum(client.run(time.process_time).values())
+
+
 def measure(seconds: float, replicas: int, shards: int) -> dict[str, float]:
-    """One run on a fresh cluster with whatever ``downpour_dask`` this process imports."""
-    from bench_downpour import downpour_examples_per_s, no_communication_examples_per_s
+    """One run on a fresh cluster with whatever ``downpour_dask`` this process imports: examples/s
+    and the workers' CPU microseconds per example, of the ceiling and of Downpour at n = 1, 4."""
+    from bench_downpour import _serial_on_worker, downpour_fit
     from distributed import Client, LocalCluster
 
     from downpour_dask import datasets, models
 
     train, _ = datasets.load("mnist5k")
     model = models.MLP(784, (256,), 10)
+    rates: dict[str, float] = {}
     with (
         LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,
     ):
-        ceiling = no_communication_examples_per_s(client, model, train.X, train.y, seconds)
-        rates = {"ceiling": ceiling}
+        workers = sorted(client.scheduler_info()["workers"])
+        data = client.scatter([train.X, train.y], broadcast=True, hash=False)
+        downpour_fit(client, model, train, replicas, 1, 2.0, shards)  # imports, first calls
+        cpu = _cpu(client)
+        futures = [
+            client.submit(_serial_on_worker, model, *data, seconds, workers=[w], pure=False)
+            for w in workers
+        ]
+        rates["ceiling"] = sum(client.gather(futures))
+        cpu = _cpu(client) - cpu
+        rates["ceiling cpu"] = cpu * 1e6 / (rates["ceiling"] * seconds)
+        client.cancel(data)
         for every in (1, 4):
-            rates[f"n={every}"] = downpour_examples_per_s(
-                client, model, train, replicas, every, seconds, shards
-            )
+            cpu = _cpu(client)
+            pushes = downpour_fit(client, model, train, replicas, every, seconds, shards)
+            cpu = _cpu(client) - cpu
+            window = pushes[(pushes["time"] >= 1.0) & (pushes["time"] <= seconds)]
+            rates[f"n={every}"] = window["examples"].sum() / (seconds - 1.0)
+            rates[f"n={every} cpu"] = cpu * 1e6 / pushes["examples"].sum()
     return rates
 
 
@@ -95,16 +120,24 @@ def main() -> None:
     print(
         f"\n{args.replicas} replicas, {args.shards} shards, MLP 784-256-10, batch 128; "
         f"{args.rounds} rounds of {args.seconds:.0f} s runs, old and new code alternating; "
-        "share of the ceiling measured in the same run (median; range)"
+        "medians (range): examples/s and its share of the ceiling measured in the same run; "
+        "the workers' CPU per example against the ceiling's (CPU share: ceiling's / row's)"
     )
-    print(f"{'code':24} {'n':>3} {'examples/s':>11} {'of ceiling':>10}  range")
+    print(
+        f"{'code':24} {'n':>3} {'examples/s':>11} {'of ceiling':>10} {'range':>9} "
+        f"{'cpu us/ex':>10} {'CPU share':>10} {'range':>9}"
+    )
     for name, rows in runs.items():
         for every in (1, 4):
             shares = [row[f"n={every}"] / row["ceiling"] for row in rows]
+            cpu_shares = [row["ceiling cpu"] / row[f"n={every} cpu"] for row in rows]
             rate = statistics.median(row[f"n={every}"] for row in rows)
+            cpu = statistics.median(row[f"n={every} cpu"] for row in rows)
             print(
-                f"{name:24} {every:>3} {rate:>11,.0f} {statistics.median(shares):>9.0%}  "
-                f"{min(shares):.0%}-{max(shares):.0%}"
+                f"{name:24} {every:>3} {rate:>11,.0f} {statistics.median(shares):>9.0%} "
+                f"{min(shares):>4.0%}-{max(shares):.0%} {cpu:>10.1f} "
+                f"{statistics.median(cpu_shares):>9.0%} {min(cpu_shares):>4.0%}-"
+                f"{max(cpu_shares):.0%}"
             )
 
 

@@ -87,6 +87,16 @@ def downpour_examples_per_s(
     client, model, train, replicas: int, every: int, seconds: float, shards: int = 2, **extra
 ) -> float:
     """Examples/s of one Downpour fit; ``extra`` overrides further ``DownpourSGD`` settings."""
+    pushes = downpour_fit(client, model, train, replicas, every, seconds, shards, **extra)
+    # throughput while all replicas run: examples acknowledged in the window after the first second
+    window = pushes[(pushes["time"] >= 1.0) & (pushes["time"] <= seconds)]
+    return window["examples"].sum() / (seconds - 1.0)
+
+
+def downpour_fit(
+    client, model, train, replicas: int, every: int, seconds: float, shards: int = 2, **extra
+):
+    """One Downpour fit of ``seconds`` on this workload; its pushes (``experiment_.pushes``)."""
     settings = dict(
         n_replicas=replicas,
         n_shards=shards,
@@ -101,10 +111,7 @@ def downpour_examples_per_s(
         random_state=0,
     )
     est = DownpourSGD(model, **{**settings, **extra}).fit(train, client=client)
-    pushes = est.experiment_.pushes
-    # throughput while all replicas run: examples acknowledged in the window after the first second
-    window = pushes[(pushes["time"] >= 1.0) & (pushes["time"] <= seconds)]
-    return window["examples"].sum() / (seconds - 1.0)
+    return est.experiment_.pushes
 
 
 CONFIGURATIONS = [  # (replicas, shards, transport) for each n_fetch = n_push

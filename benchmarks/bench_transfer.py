@@ -10,6 +10,12 @@ as Dask actor messages (``transport="dask"``).  Finally the naive actor again in
 now tuned, processes, to show what part of the gain is the allocator
 (downpour_dask/runtime/malloc.py).
 
+The limit any transport could reach: the machine's raw loopback socket throughput, measured in the
+same run between the same two worker processes -- a plain TCP connection from a task on the near
+worker to a thread on the far one, sending the push's bytes (4 MB) and receiving as many back
+(the pull's), with nothing else done on either side.  The "vs loopback" column is each row's time
+over that one.
+
     python benchmarks/bench_transfer.py [--repeats 5] [--calls 30]
 """
 
@@ -22,8 +28,11 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import platform  # noqa: E402
+import socket  # noqa: E402
 import statistics  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
+from urllib.parse import urlparse  # noqa: E402
 
 import numpy as np  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
@@ -88,6 +97,58 @@ def time_downpour(server: ParameterServer, wired: bool, calls: int) -> float:
     return statistics.median(times)
 
 
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (one MSG_WAITALL call, as the wire's reads, unless cut short)."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("the other side closed")
+        got += n
+
+
+def start_loopback_echo(host: str, nbytes: int, connections: int) -> int:
+    """On the far worker (``client.run``): a thread serving ``connections`` connections one
+    after the other, each answering every ``nbytes`` it receives with ``nbytes`` back; its port."""
+    listener = socket.create_server((host, 0))
+    listener.settimeout(300)
+
+    def serve() -> None:
+        buffer = memoryview(bytearray(nbytes))
+        with listener:
+            for _ in range(connections):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(300)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    try:
+                        while True:
+                            _recv_exactly(conn, buffer)
+                            conn.sendall(buffer)
+                    except ConnectionError:
+                        continue
+
+    threading.Thread(target=serve, name="bench-loopback-echo", daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def time_loopback(host: str, port: int, calls: int) -> float:
+    """Median seconds of sending a push's bytes and receiving a pull's over a plain TCP
+    connection, nothing else done on either side (runs on the near worker)."""
+    grad = np.random.default_rng(1).standard_normal(SIZE).astype(np.float32)
+    back = memoryview(np.empty(SIZE, dtype=np.float32)).cast("B")
+    times = []
+    with socket.create_connection((host, port), timeout=300) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(calls + 3):
+            start = time.perf_counter()
+            sock.sendall(grad)
+            _recv_exactly(sock, back)
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -115,6 +176,9 @@ def main() -> None:
             return statistics.median(runs)
 
         baseline = median_of(time_naive, naive)
+        host = urlparse(far).hostname
+        port = client.run(start_loopback_echo, host, SIZE * 4, args.repeats, workers=[far])[far]
+        loopback = median_of(time_loopback, host, port)
         server = ParameterServer.create(client, initial, 2, optim.sgd(0.01), [far, far])
         portable = server.portable()
         wired = median_of(time_downpour, portable, True)
@@ -122,6 +186,7 @@ def main() -> None:
         naive_tuned = median_of(time_naive, naive)
         server.close()
     rows = [
+        ("raw TCP loopback, same bytes, nothing else done", loopback),
         ("naive sync actor, default worker processes", baseline),
         ("downpour-dask shards (2, far), direct connections", wired),
         ("downpour-dask shards (2, far), actor messages", messages),
@@ -131,9 +196,13 @@ def main() -> None:
         f"\npull + push of {SIZE:,} float32 parameters from another worker, median of "
         f"{args.repeats} x {args.calls} round trips"
     )
-    print(f"{'path':52} {'ms':>8} {'vs naive':>9}")
+    print(f"{'path':52} {'ms':>8} {'vs naive':>9} {'vs loopback':>12}")
     for name, seconds in rows:
-        print(f"{name:52} {seconds * 1e3:8.2f} {seconds / baseline:8.2f}x")
+        print(
+            f"{name:52} {seconds * 1e3:8.2f} {seconds / baseline:8.2f}x {seconds / loopback:11.2f}x"
+        )
+    gbps = 2 * SIZE * 4 / loopback / 1e9
+    print(f"raw loopback throughput: {gbps:.2f} GB/s (both directions, one connection)")
 
 
 if __name__ == "__main__":

@@ -51,3 +51,43 @@ def test_a_guarded_update_that_would_overflow_leaves_parameters_and_state_as_the
     for key, value in state.items():
         np.testing.assert_array_equal(value, before[1][key])
     assert guard.apply(params, np.full(1000, 1.0, np.float32), state) is None  # and goes on
+
+
+@pytest.mark.parametrize("rule", [optim.sgd(0.05), optim.adagrad(0.1)], ids=["sgd", "adagrad"])
+def test_updates_the_bounds_prove_safe_skip_the_check_and_equal_the_bare_rule(rule):
+    rng = np.random.default_rng(0)
+    params = rng.standard_normal(5000).astype(np.float32)
+    state = rule.init(5000)
+    bare_params, bare_state = params.copy(), {k: v.copy() for k, v in state.items()}
+    guard = GuardedUpdate(rule, params, state)
+    for _ in range(20):
+        grad = rng.standard_normal(5000).astype(np.float32)
+        assert guard.apply(params, grad, state, grad_sq=float(np.dot(grad, grad))) is None
+        rule.update(bare_params, grad, bare_state)
+    assert guard.unchecked == 20  # no copy, no check: the bounds proved every update finite
+    np.testing.assert_array_equal(params, bare_params)
+    for key, value in state.items():
+        np.testing.assert_array_equal(value, bare_state[key])
+
+
+def test_a_learning_rate_whose_steps_could_overflow_is_checked_and_refused_when_they_do():
+    params = np.ones(1000, dtype=np.float32)
+    rule = optim.sgd(1e30)
+    guard = GuardedUpdate(rule, params, {})
+    grad = np.full(1000, 1e3, dtype=np.float32)
+    assert guard.apply(params, grad, {}) is None  # moves by 1e33: far from overflowing
+    assert guard.unchecked == 1
+    rule.learning_rate = 1e36  # moves by 1e39 would overflow float32: checked, refused
+    before = params.copy()
+    with np.errstate(over="ignore"):
+        assert guard.apply(params, grad, {}) == "parameters"
+    assert guard.unchecked == 1
+    np.testing.assert_array_equal(params, before)
+
+
+def test_a_wrapped_rule_is_always_checked():
+    rule = optim.staleness_aware(optim.sgd(0.1))
+    params = np.zeros(100, np.float32)
+    guard = GuardedUpdate(rule, params, rule.init(100))
+    assert guard.apply(params, np.ones(100, np.float32), {}, staleness=3) is None
+    assert guard.unchecked == 0

@@ -10,29 +10,33 @@ import math
 
 import numpy as np
 
-from .optim import UpdateRule
+from .optim import SGD, Adagrad, UpdateRule
 
 _BLAS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def all_finite(array: np.ndarray) -> bool:
-    """Whether every element of ``array`` is finite: one fast reduction, which is NaN or inf if
-    any element is; only when it overflows (huge finite values) is every element checked.
+def sum_of_squares(array: np.ndarray) -> float:
+    """The sum of the squares of ``array``'s elements, fast: NaN if any element is NaN, inf if
+    any is inf -- or if the sum overflows (elements above ~1e19 in float32).
 
-    For a contiguous float32/float64 array the reduction is the BLAS dot product of the array
-    with itself (a sum of squares: NaN if any element is NaN, inf if any is inf): it runs at
-    memory speed, 2-4x faster than numpy's pairwise ``add.reduce``, and it is on the path of
-    every push a shard applies (twice: the gradient, then the updated parameters).  It
-    overflows for elements above ~1e19, where the element-wise check decides.
+    For a contiguous float32/float64 array it is the BLAS dot product of the array with itself,
+    which runs at memory speed, 2-4x faster than numpy's pairwise ``add.reduce``; it is on the
+    path of every push a shard applies.  A sum of non-negative terms is never rounded below its
+    largest term, so no element's square exceeds it (what :class:`GuardedUpdate` relies on).
     """
-    if array.dtype.kind not in "fc":
-        return True
     if array.dtype in _BLAS and array.flags.c_contiguous:
         flat = array.reshape(-1)
-        total = np.dot(flat, flat)
-    else:
-        total = np.add.reduce(array, axis=None)
-    if math.isfinite(float(total.real)):
+        return float(np.dot(flat, flat))
+    return float(np.add.reduce(np.square(array, dtype=np.float64), axis=None))
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether every element of ``array`` is finite: one fast reduction
+    (:func:`sum_of_squares`), NaN or inf if any element is; only when it overflows (huge finite
+    values) is every element checked."""
+    if array.dtype.kind not in "fc":
+        return True
+    if array.dtype.kind == "f" and math.isfinite(sum_of_squares(array)):
         return True
     return bool(np.isfinite(array).all())
 
@@ -43,9 +47,19 @@ class GuardedUpdate:
 
     One huge but finite gradient can overflow an update-rule's state (Adagrad's sum of squares
     of N(0, 1e20) values is inf, and those coordinates never move again) or the parameters
-    themselves; a NaN gradient is easy to spot, these are not, so the result is checked.  The
-    price is a copy of the slice and of its state per update (kept in preallocated buffers)
-    and one sum over each.
+    themselves; a NaN gradient is easy to spot, these are not, so the result is checked: a copy
+    of the slice and of its state before the update (kept in preallocated buffers) and a
+    finiteness check of each after it.
+
+    For plain SGD and Adagrad that price is mostly avoided: how far one update can move any
+    element is known from the gradient's norm (:func:`sum_of_squares`, which the caller's
+    finiteness check of the gradient computes anyway): ``lr * |g|`` for SGD, ``lr`` for
+    Adagrad's parameters (its step is ``lr * g / sqrt(sum of squares including g**2)``) and
+    ``|g|**2`` for its sum of squares.  The guard keeps an upper bound of every array's largest
+    magnitude (measured once, then grown by each update's largest move); while the bounds stay
+    far below the dtype's largest value no update can overflow, and it is applied without copy
+    and check.  Otherwise -- another rule, a bound too high -- the update is checked as above.
+    The arrays must change only through :meth:`apply` (a shard's do).
 
     Parameters
     ----------
@@ -56,10 +70,16 @@ class GuardedUpdate:
         The rule's state for that slice (same).
     """
 
+    #: Updates checked in full before the bounds are measured again, after they were too high.
+    REMEASURE_AFTER = 64
+
     def __init__(self, rule: UpdateRule, params: np.ndarray, state: dict[str, np.ndarray]):
         self.rule = rule
         self._undo = {"": np.empty_like(params)}
         self._undo.update({name: np.empty_like(array) for name, array in state.items()})
+        self._bounds: dict[str, float] | None = None  # of each array's largest magnitude
+        self._skip_measuring = 0
+        self.unchecked = 0  # updates applied on the bounds alone (diagnostics, tests)
 
     def apply(
         self,
@@ -68,11 +88,18 @@ class GuardedUpdate:
         state: dict[str, np.ndarray],
         *,
         staleness: int = 0,
+        grad_sq: float | None = None,
     ) -> str | None:
         """Apply ``grad`` in place; return None, or -- with ``params`` and ``state`` left as
         they were -- the name of what would have become non-finite (``"parameters"`` or the
-        state array's name)."""
+        state array's name).  ``grad_sq``: :func:`sum_of_squares` of ``grad`` if the caller
+        has it (or of a gradient no element of ``grad`` exceeds in magnitude)."""
         arrays = {"": params, **state}
+        if self._cannot_overflow(arrays, grad, grad_sq):
+            self.rule.update(params, grad, state, staleness=staleness)
+            self.unchecked += 1
+            return None
+        self._bounds = None  # measured again when next needed
         for name, array in arrays.items():
             np.copyto(self._undo[name], array)
         self.rule.update(params, grad, state, staleness=staleness)
@@ -82,6 +109,55 @@ class GuardedUpdate:
         for name, array in arrays.items():
             np.copyto(array, self._undo[name])
         return bad or "parameters"
+
+    def _cannot_overflow(
+        self, arrays: dict[str, np.ndarray], grad: np.ndarray, grad_sq: float | None
+    ) -> bool:
+        """Whether the bounds prove that this update leaves every array finite (if so, they
+        are grown by it)."""
+        moves = _largest_moves(self.rule, grad, grad_sq)
+        if moves is None or not set(moves) <= set(arrays):
+            return False
+        if self._bounds is None:
+            if self._skip_measuring:
+                self._skip_measuring -= 1
+                return False
+            self._bounds = {name: _largest_magnitude(array) for name, array in arrays.items()}
+        grown = {name: bound + moves.get(name, 0.0) for name, bound in self._bounds.items()}
+        if all(grown[name] < _LIMIT[array.dtype] for name, array in arrays.items()):
+            self._bounds = grown  # (a NaN bound fails the comparison)
+            return True
+        self._bounds, self._skip_measuring = None, self.REMEASURE_AFTER
+        return False
+
+
+#: Rounding slack on the bounds (float32 rounds by 6e-8 per operation).
+_SLACK = 1.001
+#: The bounds must stay below these: far from overflowing, whatever rounding does.
+_LIMIT: dict[np.dtype, float] = {d: float(np.finfo(d).max) / 16 for d in _BLAS}
+
+
+def _largest_magnitude(array: np.ndarray) -> float:
+    if array.dtype not in _BLAS:
+        return math.inf  # no bound
+    return float(max(array.max(), -array.min())) if array.size else 0.0
+
+
+def _largest_moves(rule: UpdateRule, grad: np.ndarray, grad_sq: float | None) -> dict | None:
+    """How far one update by ``rule`` can move any element of each array it changes, or None
+    when not known (only plain SGD and Adagrad are: a subclass or a wrapper may do anything)."""
+    kind = type(rule)
+    if kind is not SGD and kind is not Adagrad:
+        return None
+    norm_sq = sum_of_squares(grad) if grad_sq is None else float(grad_sq)
+    if not math.isfinite(norm_sq):  # a non-finite or huge gradient: check the update
+        return None
+    if kind is SGD:
+        return {"": rule.learning_rate * math.sqrt(norm_sq) * _SLACK}
+    # Adagrad: |g| / (sqrt(sum_sq + g**2) + eps) <= 1, unless g**2 underflowed (|g| < 1e-18):
+    # then it is at most 1e-18 / eps.
+    step = rule.learning_rate * max(1.0, 1e-18 / rule.eps) * _SLACK
+    return {"": step, "sum_sq": norm_sq * _SLACK}
 
 
 def clip_norm(grad: np.ndarray, max_norm: float) -> float:

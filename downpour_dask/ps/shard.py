@@ -33,7 +33,7 @@ from distributed import get_worker
 
 from ..core.compensation import DelayCompensated, FetchedCopies
 from ..core.compression import SparseGradient
-from ..core.guard import GuardedUpdate, all_finite, clip_norm
+from ..core.guard import GuardedUpdate, clip_norm, sum_of_squares
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
 from ..runtime.malloc import tune_malloc
@@ -240,16 +240,19 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
                 return self._reply(staleness, False)
             tracker.add(seq)
         self._tick(replica)  # the replica's clock (ps/clock.py), for SSP/BSP runs
-        if not all_finite(grad):  # one fast reduction (core/guard.py)
+        grad_sq = sum_of_squares(grad)  # NaN or inf if an element is (or if it overflows)
+        if not math.isfinite(grad_sq) and not np.isfinite(grad).all():
             bad = int(np.count_nonzero(~np.isfinite(grad)))
             return self._refuse(replica, staleness, f"pushed {bad} non-finite values", bad)
         if self._fetched is not None:  # DC-ASGD: a new array, the caller's buffer stays as sent
-            grad = self._fetched.compensate(self.rule, replica, grad, self.values)
+            grad, grad_sq = self._fetched.compensate(self.rule, replica, grad, self.values), None
         if self.max_grad_norm is not None:
             grad = np.array(grad, copy=True)  # the caller's buffer (or wire.py's) stays as sent
             if clip_norm(grad, self.max_grad_norm) > self.max_grad_norm:
                 self.clipped += 1
-        overflow = self._guard.apply(self.values, grad, self.state, staleness=staleness)
+        overflow = self._guard.apply(  # (clipping only shrinks the elements: grad_sq holds)
+            self.values, grad, self.state, staleness=staleness, grad_sq=grad_sq
+        )
         if overflow is not None:
             reason = f"pushed a gradient that would make the {overflow} non-finite"
             return self._refuse(replica, staleness, reason, 0)
