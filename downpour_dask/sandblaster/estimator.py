@@ -25,6 +25,7 @@ from ..data.datasets import Dataset
 from ..inputs import evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
+from .blocks import ArrayBlocks
 from .coordinator import Coordinator
 
 
@@ -243,8 +244,9 @@ class SandblasterLBFGS(ParamServerEstimator):
         evaluation = evaluation_data(self, model, eval_data)
         callback, delay = self._callback(callback), dict(portion_delay or {})
         with cluster_client(client, self.security, announce=self.verbose >= 1) as active:
+            data = ArrayBlocks(X, y)
             run = Coordinator(
-                self, active, X, y, evaluation, delay, callback, model, self._initial_params()
+                self, active, data, evaluation, delay, callback, model, self._initial_params()
             )
             run.execute()
         self.model_ = model

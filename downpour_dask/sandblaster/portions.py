@@ -35,6 +35,7 @@ from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
+from .blocks import ArrayBlocks
 from .shard import SandblasterShard
 from .tasks import PortionResult, run_portion
 
@@ -68,9 +69,9 @@ class Portions:
     client : distributed.Client
     server : ParameterServer
         The :class:`~downpour_dask.sandblaster.shard.SandblasterShard` actors.
-    X, y : ndarray
-        The training data on the driver; each portion's rows are scattered to one worker, and
-        scattered again from here if that worker dies.
+    data : ArrayBlocks
+        The training rows: each portion's rows become a block on one worker, placed again if
+        that worker dies.
     batches : list of list of int
         The portion ids of every batch.
     rows : list
@@ -98,8 +99,7 @@ class Portions:
         self,
         client: Client,
         server: ParameterServer,
-        X: np.ndarray,
-        y: np.ndarray,
+        data: ArrayBlocks,
         batches: list[list[int]],
         rows: list,
         model: Model,
@@ -111,13 +111,11 @@ class Portions:
         delay: Mapping[str, float] | None = None,
         workers: list[str] | None = None,
     ):
-        self.client, self.server, self.X, self.y = client, server, X, y
+        self.client, self.server, self.data = client, server, data
         self.batches, self.rows, self.model, self.observer = batches, rows, model, observer
         self.token, self.timeout, self.backup_tasks = token, timeout, backup_tasks
         self.delay = dict(delay or {})
-        self.blocks = client.scatter(
-            [(X[idx], y[idx]) for idx in rows], workers=workers, hash=False, timeout=timeout
-        )  # spread over the workers; views when the rows are contiguous
+        self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
         self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
@@ -269,8 +267,7 @@ class Portions:
 
     def _scatter(self, pid: int) -> Future:
         """Send the rows of portion ``pid`` to one worker (Dask picks it, spreading blocks)."""
-        idx, X, y = self.rows[pid], self.X, self.y
-        return self.client.scatter([(X[idx], y[idx])], hash=False, timeout=self.timeout)[0]
+        return self.data.replace(self.client, self.rows[pid], self.timeout)
 
     def _restore_blocks(self) -> None:
         """Re-scatter, from the driver's copy, every data block that died with its worker.
