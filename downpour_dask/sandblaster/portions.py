@@ -35,7 +35,7 @@ from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
-from .blocks import ArrayBlocks
+from .blocks import ArrayBlocks, FileBlocks
 from .shard import SandblasterShard
 from .tasks import PortionResult, run_portion
 
@@ -69,7 +69,7 @@ class Portions:
     client : distributed.Client
     server : ParameterServer
         The :class:`~downpour_dask.sandblaster.shard.SandblasterShard` actors.
-    data : ArrayBlocks
+    data : ArrayBlocks or FileBlocks
         The training rows: each portion's rows become a block on one worker, placed again if
         that worker dies.
     batches : list of list of int
@@ -99,7 +99,7 @@ class Portions:
         self,
         client: Client,
         server: ParameterServer,
-        data: ArrayBlocks,
+        data: ArrayBlocks | FileBlocks,
         batches: list[list[int]],
         rows: list,
         model: Model,
@@ -263,23 +263,29 @@ class Portions:
             who = self.client.who_has([b for b in self.blocks if b.status == "finished"])
         except FUTURES_CANCELLED:  # a block died meanwhile; _restore_blocks resends it
             return
-        self.where = {pid: set(who.get(block.key, ())) for pid, block in enumerate(self.blocks)}
+        homes = self.data.homes  # where a block still being read will be
+        self.where = {
+            pid: set(who.get(block.key, ())) or ({homes[pid]} if pid in homes else set())
+            for pid, block in enumerate(self.blocks)
+        }
 
     def _scatter(self, pid: int) -> Future:
         """Send the rows of portion ``pid`` to one worker (Dask picks it, spreading blocks)."""
         return self.data.replace(self.client, self.rows[pid], self.timeout)
 
     def _restore_blocks(self) -> None:
-        """Re-scatter, from the driver's copy, every data block that died with its worker.
+        """Place again every data block that died with its worker (see ``data.replace``).
 
         Scattered data cannot be recomputed by Dask, and its Active Memory Manager removes extra
-        replicas, so the driver (which holds the training data anyway) is the backup copy.
+        replicas, so the driver (which holds the training data anyway) is the backup copy.  A
+        block read from files is read again, unless Dask is reading it (again) already.
         """
         for pid, block in enumerate(self.blocks):
-            if block.status != "finished":
+            reading = block.status == "pending" and pid in self.data.homes
+            if block.status != "finished" and not reading:
                 self.blocks[pid] = self._scatter(pid)
                 self.observer.event(
-                    "data_restored", f"portion {pid}'s rows scattered again", portion=pid
+                    "data_restored", f"portion {pid}'s rows placed again", portion=pid
                 )
         self._refresh()
 
