@@ -32,6 +32,18 @@ FILE_KINDS = ("parquet", "npy", "csv")
 _CHUNK_ROWS = 65536  # rows decoded at a time while a block is read
 
 
+#: Portions per worker thread by default.  Coarser portions make each pass cheaper (fewer task
+#: and shard round trips), but bigger blocks scattered from the driver made the first pass
+#: later by more than that (see ``bench_sandblaster.py`` in benchmarks/README.md), so in-memory
+#: data keeps 10; files get one portion per file unless more are asked for.
+PORTIONS_PER_THREAD = 10
+
+
+def default_portions(threads: int) -> int:
+    """Portions per batch when ``portions_per_batch`` is None, for ``threads`` worker threads."""
+    return PORTIONS_PER_THREAD * max(1, threads)
+
+
 class ArrayBlocks:
     """In-memory training rows ``(X, y)``, scattered from the driver as one block per portion.
 

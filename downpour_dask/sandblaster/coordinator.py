@@ -47,7 +47,7 @@ from ..log import Experiment, Progress, PushRow
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
-from .blocks import ArrayBlocks, FileBlocks
+from .blocks import ArrayBlocks, FileBlocks, default_portions
 from .portions import Portions
 from .shard import SandblasterShard
 from .tasks import PortionResult, evaluate_task, forget_run
@@ -145,7 +145,7 @@ class Coordinator:
         size = n if est.batch_size is None else min(est.batch_size, n)
         order = None if size == n else rng.permutation(n)
         threads = sum(info.get("nthreads", 1) for info in workers.values())
-        return self.data.portions(size, est.portions_per_batch or 10 * threads, order)
+        return self.data.portions(size, est.portions_per_batch or default_portions(threads), order)
 
     def execute(self) -> None:
         """Run the fit: start the shards, optimise, gather the result, build the experiment."""

@@ -55,7 +55,9 @@ class SandblasterLBFGS(ParamServerEstimator):
         each iteration's gradient and line search then use one batch.
     portions_per_batch : int, optional
         Portions (tasks) each batch is cut into; default 10 per worker thread, so faster workers
-        can take more of them.
+        can take more of them.  Files: one portion per file, or per row range of a file when
+        this asks for more portions than there are files (the default does with fewer than 10
+        files per worker thread).
     history : int, default 10
         L-BFGS memory m: (s, y) pairs kept on the shards.
     max_iter : int, default 100
