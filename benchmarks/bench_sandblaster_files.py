@@ -17,7 +17,9 @@ the files (the target is the best final objective, re-evaluated in float64, time
 
 The cluster (2 single-threaded worker processes, as Dask's nanny gives each one BLAS thread) is
 started before any timing: a user who brings a cluster has it already.  ``moved`` is the bytes
-the workers received from each other during the fit (a portion run away from its block).
+the workers received from each other during the fit (a portion run away from its block); the
+"any-worker" row lets an idle worker take a portion whose block is on another live worker
+(``Portions.LOCAL_ONLY = False``, the dispatch before), the other waits for that worker.
 
     python benchmarks/bench_sandblaster_files.py [--rows 10000000] [--features 100] [--rel 1e-5]
 
@@ -51,6 +53,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import datasets, models  # noqa: E402
 from downpour_dask.sandblaster.blocks import read_block  # noqa: E402
+from downpour_dask.sandblaster.portions import Portions  # noqa: E402
 
 
 def read_all(files) -> tuple[np.ndarray, np.ndarray]:
@@ -124,11 +127,15 @@ def run(files, args) -> None:
         original_init = models.LogisticRegression.init
         models.LogisticRegression.init = lambda self, rng: x0.copy()  # same start as scipy
         try:
-            label = "SandblasterLBFGS (workers read the files)"
-            before = transferred(client)
-            params, trace, evals = run_sandblaster(client, model, files, None, None)
-            results[label] = (params, trace, evals)
-            moved[label] = transferred(client) - before
+            for local_only in (False, True):  # A/B: portions may run away from their block
+                Portions.LOCAL_ONLY = local_only
+                label = "SandblasterLBFGS (workers read the files)" + (
+                    "" if local_only else " any-worker"
+                )
+                before = transferred(client)
+                params, trace, evals = run_sandblaster(client, model, files, None, None)
+                results[label] = (params, trace, evals)
+                moved[label] = transferred(client) - before
             print(f"files done; load: {os.getloadavg()[0]:.1f}", flush=True)
             if not args.skip_arrays:
                 label = "SandblasterLBFGS (driver reads, scatters)"

@@ -9,6 +9,7 @@ import scipy.optimize
 from downpour_dask import datasets, models
 from downpour_dask.sandblaster.blocks import FileBlocks, read_block
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
+from downpour_dask.sandblaster.portions import Portions
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +97,27 @@ def test_bad_file_data_is_refused_before_any_cluster_work(digits_files):
         SandblasterLBFGS(models.LogisticRegression(4)).fit(collection, client=object())
     with pytest.raises(TypeError, match=r"eval_data is a ShardedDataset .*gather it whole"):
         SandblasterLBFGS(models.LogisticRegression(64)).fit(X, y, eval_data=files, client=object())
+
+
+@pytest.mark.parametrize("local_only", [True, False])
+def test_a_free_worker_waits_for_a_live_workers_block_instead_of_moving_it(local_only):
+    portions = Portions.__new__(Portions)  # only the dispatch state; no cluster
+    portions.LOCAL_ONLY = local_only
+    portions.capacity, portions.load = {"a": 2, "b": 3}, {}
+    portions.where = {0: {"a"}, 1: {"a"}, 2: {"a"}, 3: {"b"}, 4: {"gone"}}
+    submitted = []
+
+    def submit(version, pid, worker, backup):
+        submitted.append((pid, worker))
+        portions.load[worker] = portions.load.get(worker, 0) + 1
+
+    portions._submit = submit
+    todo = [0, 1, 2, 3, 4]
+    portions._dispatch(0, todo, {})
+    on_a = [pid for pid, worker in submitted if worker == "a"]
+    on_b = [pid for pid, worker in submitted if worker == "b"]
+    assert on_a == [0, 1]  # its own blocks
+    if local_only:  # b runs its block and the one of a worker that left, never one of a's
+        assert on_b == [3, 4] and todo == [2]
+    else:  # the dispatch before: b's free slot takes a's block, which then moves to b
+        assert on_b == [3, 4, 2] and todo == []

@@ -94,6 +94,7 @@ class Portions:
     """
 
     DEPTH = 2  # portions queued per worker thread, so a worker never waits for the driver
+    LOCAL_ONLY = True  # a portion runs where its block is while that worker lives
 
     def __init__(
         self,
@@ -306,17 +307,25 @@ class Portions:
         return [w for w in sorted(self.capacity) if self.load.get(w, 0) < self.capacity[w]]
 
     def _dispatch(self, version: int, todo: list[int], copies: dict) -> None:
-        """Give each free worker slot a portion, preferring portions whose data it holds."""
+        """Give each free worker slot a portion whose data it holds; with ``LOCAL_ONLY``, a
+        portion whose data is on another live worker waits for that worker (moving a block
+        costs more than the wait; backup tasks still copy a straggler), else any portion."""
         while todo:
-            free = self._free()
-            if not free:
-                return
-            for worker in free:
+            assigned = False
+            for worker in self._free():
                 if not todo:
                     return
-                pid = next((p for p in todo if worker in self.where.get(p, ())), todo[0])
+                pid = next((p for p in todo if worker in self.where.get(p, ())), None)
+                if pid is None:
+                    held = [p for p in todo if not self.where.get(p, set()) & set(self.capacity)]
+                    pid = (held or todo)[0] if held or not self.LOCAL_ONLY else None
+                if pid is None:
+                    continue
                 todo.remove(pid)
                 copies[pid] = [self._submit(version, pid, worker, backup=False)]
+                assigned = True
+            if not assigned:
+                return
 
     def _backups(self, version: int, copies: dict, done: dict, durations: list) -> None:
         """Near the end of a batch, re-submit portions running unusually long on idle workers.
