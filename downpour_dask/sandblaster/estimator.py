@@ -120,7 +120,8 @@ class SandblasterLBFGS(ParamServerEstimator):
     Notes
     -----
     A worker that dies mid-batch costs nothing but time: Dask re-runs its portions elsewhere, the
-    driver re-scatters the data blocks it held, and the shards count every portion once.  A lost
+    driver re-scatters the data blocks it held (blocks from files are read again), and the
+    shards count every portion once.  A lost
     shard is detected at once (its worker left) or within ``timeout`` (it stopped answering);
     the coordinator then starts new shards at the iterate of the last completed iteration and
     continues with an empty L-BFGS history (``shard_restored`` event), at most 3 times per fit.
