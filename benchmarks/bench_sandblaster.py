@@ -9,14 +9,18 @@ appends), so its objective is exactly N times ours; its values are divided by N.
 
 Each method's objective is recorded at every evaluation (scipy, dask-ml) or iteration
 (Sandblaster) against wall time since the method was handed the numpy arrays (data placement on
-the cluster is included).  The target is the best final objective of the three runs, re-evaluated
-in float64 on the driver, times ``1 + --rel``; the table reports when each method first reached
-it, and the ratio to dask-ml's time (below 1: faster than dask-ml).  ``evals`` counts full
-gradient evaluations (distributed passes for Sandblaster, line-search trials included); ``1st
-eval`` is when the first objective value was known: mostly data placement (scatter to the
-workers) for the cluster runs.
+the cluster is included).  The target is the best final objective of all runs, re-evaluated
+in float64 on the driver, times ``1 + --rel``; the table reports when each run first reached
+it, and the ratios to scipy's best time and to dask-ml's (below 1: faster).  ``evals`` counts
+full gradient evaluations (distributed passes for Sandblaster, line-search trials included);
+``1st eval`` is when the first objective value was known: mostly data placement (scatter to the
+workers) for the cluster runs.  Sandblaster runs with its default portions (10 per worker thread)
+and with 4 (2 per thread), interleaved with scipy ``--repeats`` times; the "any-worker" row lets
+a free worker take a portion whose block is on another live worker (``Portions.LOCAL_ONLY =
+False``, the dispatch before), moving the block.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
+                                           [--repeats 1] [--skip-dask-ml]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 from downpour_dask import models  # noqa: E402
 from downpour_dask.sandblaster.coordinator import Coordinator  # noqa: E402
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS  # noqa: E402
+from downpour_dask.sandblaster.portions import Portions  # noqa: E402
 
 L2_WEIGHT = 1e-4
 
@@ -59,6 +64,10 @@ class L2ExceptIntercept(L2):
         g = beta.copy()
         g[-1] = 0
         return g
+
+
+SCIPY = "serial scipy L-BFGS-B (1 thread)"
+DASK_ML = "dask-ml LogisticRegression(lbfgs)"
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -166,6 +175,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--features", type=int, default=100)
     parser.add_argument("--rel", type=float, default=1e-5, help="target: best * (1 + rel)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="interleaved runs of scipy and Sandblaster"
+    )
+    parser.add_argument("--skip-dask-ml", action="store_true", help="leave dask-ml out")
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -174,44 +187,55 @@ def main() -> None:
     X, y = make_data(args.rows, args.features)
     model = models.LogisticRegression(args.features, l2=L2_WEIGHT)
     x0 = np.zeros(model.layout.size, np.float32)  # dask-ml starts from zeros: so do all
-    results = {}
-    results["serial scipy L-BFGS-B (1 thread)"] = run_scipy(model, X, y, x0)
+    results: dict[str, list] = {}
     with (
         LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,
     ):
-        chunk = -(-args.rows // 20)
-        results["dask-ml LogisticRegression(lbfgs)"] = run_dask_ml(client, X, y, chunk)
+        if not args.skip_dask_ml:
+            chunk = -(-args.rows // 20)
+            results[DASK_ML] = [run_dask_ml(client, X, y, chunk)]
         client.run(lambda: None)
         original_init = models.LogisticRegression.init
         models.LogisticRegression.init = lambda self, rng: x0.copy()  # same start as the others
         try:
-            for portions in (None, 4):
-                label = "SandblasterLBFGS" + (
-                    " (default 20 portions)" if portions is None else f" ({portions} portions)"
-                )
-                results[label] = run_sandblaster(client, model, X, y, portions)
+            for _ in range(args.repeats):  # interleaved: each repeat runs every method once
+                results.setdefault(SCIPY, []).append(run_scipy(model, X, y, x0))
+                for portions, local_only in ((None, True), (None, False), (4, True)):
+                    Portions.LOCAL_ONLY = local_only  # False: the dispatch before (A/B)
+                    label = "SandblasterLBFGS" + (
+                        " (default 20 portions)" if portions is None else f" ({portions} portions)"
+                    )
+                    label += "" if local_only else " any-worker"
+                    results.setdefault(label, []).append(
+                        run_sandblaster(client, model, X, y, portions)
+                    )
         finally:
             models.LogisticRegression.init = original_init
-    finals = {name: objective64(model, p, X, y) for name, (p, _, _) in results.items()}
+    finals = {
+        name: min(objective64(model, r[0], X, y) for r in runs) for name, runs in results.items()
+    }
     target = min(finals.values()) * (1 + args.rel)
-    base = time_to(results["dask-ml LogisticRegression(lbfgs)"][1], target)
+    scipy_time = min(time_to(trace, target) for _, trace, _ in results[SCIPY])
+    dask_ml = time_to(results[DASK_ML][0][1], target) if DASK_ML in results else float("nan")
     print(
         f"\nlogistic regression, {args.rows:,} x {args.features} float32, l2={L2_WEIGHT}; "
         f"2-worker LocalCluster (1 thread each); target objective {target:.8f} "
-        f"(best final * (1 + {args.rel:g}))"
+        f"(best final * (1 + {args.rel:g})); {args.repeats} interleaved repeat(s), load "
+        f"{os.getloadavg()[0]:.1f}"
     )
     header = f"{'method':42} {'final objective':>16} {'evals':>6} {'1st eval':>9} {'to target':>10}"
-    print(f"{header} {'vs dask-ml':>11}")
-    for name, (_, trace, passes) in results.items():
-        hit = time_to(trace, target)
-        first = trace[0][0]
-        print(
-            f"{name:42} {finals[name]:>16.8f} {passes:>6} {first:>8.2f}s {hit:>9.2f}s "
-            f"{hit / base:>10.2f}x"
-        )
+    print(f"{header} {'vs scipy':>9} {'vs dask-ml':>11}")
+    for name, runs in results.items():
+        for _, trace, passes in runs:
+            hit = time_to(trace, target)
+            first = trace[0][0]
+            print(
+                f"{name:42} {finals[name]:>16.8f} {passes:>6} {first:>8.2f}s {hit:>9.2f}s "
+                f"{hit / scipy_time:>8.2f}x {hit / dask_ml:>10.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -41,12 +41,13 @@ from ..base import ParamServerEstimator, RunRecorder
 from ..core import optim
 from ..core.lbfgs import LBFGS, LBFGSResult
 from ..core.models import Model, from_config
-from ..core.params import DTYPE, split_range
+from ..core.params import DTYPE
 from ..core.protocol import TrainableModel
 from ..log import Experiment, Progress, PushRow
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
+from .blocks import ArrayBlocks, FileBlocks, default_portions
 from .portions import Portions
 from .shard import SandblasterShard
 from .tasks import PortionResult, evaluate_task, forget_run
@@ -64,8 +65,8 @@ class Coordinator:
     est : SandblasterLBFGS
         The estimator, whose (already checked) arguments the fit runs with.
     client : distributed.Client
-    X, y : ndarray
-        Training data, checked by the model.
+    data : ArrayBlocks or FileBlocks
+        The training rows, checked by the model.
     evaluation : (X, y) or None
         Evaluation data, scored every ``est.eval_every_iter`` iterations.
     delay : dict of worker address to seconds
@@ -92,15 +93,14 @@ class Coordinator:
         self,
         est: ParamServerEstimator,
         client: Client,
-        X: np.ndarray,
-        y: np.ndarray,
+        data: ArrayBlocks | FileBlocks,
         evaluation: tuple[np.ndarray, np.ndarray] | None,
         delay: dict[str, float],
         callback: Callable[[Progress], None] | None = None,
         model: Model | None = None,
         initial: np.ndarray | None = None,
     ):
-        self.est, self.client, self.X, self.y = est, client, X, y
+        self.est, self.client, self.data = est, client, data
         self.model = est.model if model is None else model  # the model built at fit
         self.start = initial  # warm start: the previous fit's parameters
         self.evaluation, self.delay, self.callback = evaluation, delay, callback
@@ -135,9 +135,9 @@ class Coordinator:
 
     # -- the fit ----------------------------------------------------------------------------------
     def _batches(self, workers: dict) -> list[list]:
-        """Rows of every portion of every batch: slices in full-batch mode (views, no copy),
-        else index arrays of a seeded permutation cut into disjoint batches."""
-        est, n = self.est, len(self.X)
+        """Rows of every portion of every batch (see :meth:`ArrayBlocks.portions`), cut from a
+        seeded permutation of the rows unless the batch is the whole data."""
+        est, n = self.est, self.data.n_rows
         rng = np.random.default_rng(est.random_state)
         self.initial = self.model.init(rng)  # drawn in any case: the batches stay the same
         if self.start is not None:
@@ -145,17 +145,7 @@ class Coordinator:
         size = n if est.batch_size is None else min(est.batch_size, n)
         order = None if size == n else rng.permutation(n)
         threads = sum(info.get("nthreads", 1) for info in workers.values())
-        per_batch = est.portions_per_batch or 10 * threads
-        batches = []
-        for lo, hi in split_range(n, -(-n // size)):
-            parts = split_range(hi - lo, min(per_batch, hi - lo))
-            batches.append(
-                [
-                    slice(lo + a, lo + b) if order is None else order[lo + a : lo + b]
-                    for a, b in parts
-                ]
-            )
-        return batches
+        return self.data.portions(size, est.portions_per_batch or default_portions(threads), order)
 
     def execute(self) -> None:
         """Run the fit: start the shards, optimise, gather the result, build the experiment."""
@@ -246,7 +236,7 @@ class Coordinator:
         self.tokens.append(self.token)
         self._offset = max(0, self.done_iter)
         self.portions = Portions(
-            client, self.server, self.X, self.y, ids, flat, data_model, self,
+            client, self.server, self.data, ids, flat, data_model, self,
             token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
             delay=self.delay, workers=self.survivors(),
         )  # fmt: skip
@@ -390,7 +380,7 @@ class Coordinator:
         est = self.est
         config = est._config(self.model)
         config.update(
-            n_rows=len(self.X),
+            n_rows=self.data.n_rows,
             workers=workers,
             push_workers=list(self.worker_index),  # the worker behind each push row's replica
             reason=self.result.reason,

@@ -22,9 +22,11 @@ from sklearn.exceptions import ConvergenceWarning
 from ..base import ParamServerEstimator, check_int, check_positive
 from ..core.protocol import TrainableModel
 from ..data.datasets import Dataset
+from ..data.shards import ShardedDataset
 from ..inputs import evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
+from .blocks import FILE_KINDS, ArrayBlocks, FileBlocks
 from .coordinator import Coordinator
 
 
@@ -53,7 +55,9 @@ class SandblasterLBFGS(ParamServerEstimator):
         each iteration's gradient and line search then use one batch.
     portions_per_batch : int, optional
         Portions (tasks) each batch is cut into; default 10 per worker thread, so faster workers
-        can take more of them.
+        can take more of them.  Files: one portion per file, or per row range of a file when
+        this asks for more portions than there are files (the default does with fewer than 10
+        files per worker thread).
     history : int, default 10
         L-BFGS memory m: (s, y) pairs kept on the shards.
     max_iter : int, default 100
@@ -116,7 +120,8 @@ class SandblasterLBFGS(ParamServerEstimator):
     Notes
     -----
     A worker that dies mid-batch costs nothing but time: Dask re-runs its portions elsewhere, the
-    driver re-scatters the data blocks it held, and the shards count every portion once.  A lost
+    driver re-scatters the data blocks it held (blocks from files are read again), and the
+    shards count every portion once.  A lost
     shard is detected at once (its worker left) or within ``timeout`` (it stopped answering);
     the coordinator then starts new shards at the iterate of the last completed iteration and
     continues with an empty L-BFGS history (``shard_restored`` event), at most 3 times per fit.
@@ -213,10 +218,12 @@ class SandblasterLBFGS(ParamServerEstimator):
 
         Parameters
         ----------
-        data : Dataset, (X, y) tuple, or X
-            Training data in memory; with ``X``, pass the targets as ``y``.  A
-            ``ShardedDataset`` (files, Dask collections) is refused rather than gathered into
-            the driver: pass ``data.to_dataset()`` if it fits in memory.
+        data : Dataset, (X, y) tuple, X, or ShardedDataset of files
+            Training data in memory; with ``X``, pass the targets as ``y``.  Or files
+            (:func:`~downpour_dask.datasets.from_parquet`, ``from_npy``, ``from_csv``): each
+            worker then reads its share of the rows itself, once, and keeps it for the whole
+            fit (full batch only: ``batch_size`` must be None).  A Dask collection is refused
+            rather than gathered into the driver: compute it if it fits in memory.
         eval_data : Dataset or (X, y), optional
             Scored every ``eval_every_iter`` iterations, on a worker (``experiment_.evals``);
             in memory, like ``data``.
@@ -231,20 +238,33 @@ class SandblasterLBFGS(ParamServerEstimator):
             sleeps this long first, making the worker a straggler.
         """
         self._check_arguments(callback)
+        files = isinstance(data, ShardedDataset) and data.kind in FILE_KINDS
         for what, value in (("data", data), ("eval_data", eval_data)):
-            if is_distributed(value):
+            if is_distributed(value) and not (files and what == "data"):
                 raise TypeError(
-                    f"{what} is a {type(value).__name__} (files or a Dask collection), but "
-                    f"{type(self).__name__} scatters in-memory arrays to the workers and would "
-                    f"have to gather it whole into the driver; for data that fits in memory, "
-                    f"pass {what}.to_dataset() (or compute the collection)"
+                    f"{what} is a {type(value).__name__} ({getattr(value, 'kind', 'Dask')}), "
+                    f"but {type(self).__name__} takes in-memory arrays"
+                    + (" or files (datasets.from_parquet, from_npy, from_csv)" * (what == "data"))
+                    + f" and would have to gather it whole into the driver; for data that fits "
+                    f"in memory, pass {what}.to_dataset() (or compute the collection)"
                 )
-        model, (X, y) = prepare_fit(self, data, y)
+        if files and self.batch_size is not None:
+            raise ValueError(
+                f"batch_size must be None when data is files: every pass reads all "
+                f"{data.n_rows} rows where the workers keep them (full batch), got "
+                f"batch_size={self.batch_size}"
+            )
+        model, rows = prepare_fit(self, data, y)  # files: the checked ShardedDataset
+        if files:
+            n_classes = getattr(model, "n_classes", None) if model.is_classifier else None
+            blocks: ArrayBlocks | FileBlocks = FileBlocks(rows, n_classes)
+        else:
+            blocks = ArrayBlocks(*rows)
         evaluation = evaluation_data(self, model, eval_data)
         callback, delay = self._callback(callback), dict(portion_delay or {})
         with cluster_client(client, self.security, announce=self.verbose >= 1) as active:
             run = Coordinator(
-                self, active, X, y, evaluation, delay, callback, model, self._initial_params()
+                self, active, blocks, evaluation, delay, callback, model, self._initial_params()
             )
             run.execute()
         self.model_ = model

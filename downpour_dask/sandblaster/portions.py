@@ -35,6 +35,7 @@ from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
+from .blocks import ArrayBlocks, FileBlocks
 from .shard import SandblasterShard
 from .tasks import PortionResult, run_portion
 
@@ -68,9 +69,9 @@ class Portions:
     client : distributed.Client
     server : ParameterServer
         The :class:`~downpour_dask.sandblaster.shard.SandblasterShard` actors.
-    X, y : ndarray
-        The training data on the driver; each portion's rows are scattered to one worker, and
-        scattered again from here if that worker dies.
+    data : ArrayBlocks or FileBlocks
+        The training rows: each portion's rows become a block on one worker, placed again if
+        that worker dies.
     batches : list of list of int
         The portion ids of every batch.
     rows : list
@@ -93,13 +94,13 @@ class Portions:
     """
 
     DEPTH = 2  # portions queued per worker thread, so a worker never waits for the driver
+    LOCAL_ONLY = True  # a portion runs where its block is while that worker lives
 
     def __init__(
         self,
         client: Client,
         server: ParameterServer,
-        X: np.ndarray,
-        y: np.ndarray,
+        data: ArrayBlocks | FileBlocks,
         batches: list[list[int]],
         rows: list,
         model: Model,
@@ -111,13 +112,11 @@ class Portions:
         delay: Mapping[str, float] | None = None,
         workers: list[str] | None = None,
     ):
-        self.client, self.server, self.X, self.y = client, server, X, y
+        self.client, self.server, self.data = client, server, data
         self.batches, self.rows, self.model, self.observer = batches, rows, model, observer
         self.token, self.timeout, self.backup_tasks = token, timeout, backup_tasks
         self.delay = dict(delay or {})
-        self.blocks = client.scatter(
-            [(X[idx], y[idx]) for idx in rows], workers=workers, hash=False, timeout=timeout
-        )  # spread over the workers; views when the rows are contiguous
+        self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
         self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
@@ -265,24 +264,29 @@ class Portions:
             who = self.client.who_has([b for b in self.blocks if b.status == "finished"])
         except FUTURES_CANCELLED:  # a block died meanwhile; _restore_blocks resends it
             return
-        self.where = {pid: set(who.get(block.key, ())) for pid, block in enumerate(self.blocks)}
+        homes = self.data.homes  # where a block still being read will be
+        self.where = {
+            pid: set(who.get(block.key, ())) or ({homes[pid]} if pid in homes else set())
+            for pid, block in enumerate(self.blocks)
+        }
 
     def _scatter(self, pid: int) -> Future:
         """Send the rows of portion ``pid`` to one worker (Dask picks it, spreading blocks)."""
-        idx, X, y = self.rows[pid], self.X, self.y
-        return self.client.scatter([(X[idx], y[idx])], hash=False, timeout=self.timeout)[0]
+        return self.data.replace(self.client, self.rows[pid], self.timeout)
 
     def _restore_blocks(self) -> None:
-        """Re-scatter, from the driver's copy, every data block that died with its worker.
+        """Place again every data block that died with its worker (see ``data.replace``).
 
         Scattered data cannot be recomputed by Dask, and its Active Memory Manager removes extra
-        replicas, so the driver (which holds the training data anyway) is the backup copy.
+        replicas, so the driver (which holds the training data anyway) is the backup copy.  A
+        block read from files is read again, unless Dask is reading it (again) already.
         """
         for pid, block in enumerate(self.blocks):
-            if block.status != "finished":
+            reading = block.status == "pending" and pid in self.data.homes
+            if block.status != "finished" and not reading:
                 self.blocks[pid] = self._scatter(pid)
                 self.observer.event(
-                    "data_restored", f"portion {pid}'s rows scattered again", portion=pid
+                    "data_restored", f"portion {pid}'s rows placed again", portion=pid
                 )
         self._refresh()
 
@@ -303,17 +307,25 @@ class Portions:
         return [w for w in sorted(self.capacity) if self.load.get(w, 0) < self.capacity[w]]
 
     def _dispatch(self, version: int, todo: list[int], copies: dict) -> None:
-        """Give each free worker slot a portion, preferring portions whose data it holds."""
+        """Give each free worker slot a portion whose data it holds; with ``LOCAL_ONLY``, a
+        portion whose data is on another live worker waits for that worker (moving a block
+        costs more than the wait; backup tasks still copy a straggler), else any portion."""
         while todo:
-            free = self._free()
-            if not free:
-                return
-            for worker in free:
+            assigned = False
+            for worker in self._free():
                 if not todo:
                     return
-                pid = next((p for p in todo if worker in self.where.get(p, ())), todo[0])
+                pid = next((p for p in todo if worker in self.where.get(p, ())), None)
+                if pid is None:
+                    held = [p for p in todo if not self.where.get(p, set()) & set(self.capacity)]
+                    pid = (held or todo)[0] if held or not self.LOCAL_ONLY else None
+                if pid is None:
+                    continue
                 todo.remove(pid)
                 copies[pid] = [self._submit(version, pid, worker, backup=False)]
+                assigned = True
+            if not assigned:
+                return
 
     def _backups(self, version: int, copies: dict, done: dict, durations: list) -> None:
         """Near the end of a batch, re-submit portions running unusually long on idle workers.

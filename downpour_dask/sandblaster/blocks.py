@@ -1,0 +1,190 @@
+"""Where a Sandblaster fit's training rows live: portions of rows, each a block on one worker.
+
+A fit cuts its rows into *portions* (the rows one task computes a gradient on), and each
+portion's rows are a *block*, a Dask future held by one worker for the whole fit: every later
+pass over the portion runs where its block is and moves no data.
+
+:class:`ArrayBlocks` is in-memory training data: its blocks are scattered from the driver, whose
+copy is also the backup from which a block lost with its worker is scattered again.
+:class:`FileBlocks` is training data in files (a
+:class:`~downpour_dask.data.shards.ShardedDataset` of parquet, ``.npy`` or CSV files): a task
+on each worker reads that worker's portions (:func:`read_block`), so the rows go from disk to
+the worker that computes on them, never through the driver, and a block lost with its worker is
+simply read again elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import numpy as np
+from distributed import Client, Future
+
+from ..core.params import split_range
+from ..data.readers import IN_ORDER, read_chunks
+from ..data.schema import Schema, Shard
+from ..data.shards import ShardedDataset
+from ..runtime.cluster import cluster_workers
+
+#: Dataset kinds whose shards a worker reads itself (Dask collections are refused by ``fit``).
+FILE_KINDS = ("parquet", "npy", "csv")
+_CHUNK_ROWS = 65536  # rows decoded at a time while a block is read
+
+
+#: Portions per worker thread by default.  Coarser portions make each pass cheaper (fewer task
+#: and shard round trips), but bigger blocks scattered from the driver made the first pass
+#: later by more than that (see ``bench_sandblaster.py`` in benchmarks/README.md), so in-memory
+#: data keeps 10; files get one portion per file unless more are asked for.
+PORTIONS_PER_THREAD = 10
+
+
+def default_portions(threads: int) -> int:
+    """Portions per batch when ``portions_per_batch`` is None, for ``threads`` worker threads."""
+    return PORTIONS_PER_THREAD * max(1, threads)
+
+
+class ArrayBlocks:
+    """In-memory training rows ``(X, y)``, scattered from the driver as one block per portion.
+
+    Parameters
+    ----------
+    X, y : ndarray
+        The checked training data (the model's ``check_data``).
+    """
+
+    def __init__(self, X: np.ndarray, y: np.ndarray):
+        self.X, self.y = X, y
+        self.homes: dict[int, str] = {}  # scattered blocks are in place at once
+
+    @property
+    def n_rows(self) -> int:
+        """Number of training rows."""
+        return len(self.X)
+
+    def portions(self, size: int, per_batch: int, order: np.ndarray | None) -> list[list]:
+        """Rows of every portion of every batch of ``size`` rows, ``per_batch`` portions each:
+        slices in full-batch mode (views, no copy), else index arrays of the permutation
+        ``order`` cut into disjoint batches."""
+        batches = []
+        for lo, hi in split_range(self.n_rows, -(-self.n_rows // size)):
+            parts = split_range(hi - lo, min(per_batch, hi - lo))
+            batches.append(
+                [
+                    slice(lo + a, lo + b) if order is None else order[lo + a : lo + b]
+                    for a, b in parts
+                ]
+            )
+        return batches
+
+    def place(
+        self, client: Client, rows: list, workers: list[str] | None, timeout: float
+    ) -> list[Future]:
+        """Scatter every portion's rows, spread over ``workers`` (default: any)."""
+        X, y = self.X, self.y
+        return client.scatter(
+            [(X[idx], y[idx]) for idx in rows], workers=workers, hash=False, timeout=timeout
+        )  # views when the rows are contiguous
+
+    def replace(self, client: Client, rows: slice | np.ndarray, timeout: float) -> Future:
+        """Send the rows of one portion again, to one worker (Dask picks it, spreading blocks)."""
+        X, y = self.X, self.y
+        return client.scatter([(X[rows], y[rows])], hash=False, timeout=timeout)[0]
+
+
+class FileBlocks:
+    """Training rows in files, read by the workers themselves: one block per portion.
+
+    Every pass is over all the rows (full batch).  A portion is one file (or its part of a
+    file): with ``per_batch`` portions wanted and fewer files, each file is cut into equal row
+    ranges.  The blocks are spread over the workers so that each holds about as many rows, and
+    stay there for the whole fit.
+
+    Parameters
+    ----------
+    dataset : ShardedDataset
+        Files (``dataset.kind`` in :data:`FILE_KINDS`), already checked against the model.
+    n_classes : int or None
+        The classifier's number of classes (labels are checked to be in ``0..n_classes-1``
+        while reading); None for regression targets.
+    """
+
+    def __init__(self, dataset: ShardedDataset, n_classes: int | None):
+        if dataset.kind not in FILE_KINDS:
+            raise TypeError(
+                f"SandblasterLBFGS reads files on the workers ({', '.join(FILE_KINDS)}), not a "
+                f"{dataset.kind!r} dataset"
+            )
+        self.dataset, self.n_classes = dataset, n_classes
+        self.shards: list[Shard] = []
+        self.homes: dict[int, str] = {}  # the worker each portion's rows are first read on
+
+    @property
+    def n_rows(self) -> int:
+        """Number of training rows."""
+        return self.dataset.n_rows
+
+    def portions(self, size: int, per_batch: int, order: np.ndarray | None) -> list[list]:
+        """One batch of every row: a portion per file, or per equal row range of a file when
+        ``per_batch`` is more than the number of files.  The rows of portion ``i`` are ``i``."""
+        if size != self.n_rows or order is not None:
+            raise ValueError("data in files is read in full batches: batch_size must be None")
+        files = self.dataset.shards
+        cuts = max(1, -(-per_batch // len(files)))
+        self.shards = [
+            dataclasses.replace(shard, start=shard.start + a, stop=shard.start + b)
+            for shard in files
+            for a, b in split_range(shard.rows, min(cuts, shard.rows))
+        ]
+        return [list(range(len(self.shards)))]
+
+    def place(
+        self, client: Client, rows: list, workers: list[str] | None, timeout: float
+    ) -> list[Future]:
+        """Start a task reading each portion's rows on a worker, spreading the rows evenly (the
+        largest portions first, each to the worker with the fewest rows so far)."""
+        pool = sorted(workers or cluster_workers(client))
+        held = dict.fromkeys(pool, 0)
+        for pid in sorted(rows, key=lambda p: -self.shards[p].rows):
+            worker = min(pool, key=lambda w: held[w])
+            self.homes[pid] = worker
+            held[worker] += self.shards[pid].rows
+        return [self._read(client, pid, [self.homes[pid]]) for pid in rows]
+
+    def replace(self, client: Client, rows: int, timeout: float) -> Future:
+        """Read the rows of portion ``rows`` again, on any worker (its block was lost)."""
+        return self._read(client, rows, None)
+
+    def _read(self, client: Client, pid: int, workers: list[str] | None) -> Future:
+        return client.submit(
+            read_block, self.shards[pid], self.dataset.schema, self.n_classes,
+            workers=workers, allow_other_workers=True, pure=False,
+            key=f"sandblaster-block-{pid}-{uuid.uuid4().hex[:8]}",
+        )  # fmt: skip
+
+
+def read_block(
+    shard: Shard, schema: Schema, n_classes: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Dask task: the rows of ``shard`` as a C-contiguous float32 ``X`` and the targets (int64
+    labels for a classifier, float32 otherwise), checked as a replica's stream checks them.
+
+    Raises
+    ------
+    ShardReadError, ShardDataError
+        An unreadable file, or bad values, naming the file and the row group or rows.
+    """
+    X = np.empty((shard.rows, schema.n_features), np.float32)
+    y = np.empty(
+        (shard.rows, *((schema.y_width,) if schema.y_width else ())),
+        np.float32 if n_classes is None else np.int64,
+    )
+    xbuf = np.empty((min(_CHUNK_ROWS, shard.rows), schema.n_features), np.float32)
+    row = 0
+    for Xc, yc in read_chunks(shard, schema, IN_ORDER, xbuf, n_classes):
+        X[row : row + len(Xc)] = Xc
+        y[row : row + len(Xc)] = yc
+        row += len(Xc)
+    if row != shard.rows:
+        raise ValueError(f"{shard.where()}: read {row} rows, expected {shard.rows}")
+    return X, y
