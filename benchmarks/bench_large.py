@@ -331,7 +331,7 @@ def main() -> None:
         "times from each method's first call, reading included"
     )
     print(
-        f"{'method':58} {'target':>6} {'time (s)':>9} {'rows':>11} {'vs best':>8} {'best acc':>9}"
+        f"{'method':66} {'target':>6} {'time (s)':>9} {'rows':>11} {'vs best':>8} {'best acc':>9}"
     )
     ratios = {}
     for linear, target in ((True, args.linear_target), (False, args.target)):
@@ -346,7 +346,7 @@ def main() -> None:
             shown = (
                 ("-", "-", "-") if math.isnan(t) else (f"{t:.2f}", f"{rows:,}", f"{t / best:.2f}x")
             )
-            print(f"{m.name:58} {target:>6} {shown[0]:>9} {shown[1]:>11} {shown[2]:>8} "
+            print(f"{m.name:66} {target:>6} {shown[0]:>9} {shown[1]:>11} {shown[2]:>8} "
                   f"{traces[m.name].best:9.4f}")  # fmt: skip
     downpour = [ratios[m.name] for m in todo if m.kind == "downpour" and not m.linear]
     print(
