@@ -36,7 +36,8 @@ large for one process's patience shows.  Each model class is compared with its o
 
 Hyperparameters: the library defaults, plus the winners of the small grid that ``--grid`` runs
 too (sklearn: MLP adam 3e-3 and sgd 0.1; Downpour: adam 0.003 at
-batch 128 and 256, batch 512, adam 0.006 with n=2, adagrad 0.05); benchmarks/README.md has
+batch 128 and 256, batch 512, adam 0.006 with n=2, staleness-aware and delay-compensated
+adam, adagrad 0.05); benchmarks/README.md has
 a grid run.
 
     python benchmarks/bench_large.py                   # 10^7 rows; ~2 min to write the data once
@@ -265,6 +266,10 @@ def methods(grid: bool) -> list[Method]:
                    {**dp, "batch_size": 512}),
             Method("Downpour MLP 64-64-2, adam 0.006, batch 256, n=2", "downpour", False, net,
                    {**dp, "learning_rate": 0.006, "n_fetch": 2, "n_push": 2}),
+            Method("Downpour MLP 64-64-2, staleness_aware_adam 0.01, batch 256, n=4", "downpour",
+                   False, net, {**dp, "optimizer": "staleness_aware_adam"}),
+            Method("Downpour MLP 64-64-2, dc_adam 0.01, batch 256, n=4", "downpour", False, net,
+                   {**dp, "optimizer": "dc_adam"}),
             Method("Downpour MLP 64-64-2, adagrad 0.05, batch 128, n=4", "downpour", False, net,
                    {**dp, "batch_size": 128, "optimizer": "adagrad", "learning_rate": 0.05}),
         ]  # fmt: skip
