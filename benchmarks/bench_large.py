@@ -35,10 +35,9 @@ large for one process's patience shows.  Each model class is compared with its o
   "rows" are the examples applied by then.
 
 Hyperparameters: the library defaults, plus the winners of the small grid that ``--grid`` runs
-too (sklearn: MLP adam 3e-3 and sgd 0.1; Downpour: adam 0.003 at
-batch 128 and 256, batch 512, adam 0.006 with n=2, staleness-aware and delay-compensated
-adam, adagrad 0.05); benchmarks/README.md has
-a grid run.
+too (sklearn: MLP adam 3e-3 and sgd 0.1; Downpour: adam 0.003 at batch 128 and 256, batch 512,
+adam 0.006 with n=2, staleness-aware and delay-compensated adam, adagrad 0.05);
+benchmarks/README.md has a grid run.
 
     python benchmarks/bench_large.py                   # 10^7 rows; ~2 min to write the data once
     python benchmarks/bench_large.py --rows 100000 --target 0.91 --linear-target 0.88  # quick
