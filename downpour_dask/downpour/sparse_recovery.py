@@ -22,6 +22,7 @@ newest version each replaced incarnation acknowledged according to every replica
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from ..ps.table import SparseShard
 from .registry import shard_variable
 from .shard_recovery import ShardRecovery
 from .sparse_checkpoints import PREFIX, read_sparse, restore_arguments
+from .sparse_replicas import SparseTasks
+from .supervisor import Supervisor
 
 
 class SparseServer:
@@ -67,6 +70,20 @@ class SparseServer:
             return actor.retire(generation + 1, self.secret)
         except Exception as err:  # noqa: BLE001 - a lost actor's handle may raise at once
             return Done(error=err)
+
+    def shard_status(self, shard: int, timeout: float) -> dict[str, Any]:
+        """Shard ``shard``'s counters (the supervisor reads ``accepted_by_replica``)."""
+        return self.fit.actors[shard].status().result(timeout=timeout)
+
+    def request_stop(self, timeout: float) -> None:
+        """Raise every shard's stop flag (with the fit's secret); a lost shard is skipped."""
+        calls = []
+        for actor in self.fit.actors:
+            with contextlib.suppress(Exception):
+                calls.append(actor.request_stop(self.secret, "driver"))
+        for call in calls:
+            with contextlib.suppress(Exception):
+                call.result(timeout=timeout)
 
     def lost_shards(self, timeout: float) -> list[int]:
         calls = [actor.current_version() for actor in self.fit.actors]
@@ -142,27 +159,21 @@ class SparseSaved:
 SUPERVISE_EVERY = 0.25
 
 
-def supervise(tasks: list[Any], placed: list[str], fit: Any, recovery: ShardRecovery,
-              cluster: Any, checkpoint_dir: str | Path | None, checkpoint_every: float) -> None:
-    """Wait for the replica ``tasks`` (task r runs on worker ``placed[r]``), writing an
-    increment every ``checkpoint_every`` seconds (with ``checkpoint_dir``) and restoring every
-    shard whose worker left the cluster, or that does not answer the checkpoint's call, on a
-    surviving worker.  A replica whose worker left is not restarted: RuntimeError (the
-    checkpoints written so far restore with ``restore=``)."""
+def supervise(supervisor: Supervisor, replicas: SparseTasks, fit: Any,
+              recovery: ShardRecovery, checkpoint_dir: str | Path | None,
+              checkpoint_every: float) -> None:
+    """Until every replica's result is in hand: let ``supervisor`` (the dense path's) restore
+    every shard whose worker left the cluster on a surviving worker and restart every replica
+    whose worker died (``replica_failed`` / ``replica_restarted``), collect the replicas'
+    records (:class:`~.sparse_replicas.SparseTasks`), and write an increment every
+    ``checkpoint_every`` seconds (with ``checkpoint_dir``), restoring a shard that does not
+    answer the checkpoint's call."""
     due = time.monotonic() + checkpoint_every
     while True:
-        alive = cluster.workers()
-        for r, (task, worker) in enumerate(zip(tasks, placed)):
-            # (its input data, scattered to that worker, is lost too: the task may be cancelled)
-            if worker not in alive and task.status != "finished":
-                raise RuntimeError(
-                    f"replica {r} was lost with its worker {worker}: sparse fits do not restart "
-                    f"replicas yet; fit_sparse(..., restore=<checkpoint_dir>) continues from the "
-                    f"last checkpoint")
-        if all(t.done() for t in tasks):
+        supervisor.check()
+        if replicas.all_gathered():
             return
-        for shard in [s for s, w in enumerate(recovery.server.workers) if w not in alive]:
-            recovery.recover(shard, "its worker left the cluster", alive)
+        replicas.collect()
         recovery.poll_fences()
         if checkpoint_dir is not None and time.monotonic() >= due:
             due = time.monotonic() + checkpoint_every
