@@ -1,0 +1,130 @@
+"""A sparse fit's replicas under the dense path's supervisor, in-process: fake cluster, fake
+tasks, no Dask (``test_sparse_cluster.py`` kills a replica's worker for real)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from downpour_dask.base import RunRecorder
+from downpour_dask.downpour.sparse_replicas import SparseTasks, drain_records, keep_records
+from downpour_dask.downpour.supervisor import Supervisor
+
+
+@dataclass
+class FakeTask:
+    key: str
+    status: str = "pending"
+    outcome: Any = None
+    cancelled: bool = False
+
+    def done(self) -> bool:
+        return self.status != "pending"
+
+    def result(self, timeout=None):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def exception(self, timeout=None):
+        return self.outcome if isinstance(self.outcome, BaseException) else None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeCluster:
+    """Workers by name; what runs "on the workers" runs here (the registry is this process's)."""
+
+    run = "fake-run"
+
+    def __init__(self, alive):
+        self.alive, self.scattered = list(alive), []
+
+    def workers(self, fresh=True):
+        return list(self.alive)
+
+    def scatter(self, values, worker):
+        self.scattered.append((values[0], worker))
+        return [f"{values[0]}@{worker}"]
+
+    def collect(self, function, *args):
+        return {"w": function(*args)}
+
+
+class FakeServer:
+    workers = ["w0"]  # shard 0 lives there
+
+    def __init__(self, accepted):
+        self.accepted, self.stopped = accepted, False
+
+    def shard_status(self, shard, timeout):
+        return {"accepted_by_replica": dict(self.accepted)}
+
+    def request_stop(self, timeout):
+        self.stopped = True
+
+
+class FakeRecovery:
+    def poll_fences(self):
+        pass
+
+    def recover(self, shard, reason, alive):
+        raise AssertionError("no shard is lost here")
+
+
+def fit_of(accepted, alive=("w0", "w1", "w2")):
+    cluster, submitted = FakeCluster(alive), []
+
+    def start(replica, data, step, worker, key):
+        submitted.append((replica, data, step, worker))
+        return FakeTask(key)
+
+    replicas = SparseTasks(cluster, start, ["share0@w1", "share1@w2"], ["share0", "share1"],
+                           ["w1", "w2"], n_shards=1)
+    server, recorder = FakeServer(accepted), RunRecorder("accuracy")
+    supervisor = Supervisor(cluster, server, replicas, FakeRecovery(), recorder, 2, 1.0)
+    return cluster, replicas, supervisor, submitted, recorder, server
+
+
+def test_a_replica_whose_worker_left_restarts_after_its_pushes_with_its_share_and_its_log():
+    cluster, replicas, supervisor, submitted, recorder, _ = fit_of({0: 4, 1: 3})
+    assert submitted == [(0, "share0@w1", 0, "w1"), (1, "share1@w2", 0, "w2")]
+    first = replicas.tasks[1]
+    records = [{"replica": 1, "step": 1}, {"replica": 1, "step": 3}]
+    keep_records(cluster.run, first.key, records)  # what the task on w2 does
+    replicas.collect(force=True)
+    records.append({"replica": 1, "step": 5})  # made after the last collection: dies with w2
+    supervisor.check()  # nothing wrong yet
+    assert recorder.events == []
+    cluster.alive = ["w0", "w1"]  # w2 died with replica 1
+    supervisor.check()
+    assert [(e.kind, e.data) for e in recorder.events] == [
+        ("replica_failed", {"replica": 1, "reason": "worker w2 left the cluster"}),
+        # shard 0 accepted 3 pushes of 2 steps: it goes on at step 6, on the worker running
+        # no other replica (w0 holds a shard, w1 replica 0: the fewest other replicas first)
+        ("replica_restarted", {"replica": 1, "workers": ["w0"], "step": 6}),
+    ]
+    assert first.cancelled and replicas.workers == ["w1", "w0"]
+    # its share of the data, scattered again to its new worker, and the steps to skip
+    assert cluster.scattered[-1] == ("share1", "w0")
+    assert submitted[-1] == (1, "share1@w0", 6, "w0")
+    replicas.tasks[0].status, replicas.tasks[0].outcome = "finished", [{"replica": 0, "step": 1}]
+    replicas.tasks[1].status, replicas.tasks[1].outcome = "finished", [{"replica": 1, "step": 7}]
+    supervisor.check()
+    assert replicas.all_gathered()
+    assert [(r["replica"], r["step"]) for r in replicas.records()] == [(0, 1), (1, 1), (1, 3),
+                                                                       (1, 7)]
+    replicas.release()
+    assert drain_records(cluster.run) == {}  # released: nothing kept on the workers
+
+
+def test_an_error_of_the_replica_itself_stops_the_shards_and_fails_the_fit():
+    _, replicas, supervisor, _, recorder, server = fit_of({})
+    replicas.tasks[0].status = "error"
+    replicas.tasks[0].outcome = ValueError("a bad batch")
+    with pytest.raises(RuntimeError, match="failed: ValueError\\('a bad batch'\\)"):
+        supervisor.check()
+    assert server.stopped and recorder.events == []
