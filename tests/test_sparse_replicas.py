@@ -61,7 +61,7 @@ class FakeServer:
         self.accepted, self.stopped = accepted, False
 
     def shard_status(self, shard, timeout):
-        return {"accepted_by_replica": dict(self.accepted)}
+        return {"accepted_by_replica": dict(self.accepted[shard])}
 
     def request_stop(self, timeout):
         self.stopped = True
@@ -83,14 +83,15 @@ def fit_of(accepted, alive=("w0", "w1", "w2")):
         return FakeTask(key)
 
     replicas = SparseTasks(cluster, start, ["share0@w1", "share1@w2"], ["share0", "share1"],
-                           ["w1", "w2"], n_shards=1)
+                           ["w1", "w2"], n_shards=len(accepted))
     server, recorder = FakeServer(accepted), RunRecorder("accuracy")
     supervisor = Supervisor(cluster, server, replicas, FakeRecovery(), recorder, 2, 1.0)
     return cluster, replicas, supervisor, submitted, recorder, server
 
 
 def test_a_replica_whose_worker_left_restarts_after_its_pushes_with_its_share_and_its_log():
-    cluster, replicas, supervisor, submitted, recorder, _ = fit_of({0: 4, 1: 3})
+    # shard 1 was restored from a checkpoint: it counts fewer of the replicas' pushes
+    cluster, replicas, supervisor, submitted, recorder, _ = fit_of([{0: 4, 1: 3}, {0: 2, 1: 1}])
     assert submitted == [(0, "share0@w1", 0, "w1"), (1, "share1@w2", 0, "w2")]
     first = replicas.tasks[1]
     records = [{"replica": 1, "step": 1}, {"replica": 1, "step": 3}]
@@ -122,7 +123,7 @@ def test_a_replica_whose_worker_left_restarts_after_its_pushes_with_its_share_an
 
 
 def test_an_error_of_the_replica_itself_stops_the_shards_and_fails_the_fit():
-    _, replicas, supervisor, _, recorder, server = fit_of({})
+    _, replicas, supervisor, _, recorder, server = fit_of([{}])
     replicas.tasks[0].status = "error"
     replicas.tasks[0].outcome = ValueError("a bad batch")
     with pytest.raises(RuntimeError, match="failed: ValueError\\('a bad batch'\\)"):

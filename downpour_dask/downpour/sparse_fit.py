@@ -323,7 +323,6 @@ def fit_sparse(
         initial.append({"values": np.array(values), "rule_state": {}, "version": 0,
                         **extra.get("restore", {})})
     fit = SparseFit(client, model, layout, futures, placed, seed, timeout)
-    refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, placed)]
     run = uuid.uuid4().hex[:12]
     cluster, recorder = DaskCluster(client, run), RunRecorder("accuracy")
     server = SparseServer(fit, rule, secret)
@@ -332,22 +331,24 @@ def fit_sparse(
     fit.recovery = recovery
     started = time.time()
     alpha = learning_rate if local_learning_rate is None else local_learning_rate
-    placed = [workers[r % len(workers)] for r in range(n_replicas)]
+    homes = [workers[r % len(workers)] for r in range(n_replicas)]
     shares = None
     if isinstance(data, SparseBatch):
         shares = [data.take(slice(r, None, n_replicas)) for r in range(n_replicas)]
-        parts = [cluster.scatter([p], w)[0] for p, w in zip(shares, placed)]  # one object each
+        parts = [cluster.scatter([p], w)[0] for p, w in zip(shares, homes)]  # one object each
     else:
         parts = [data] * n_replicas
 
     def start(r: int, part: Any, step: int, worker: str, key: str) -> Any:
+        # the shards as they are now: a restarted replica opens those that replaced lost ones
+        refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, fit.workers)]
         return client.submit(replica_task, model, refs, layout, part, r, n_replicas, batch_size,
                              max_epochs, max_steps, seed, timeout, started,
                              secret if direct else None, run, n_fetch, n_push, alpha, step,
                              key, pure=False, workers=[worker], allow_other_workers=False,
                              key=key)
 
-    replicas = SparseTasks(cluster, start, parts, shares, placed, layout.n_shards)
+    replicas = SparseTasks(cluster, start, parts, shares, homes, layout.n_shards)
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
     try:
         supervise(supervisor, replicas, fit, recovery,

@@ -3,8 +3,9 @@
 :func:`~.sparse_fit.fit_sparse` hands :class:`SparseTasks` to the dense path's
 :class:`~.supervisor.Supervisor` (which decides: a replica whose worker died -- its task
 cancelled, lost, ``KilledWorker`` or its worker gone -- is restarted on the least-loaded
-surviving worker, continuing after the steps shard 0 accepted from it; an error of the replica's
-own ends the fit).  This module only does what is particular to sparse replicas:
+surviving worker, continuing after the steps it pushed, as counted by the shard that counted
+most of them; an error of the replica's own ends the fit).  This module only does what is
+particular to sparse replicas:
 
 - :meth:`SparseTasks.resume_replica` scatters the replica's in-memory share of the data to its
   new worker again (the old copy died with the old worker) and submits the replica task from
@@ -87,7 +88,10 @@ class SparseTasks:
         self.cluster, self.start, self.data, self.shares = cluster, start, data, shares
         self.workers = list(workers)
         self.slots = [(r, 0) for r in range(len(workers))]
-        self.shard_bounds = [0, n_shards]  # the supervisor asks shard 0 for a replica's pushes
+        # The supervisor restarts a replica after the pushes of its partition furthest ahead,
+        # counted on each partition's first shard: here every shard is one, so the count comes
+        # from the shard furthest ahead (a shard restored from a checkpoint counts fewer).
+        self.shard_bounds = list(range(n_shards + 1))
         self.results: dict[int, list[dict[str, Any]]] = {}
         self.leaving: dict[int, str] = {}
         self.generation = 0
