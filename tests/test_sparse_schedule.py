@@ -15,6 +15,8 @@ from downpour_dask.core.sparse_serial import SparseState
 from downpour_dask.data.hashing import minibatches
 from downpour_dask.downpour.sparse_accrual import AccruingReplica
 from downpour_dask.downpour.sparse_fit import fit_sparse
+from downpour_dask.ps.calls import Done
+from downpour_dask.ps.protocol import ShardLostError
 from downpour_dask.ps.rows import RowsLink
 
 
@@ -153,3 +155,31 @@ def test_on_the_cluster_n_fetch_and_n_push_3_equal_the_reference(client):
         assert fit.events.empty  # nothing failed
     finally:
         fit.close()
+
+
+class LosingLink(RowsLink):
+    """A link whose ``lose_at``-th push finds its shard lost (the push never arrives)."""
+
+    def __init__(self, *args, lose_at):
+        super().__init__(*args)
+        self.lose_at, self.pushes = lose_at, 0
+
+    def push(self, *args, **kw):
+        self.pushes += 1
+        if self.pushes == self.lose_at:
+            return Done(error=OSError("connection to the shard's worker lost"))
+        return super().push(*args, **kw)
+
+
+def test_after_a_lost_shard_the_replica_goes_on_with_the_batches_it_had_not_pushed():
+    model = FactorizationMachine(200, 4, n_factors=2)
+    batches = click_batches(9, n_rows=200, numeric=0)
+    layout, shards = shards_for(model, 1, optim.adagrad(0.1))
+    replica = AccruingReplica(model, layout, iter(batches), 0, n_fetch=3, n_push=3, alpha=0.1)
+    with pytest.raises(ShardLostError, match="shard 0 was lost"):
+        replica.run([LosingLink(shards[0], 0, 0, 10.0, lose_at=2)])
+    assert replica.step == 6 and shards[0].version == 1  # the second push was lost
+    records = replica.run([RowsLink(shards[0], 0, 0, 10.0)])  # (the shard's replacement)
+    assert [r["step"] for r in records] == [2, 8] and shards[0].version == 2
+    assert replica.fetched_rows[-1] == len(np.unique(np.concatenate(
+        [b.ids.ravel() for b in batches[6:]])))  # the third fetch: nothing skipped or repeated
