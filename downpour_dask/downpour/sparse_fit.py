@@ -10,12 +10,15 @@ incremental checkpoint every ``checkpoint_every`` seconds while the replicas run
 end (:mod:`.sparse_checkpoints`); ``restore`` continues from such a directory with any number
 of shards.
 
-A shard whose worker leaves the cluster is restored on a surviving worker as its next
-generation and the replicas switch to it (:mod:`.sparse_recovery`, the dense path's
-:class:`~.shard_recovery.ShardRecovery`); ``SparseFit.events`` and ``SparseFit.lost_updates``
-say what happened and what was lost.  What it does not do yet, unlike the dense
-:class:`~downpour_dask.downpour.estimator.DownpourSGD`: restart a lost replica (a replica whose
-worker dies fails the fit), or run ``n_fetch``/``n_push`` other than 1.
+A replica fetches every ``n_fetch`` steps and pushes every ``n_push`` steps, as the dense
+loop does (:mod:`.sparse_accrual`; :mod:`.sparse_loop` runs ``n_fetch = n_push = 1``).  A shard
+whose worker leaves the cluster is restored on a surviving worker as its next generation and
+the replicas switch to it (:mod:`.sparse_recovery`, the dense path's
+:class:`~.shard_recovery.ShardRecovery`); a replica whose worker dies is restarted on a
+surviving worker after the steps it pushed, with its share of the data (the dense path's
+:class:`~.supervisor.Supervisor` over :class:`~.sparse_replicas.SparseTasks`).
+``SparseFit.events`` (``shard_lost``, ``shard_restored``, ``replica_failed``,
+``replica_restarted``...) and ``SparseFit.lost_updates`` say what happened and what was lost.
 """
 
 from __future__ import annotations
