@@ -86,7 +86,12 @@ class SparseServer:
                 call.result(timeout=timeout)
 
     def lost_shards(self, timeout: float) -> list[int]:
-        calls = [actor.current_version() for actor in self.fit.actors]
+        calls = []
+        for actor in self.fit.actors:
+            try:
+                calls.append(actor.current_version())
+            except Exception as err:  # noqa: BLE001 - a lost actor's handle raises at once
+                calls.append(Done(error=err))
         lost = []
         for s, call in enumerate(calls):
             try:
