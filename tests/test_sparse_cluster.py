@@ -171,6 +171,8 @@ def test_a_killed_shard_worker_is_restored_and_the_fit_finishes_with_exact_lost_
         assert new["version"].tolist() == list(range(restored["version"] + 1,
                                                      restored["version"] + 1 + len(new)))
         assert fit.counters()[2]["version"] == new["version"].max()
+        # its count of accepted pushes went on from the checkpoint's, as its version did
+        assert fit.counters()[2]["accepted_by_replica"] == {0: new["version"].max()}
         for s in (0, 1):  # the other shards lost nothing: one update per accepted push
             mine = pushes[(pushes["shard"] == s) & pushes["accepted"]]
             assert fit.counters()[s]["version"] == len(mine) == mine["version"].max()

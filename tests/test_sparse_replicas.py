@@ -3,14 +3,23 @@ tasks, no Dask (``test_sparse_cluster.py`` kills a replica's worker for real).""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from test_sparse_ps import click_batches, shards_for
 
 from downpour_dask.base import RunRecorder
+from downpour_dask.core import optim
+from downpour_dask.core.sparse_models import FactorizationMachine
+from downpour_dask.downpour.sparse_checkpoints import write_increment
+from downpour_dask.downpour.sparse_loop import run_sparse_replica
+from downpour_dask.downpour.sparse_recovery import SparseSaved
 from downpour_dask.downpour.sparse_replicas import SparseTasks, drain_records, keep_records
 from downpour_dask.downpour.supervisor import Supervisor
+from downpour_dask.ps.rows import RowsLink
+from downpour_dask.ps.table import SparseShard
 
 
 @dataclass
@@ -129,3 +138,19 @@ def test_an_error_of_the_replica_itself_stops_the_shards_and_fails_the_fit():
     with pytest.raises(RuntimeError, match="failed: ValueError\\('a bad batch'\\)"):
         supervisor.check()
     assert server.stopped and recorder.events == []
+
+
+def test_a_shard_restored_from_a_checkpoint_counts_the_pushes_it_had_accepted(tmp_path):
+    model = FactorizationMachine(200, 4, n_factors=2)
+    layout, shards = shards_for(model, 2, optim.adagrad(0.1))
+    links = [RowsLink(s, i, 3, 10.0) for i, s in enumerate(shards)]  # replica 3
+    run_sparse_replica(model, links, layout, click_batches(5, n_rows=200, numeric=0), replica=3)
+    write_increment(tmp_path, [asyncio.run(s.export_changed()) for s in shards], layout, 0)
+    initial = [{"values": s.values, "rule_state": {}, "version": 0} for s in shards]
+    state = SparseSaved(layout, initial, tmp_path).state(1)
+    assert state["version"] == 5 and state["counters"] == {"accepted_by_replica": {"3": 5}}
+    # so its replacement counts them, and a replica restarted with it goes on after them
+    lo, hi = layout.dense[1]
+    again = SparseShard(1, lo, hi, state["values"], optim.adagrad(0.1),
+                        tables=layout.shard_tables(1), seed=0, restore=state, generation=1)
+    assert again.counters()["accepted_by_replica"] == {3: 5}

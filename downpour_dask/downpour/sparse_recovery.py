@@ -141,8 +141,9 @@ class SparseSaved:
         self.saved = _States(self)
 
     def state(self, shard: int) -> dict[str, Any]:
-        """Shard ``shard``'s freshest saved state: ``values``, ``rule_state``, ``version`` and
-        ``tables`` (every saved row; the shard keeps those in its range)."""
+        """Shard ``shard``'s freshest saved state: ``values``, ``rule_state``, ``version``,
+        ``tables`` (every saved row; the shard keeps those in its range) and, from a
+        checkpoint, ``counters`` (the pushes it had accepted per replica then)."""
         best = self.initial[shard]
         if self.root is not None and any(Path(self.root).glob(f"{PREFIX}*/manifest.json")):
             saved = read_sparse(self.root)
@@ -152,6 +153,9 @@ class SparseSaved:
             if version >= int(best["version"]):
                 best = {"values": mine["values"], "rule_state": mine["restore"]["rule_state"],
                         "version": int(version), "tables": mine["restore"]["tables"]}
+                accepted = saved.get("accepted_by_replica")
+                if accepted is not None and len(accepted) == self.layout.n_shards:
+                    best["counters"] = {"accepted_by_replica": accepted[shard]}
         return best
 
     def replaced(self, shard: int, state: dict[str, Any]) -> None:
