@@ -11,12 +11,14 @@ expects:
 
 - :class:`SparseServer` -- the actors of the fit by shard, their generations, retiring one,
   probing which are lost and starting a replacement :class:`~downpour_dask.ps.table.SparseShard`
-  (with its table rows);
+  (with its table rows); also what the dense path's :class:`~.supervisor.Supervisor` asks of a
+  server (a shard's counters, the stop flag), since it supervises the sparse replicas too;
 - :class:`SparseSaved` -- the freshest saved state of a shard: the fit's incremental checkpoints
   replayed (:func:`~.sparse_checkpoints.read_sparse`), else the state the fit started from.
 
 :func:`await_replacement` is the replica's half: after a lost shard it waits for the announced
-next generation.  :func:`settle_acknowledged` makes the lost-update count exact at the end: the
+next generation.  :func:`supervise` is the driver's loop while the replicas run.
+:func:`settle_acknowledged` makes the lost-update count exact at the end: the
 newest version each replaced incarnation acknowledged according to every replica's push records.
 """
 
