@@ -154,3 +154,19 @@ def test_a_shard_restored_from_a_checkpoint_counts_the_pushes_it_had_accepted(tm
     again = SparseShard(1, lo, hi, state["values"], optim.adagrad(0.1),
                         tables=layout.shard_tables(1), seed=0, restore=state, generation=1)
     assert again.counters()["accepted_by_replica"] == {3: 5}
+
+
+def test_a_replica_streaming_files_restarts_with_the_same_files_and_nothing_scattered():
+    cluster, submitted = FakeCluster(["w0", "w1"]), []
+    files = (["a.parquet", "b.parquet"], "spec")
+
+    def start(replica, data, step, worker, key):
+        submitted.append((replica, data, step, worker))
+        return FakeTask(key)
+
+    replicas = SparseTasks(cluster, start, [files], None, ["w1"], n_shards=1)
+    supervisor = Supervisor(cluster, FakeServer([{0: 7}]), replicas, FakeRecovery(),
+                            RunRecorder("accuracy"), 1, 1.0)
+    replicas.tasks[0].status = "cancelled"  # (w1 lives on: it holds no shard, so it is chosen)
+    supervisor.check()
+    assert submitted[-1] == (0, files, 7, "w1") and cluster.scattered == []
