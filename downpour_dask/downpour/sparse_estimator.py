@@ -68,7 +68,8 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
     classes_ : ndarray ``[0, 1]``
     model_ : the trained model object; ``dense_`` and ``tables_`` its parameters
     pushes_, events_ : DataFrame
-        The fit's push log and its shard events (``shard_lost`` / ``shard_restored`` ...).
+        The fit's push log and its events (``shard_lost`` / ``shard_restored``,
+        ``replica_failed`` / ``replica_restarted`` ...).
     lost_updates_ : list of int
         Updates lost per shard to lost shards.
     """
