@@ -86,26 +86,30 @@ def test_a_fetch_pulls_the_union_of_the_next_k_batches_and_a_push_each_touched_r
     assert [s.version for s in shards] == [3, 3, 3]
 
 
-def test_pushes_more_often_than_fetches_reapply_the_unpushed_gradient_and_count_staleness():
+@pytest.mark.parametrize(("n_fetch", "n_push"), [(3, 2), (1, 4), (4, 1), (2, 5)])
+def test_any_schedule_with_plain_sgd_at_the_local_rate_ends_where_serial_sgd_does(n_fetch, n_push):
+    # every update is the same whoever applies it, so the shards end where one serial SGD pass
+    # ends only if a fetch re-applies the gradient not pushed yet and each row is pushed once
     model = FactorizationMachine(200, 4, n_factors=2, n_numeric=2)
     batches = click_batches(12, n_rows=200)
     layout, shards = shards_for(model, 2, optim.sgd(0.1))
     links = [RowsLink(s, i, 0, 10.0) for i, s in enumerate(shards)]
-    # n_fetch 3, n_push 2: fetches before steps 0, 3, 6, 9 and pushes after 1, 3, 5, 7, 9, 11
-    replica = AccruingReplica(model, layout, iter(batches), 0, n_fetch=3, n_push=2, alpha=0.1)
+    replica = AccruingReplica(model, layout, iter(batches), 0, n_fetch=n_fetch, n_push=n_push,
+                              alpha=0.1)
     records = replica.run(links)
-    assert sorted({r["step"] for r in records}) == [1, 3, 5, 7, 9, 11]
-    assert len(replica.fetched_rows) == 4
-    # with plain SGD at the local rate, every update is the same whoever applies it: the shards
-    # end where one serial SGD pass over the 12 batches ends
     serial = SparseState(model, optim.sgd(0.1))
     for b in batches:
         serial.step(b)
     assert np.allclose(np.concatenate([s.values for s in shards]), serial.dense, atol=1e-5)
     assert np.allclose(table_of(shards), serial.tables[0].values, atol=1e-5)
-    # a push that follows another without a fetch in between counts that push as staleness
-    staleness = {r["step"]: r["staleness"] for r in records if r["shard"] == 0}
-    assert staleness == {1: 0, 3: 1, 5: 1, 7: 0, 9: 1, 11: 1}
+    assert len(replica.fetched_rows) == -(-12 // n_fetch)
+    pushed = sorted({r["step"] for r in records})
+    assert pushed == sorted({*range(n_push - 1, 12, n_push), 11})
+    if (n_fetch, n_push) == (3, 2):  # fetches before steps 0, 3, 6, 9; pushes after 1, 3, 5...
+        # a push counts as staleness the replica's own push since the fetch its accrual
+        # started from, as the dense loop's does
+        staleness = {r["step"]: r["staleness"] for r in records if r["shard"] == 0}
+        assert staleness == {1: 0, 3: 1, 5: 1, 7: 0, 9: 1, 11: 1}
 
 
 def test_max_steps_stops_the_look_ahead_and_a_restart_goes_on_from_its_step():
