@@ -185,7 +185,6 @@ def supervise(supervisor: Supervisor, replicas: SparseTasks, fit: Any,
         if replicas.all_gathered():
             return
         replicas.collect()
-        recovery.poll_fences()
         if checkpoint_dir is not None and time.monotonic() >= due:
             due = time.monotonic() + checkpoint_every
             try:
