@@ -218,7 +218,7 @@ class AccruingReplica:
         self.step += 1
 
     # -- pushing ---------------------------------------------------------------------------------
-    def _send_push(self, links: Sequence[RowsLink], seq: int) -> list:
+    def _send_push(self, links: Sequence[RowsLink], seq: int) -> tuple:
         """Start pushing the accrued gradient (each touched row once) to every shard."""
         merged = [merge_rows(chunks, w) for chunks, w in zip(self.accrued_rows, self.widths)]
         parts = self.layout.split([ids for ids, _ in merged])
@@ -235,15 +235,15 @@ class AccruingReplica:
             moved = 4 * (hi - lo) + sum(8 * len(i) + g.nbytes for i, g in pushes)
             sent.append((call, pushes, moved + self.pulled[s]))
             self.pulled[s] = 0
-        sent_info = (sent, self.step - 1, loss, self.examples)
+        pushed = (sent, self.step - 1, loss, self.examples)
         self.accrued[:] = 0
         self.accrued_rows = [[] for _ in self.widths]
         self.loss_sum, self.examples, self.pushed_steps = 0.0, 0, 0
-        return [sent_info]
+        return pushed
 
-    def _finish_push(self, links: Sequence[RowsLink], sent_info: list) -> None:
+    def _finish_push(self, links: Sequence[RowsLink], pushed: tuple) -> None:
         """Wait for a push's replies and record it."""
-        ((sent, step, loss, examples),) = sent_info
+        sent, step, loss, examples = pushed
         for s, (link, (call, pushes, moved)) in enumerate(zip(links, sent)):
             reply = link.wait(call)
             self.stop = self.stop or bool(reply.stop)
