@@ -208,21 +208,25 @@ def test_a_killed_replica_worker_is_restarted_and_the_fit_finishes_with_every_st
         assert restarted["replica"] == 2 and restarted["workers"] != [victim]
         step = restarted["step"]
         assert 0 < step < 3000 and step % 2 == 0  # after the pushes shard 0 accepted
-        # every replica pushed each of its 1500 pushes once: shard 0 counted them
-        assert fit.counters()[0]["accepted_by_replica"] == {0: 1500, 1: 1500, 2: 1500}
+        # every replica pushed each of its 1500 pushes once (a push the kill cut between the
+        # two shards reached only one of them: the restart goes on after it)
+        for s in (0, 1):
+            counted = fit.counters()[s]["accepted_by_replica"]
+            assert counted[0] == counted[1] == 1500 and counted[2] in (1499, 1500)
         pushes = fit.pushes[fit.pushes["shard"] == 0]
         for r in (0, 1):
             assert pushes[pushes["replica"] == r]["step"].tolist() == list(range(1, 3000, 2))
-        # replica 2: what the driver collected of its first incarnation, with no gap, then the
-        # restarted one from its step on, to the end (records made just before the kill died
-        # with the worker)
-        mine = pushes[pushes["replica"] == 2]["step"].tolist()
-        before, after = [s for s in mine if s < step], [s for s in mine if s >= step]
-        assert before == list(range(1, 2 * len(before), 2)) and len(before) > 0
-        assert after == list(range(step + 1, 3000, 2))
-        assert mine == before + after
-        print(f"replica 2 restarted after step {step}; log of its first incarnation up to step "
-              f"{before[-1]} (the rest died with the worker)")
+        # replica 2's log is complete too: its first incarnation's records (those made after
+        # the driver's last collection rebuilt from the shards' memory of its pushes), then
+        # the restarted one's from its step on, each push once per shard (but the one the kill
+        # may have cut)
+        for shard in (0, 1):
+            mine = fit.pushes[(fit.pushes["shard"] == shard) & (fit.pushes["replica"] == 2)]
+            steps = mine["step"].tolist()
+            assert steps in (list(range(1, 3000, 2)),
+                             [s for s in range(1, 3000, 2) if s != step - 1])
+            assert mine["accepted"].all() and set(mine["transport"]) <= {"local", "wire"}
+        print(f"replica 2 restarted after step {step}")
         dense, (table,) = fit.state()
         assert np.isfinite(dense).all() and np.isfinite(table).all()
     finally:

@@ -16,7 +16,12 @@ from downpour_dask.core.sparse_models import FactorizationMachine
 from downpour_dask.downpour.sparse_checkpoints import write_increment
 from downpour_dask.downpour.sparse_loop import run_sparse_replica
 from downpour_dask.downpour.sparse_recovery import SparseSaved
-from downpour_dask.downpour.sparse_replicas import SparseTasks, drain_records, keep_records
+from downpour_dask.downpour.sparse_replicas import (
+    SparseTasks,
+    drain_records,
+    forget_records,
+    keep_records,
+)
 from downpour_dask.downpour.supervisor import Supervisor
 from downpour_dask.ps.rows import RowsLink
 from downpour_dask.ps.table import SparseShard
@@ -84,7 +89,7 @@ class FakeRecovery:
         raise AssertionError("no shard is lost here")
 
 
-def fit_of(accepted, alive=("w0", "w1", "w2")):
+def fit_of(accepted, alive=("w0", "w1", "w2"), remembered=None):
     cluster, submitted = FakeCluster(alive), []
 
     def start(replica, data, step, worker, key):
@@ -92,21 +97,31 @@ def fit_of(accepted, alive=("w0", "w1", "w2")):
         return FakeTask(key)
 
     replicas = SparseTasks(cluster, start, ["share0@w1", "share1@w2"], ["share0", "share1"],
-                           ["w1", "w2"], n_shards=len(accepted))
+                           ["w1", "w2"], n_shards=len(accepted),
+                           recent=None if remembered is None else remembered.get, n_push=2,
+                           started=1000.0)
     server, recorder = FakeServer(accepted), RunRecorder("accuracy")
     supervisor = Supervisor(cluster, server, replicas, FakeRecovery(), recorder, 2, 1.0)
     return cluster, replicas, supervisor, submitted, recorder, server
 
 
 def test_a_replica_whose_worker_left_restarts_after_its_pushes_with_its_share_and_its_log():
-    # shard 1 was restored from a checkpoint: it counts fewer of the replicas' pushes
-    cluster, replicas, supervisor, submitted, recorder, _ = fit_of([{0: 4, 1: 3}, {0: 2, 1: 1}])
+    # shard 1 was restored from a checkpoint: it counts fewer of the replicas' pushes, and
+    # remembers none of replica 1's pushes; shard 0 remembers all three
+    pushes = [{"time": 1000.5 + seq, "session": "s0", "seq": seq, "examples": 32,
+               "loss": 0.5 - seq / 10, "staleness": 0, "version": 7 + seq, "accepted": True,
+               "rows": 9, "bytes": 400, "generation": 0} for seq in range(3)]
+    cluster, replicas, supervisor, submitted, recorder, _ = fit_of(
+        [{0: 4, 1: 3}, {0: 2, 1: 1}], remembered={1: [pushes, []]})
     assert submitted == [(0, "share0@w1", 0, "w1"), (1, "share1@w2", 0, "w2")]
     first = replicas.tasks[1]
-    records = [{"replica": 1, "step": 1}, {"replica": 1, "step": 3}]
+    records = [{"replica": 1, "step": 2 * seq + 1, "shard": shard, "seq": seq,
+                "session": f"s{shard}", "transport": "wire", "bytes": 500}
+               for seq in range(2) for shard in (0, 1)]
     keep_records(cluster.run, first.key, records)  # what the task on w2 does
     replicas.collect(force=True)
     records.append({"replica": 1, "step": 5})  # made after the last collection: dies with w2
+    forget_records(cluster.run)  # (so does what w2 kept)
     supervisor.check()  # nothing wrong yet
     assert recorder.events == []
     cluster.alive = ["w0", "w1"]  # w2 died with replica 1
@@ -125,8 +140,14 @@ def test_a_replica_whose_worker_left_restarts_after_its_pushes_with_its_share_an
     replicas.tasks[1].status, replicas.tasks[1].outcome = "finished", [{"replica": 1, "step": 7}]
     supervisor.check()
     assert replicas.all_gathered()
-    assert [(r["replica"], r["step"]) for r in replicas.records()] == [(0, 1), (1, 1), (1, 3),
-                                                                       (1, 7)]
+    log = replicas.records()
+    assert [(r["replica"], r["step"], r.get("shard")) for r in log] == [
+        (0, 1, None), (1, 1, 0), (1, 1, 1), (1, 3, 0), (1, 3, 1),
+        (1, 5, 0),  # rebuilt from shard 0's memory of push 2 (shard 1 remembers nothing)
+        (1, 7, None)]
+    assert log[5] == {"replica": 1, "step": 5, "shard": 0, "seq": 2, "session": "s0",
+                      "transport": "wire", **{k: v for k, v in pushes[2].items() if k not in (
+                          "session", "seq")}, "time": 2.5}
     replicas.release()
     assert drain_records(cluster.run) == {}  # released: nothing kept on the workers
 

@@ -235,7 +235,7 @@ class AccruingReplica:
             moved = 4 * (hi - lo) + sum(8 * len(i) + g.nbytes for i, g in pushes)
             sent.append((call, pushes, moved + self.pulled[s]))
             self.pulled[s] = 0
-        pushed = (sent, self.step - 1, loss, self.examples)
+        pushed = (sent, self.step - 1, loss, self.examples, seq)
         self.accrued[:] = 0
         self.accrued_rows = [[] for _ in self.widths]
         self.loss_sum, self.examples, self.pushed_steps = 0.0, 0, 0
@@ -243,7 +243,7 @@ class AccruingReplica:
 
     def _finish_push(self, links: Sequence[RowsLink], pushed: tuple) -> None:
         """Wait for a push's replies and record it."""
-        sent, step, loss, examples = pushed
+        sent, step, loss, examples, seq = pushed
         for s, (link, (call, pushes, moved)) in enumerate(zip(links, sent)):
             reply = link.wait(call)
             self.stop = self.stop or bool(reply.stop)
@@ -254,6 +254,8 @@ class AccruingReplica:
                 "version": reply.version, "accepted": reply.accepted,
                 "rows": sum(len(i) for i, _ in pushes), "bytes": moved,
                 "generation": link.generation,
+                "seq": seq, "session": link.session,  # (see sparse_replicas)
+                "transport": link.transport,
             })
             if self.acked is not None and reply.accepted:
                 self.acked(s, reply.version)

@@ -351,7 +351,8 @@ def fit_sparse(
                              key, pure=False, workers=[worker], allow_other_workers=False,
                              key=key)
 
-    replicas = SparseTasks(cluster, start, parts, shares, homes, layout.n_shards)
+    replicas = SparseTasks(cluster, start, parts, shares, homes, layout.n_shards,
+                           lambda r: server.recent_pushes(r, timeout), n_push, started)
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
     try:
         supervise(supervisor, replicas, fit, recovery,
@@ -365,7 +366,7 @@ def fit_sparse(
     finally:
         replicas.release()
         cluster.forget()
-    fit.pushes = pd.DataFrame(records)
+    fit.pushes = pd.DataFrame(records).drop(columns=["seq", "session"], errors="ignore")
     if recovery.retired:
         recovery.settle()
         settle_acknowledged(recovery, fit.pushes)

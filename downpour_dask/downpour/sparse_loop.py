@@ -115,6 +115,8 @@ def run_sparse_replica(
                 "version": reply.version, "accepted": reply.accepted,
                 "rows": sum(len(i) for i, _ in pushes), "bytes": moved + pulled[s],
                 "generation": link.generation,
+                "seq": step - 1 + seq_offset, "session": link.session,  # (see sparse_replicas)
+                "transport": link.transport,
             })
             if acked is not None and reply.accepted:
                 acked(s, reply.version)

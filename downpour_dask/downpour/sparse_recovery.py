@@ -87,6 +87,16 @@ class SparseServer:
             with contextlib.suppress(Exception):
                 call.result(timeout=timeout)
 
+    def recent_pushes(self, replica: int, timeout: float) -> list[list[dict[str, Any]]]:
+        """Per shard, the pushes of ``replica`` it remembers (none from a lost shard)."""
+        out = []
+        for actor in self.fit.actors:
+            try:
+                out.append(actor.recent_pushes(replica).result(timeout=timeout))
+            except Exception:  # noqa: BLE001 - a lost shard remembers nothing
+                out.append([])
+        return out
+
     def lost_shards(self, timeout: float) -> list[int]:
         calls = []
         for actor in self.fit.actors:

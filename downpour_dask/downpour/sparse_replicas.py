@@ -11,13 +11,19 @@ particular to sparse replicas:
   new worker again (the old copy died with the old worker) and submits the replica task from
   the step the supervisor names; it skips the batches before it, which come in the same order
   (the replica's batches are drawn from ``(seed, replica)``), so it continues with its share;
-- the push records of a replica outlive its worker as far as they can: the task registers its
-  record list on its worker (:func:`keep_records`) and the driver takes the new records of
-  every worker every :data:`COLLECT_EVERY` seconds (:meth:`SparseTasks.collect`); the log of
-  a fit is then the collected records of every incarnation that died, followed by each
-  replica's last incarnation's own (complete) result (:meth:`SparseTasks.records`).  Records a
-  killed replica made after the last collection die with it, as the dense path's push-log rows
-  do.
+- the push records of a replica outlive its worker: the task registers its record list on its
+  worker (:func:`keep_records`) and the driver takes the new records of every worker every
+  :data:`COLLECT_EVERY` seconds (:meth:`SparseTasks.collect`).  The records a killed replica
+  made after the last collection died with it, but its pushes reached the shards, and each
+  shard remembers the last pushes of every replica
+  (:meth:`~downpour_dask.ps.table.SparseShard.recent_pushes`: session, push number, what the
+  push said and got): :func:`fill_gap` rebuilds the missing records from them, numbering their
+  steps on from the last collected record of the same session (a session's pushes are
+  ``n_push`` steps apart).  A rebuilt record has the shard's clock for ``time`` and counts
+  only the push's bytes (the pulls in between are not known).  A push to a shard that was lost
+  too, or of a session none of whose records was collected, stays unknown.  The log of a fit
+  is then every dead incarnation's records, followed by each replica's last incarnation's own
+  result (:meth:`SparseTasks.records`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,33 @@ def drain_records(run: str) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def fill_gap(records: list[dict[str, Any]], recent: list[list[dict[str, Any]]], n_push: int,
+             started: float) -> list[dict[str, Any]]:
+    """``records`` (collected of a replica that died) followed by the records rebuilt from
+    ``recent`` (per shard, its :meth:`~downpour_dask.ps.table.SparseShard.recent_pushes` of
+    that replica) of the pushes they lack; ``started``: the fit's wall-clock start."""
+    last: dict[tuple[int, str], dict[str, Any]] = {}
+    seen = set()
+    for r in records:
+        key = (r["shard"], r.get("session", ""))
+        seen.add((*key, r.get("seq")))
+        if key not in last or r["seq"] > last[key]["seq"]:
+            last[key] = r
+    rebuilt = []
+    for shard, entries in enumerate(recent):
+        for entry in entries:
+            known = last.get((shard, entry["session"]))
+            if known is None or entry["seq"] <= known["seq"] or (
+                    (shard, entry["session"], entry["seq"]) in seen):
+                continue
+            seen.add((shard, entry["session"], entry["seq"]))
+            step = known["step"] + (entry["seq"] - known["seq"]) * n_push
+            rebuilt.append({**known, **entry, "time": entry["time"] - started, "shard": shard,
+                            "step": step})
+    rebuilt.sort(key=lambda r: (r["step"], r["shard"]))
+    return [*records, *rebuilt]
+
+
 def forget_records(run: str) -> None:
     """On a worker (``client.run``): drop what :func:`keep_records` kept for ``run``."""
     with _LOCK:
@@ -79,13 +112,22 @@ class SparseTasks:
     workers : list of str
         Where each replica starts.
     n_shards : int
+    recent : callable, optional
+        ``recent(replica)``: per shard, the pushes of ``replica`` it remembers; with it the
+        records of a replica that died are completed from them (:func:`fill_gap`).
+    n_push : int
+    started : float
+        The fit's wall-clock start.
     """
 
     plan = None  # no model parallelism: one slot per replica
 
     def __init__(self, cluster: Any, start: Callable[..., Any], data: list[Any],
-                 shares: list[Any] | None, workers: list[str], n_shards: int):
+                 shares: list[Any] | None, workers: list[str], n_shards: int,
+                 recent: Callable[[int], list[list[dict[str, Any]]]] | None = None,
+                 n_push: int = 1, started: float = 0.0):
         self.cluster, self.start, self.data, self.shares = cluster, start, data, shares
+        self.recent, self.n_push, self.started = recent, n_push, started
         self.workers = list(workers)
         self.slots = [(r, 0) for r in range(len(workers))]
         # The supervisor restarts a replica after the pushes of its partition furthest ahead,
@@ -111,10 +153,16 @@ class SparseTasks:
         return len(self.results) == len(self.tasks)
 
     def stop_replica(self, replica: int, reason: str) -> None:
-        """Let the replica's task go (its records collected so far are kept)."""
-        self.dead[replica].append(self.tasks[replica].key)
+        """Let the replica's task go, and keep its records: those collected, completed from
+        the shards' memory of its pushes (:func:`fill_gap`)."""
+        key = self.tasks[replica].key
+        self.dead[replica].append(key)
         self.tasks[replica].cancel()
         self.results.pop(replica, None)
+        self.collect(force=True)
+        if self.recent is not None:
+            self.kept[key] = fill_gap(self.kept.get(key, []), self.recent(replica), self.n_push,
+                                      self.started)
 
     def resume_replica(self, replica: int, workers: list[str], start_step: int) -> None:
         """Start ``replica`` again on ``workers[0]`` after ``start_step`` steps."""
