@@ -13,12 +13,14 @@ from test_sparse_ps import click_batches, shards_for
 from downpour_dask.base import RunRecorder
 from downpour_dask.core import optim
 from downpour_dask.core.sparse_models import FactorizationMachine
+from downpour_dask.downpour.sparse_accrual import AccruingReplica
 from downpour_dask.downpour.sparse_checkpoints import write_increment
 from downpour_dask.downpour.sparse_loop import run_sparse_replica
 from downpour_dask.downpour.sparse_recovery import SparseSaved
 from downpour_dask.downpour.sparse_replicas import (
     SparseTasks,
     drain_records,
+    fill_gap,
     forget_records,
     keep_records,
 )
@@ -191,3 +193,27 @@ def test_a_replica_streaming_files_restarts_with_the_same_files_and_nothing_scat
     replicas.tasks[0].status = "cancelled"  # (w1 lives on: it holds no shard, so it is chosen)
     supervisor.check()
     assert submitted[-1] == (0, files, 7, "w1") and cluster.scattered == []
+
+
+@pytest.mark.parametrize(("n_fetch", "n_push"), [(1, 1), (2, 3)])
+def test_the_records_a_dead_replica_lacks_are_rebuilt_from_the_shards_memory(n_fetch, n_push):
+    model = FactorizationMachine(200, 4, n_factors=2)
+    layout, shards = shards_for(model, 2, optim.adagrad(0.1))
+    links = [RowsLink(s, i, 1, 10.0) for i, s in enumerate(shards)]
+    # (a whole number of pushes: a replica killed mid-run made no short last push)
+    batches = click_batches(12, n_rows=200, numeric=0)
+    if (n_fetch, n_push) == (1, 1):
+        records = run_sparse_replica(model, links, layout, batches, replica=1, started=0.0)
+    else:
+        records = AccruingReplica(model, layout, iter(batches), 1, n_fetch, n_push, 0.1,
+                                  started=0.0).run(links)
+    remembered = [asyncio.run(s.recent_pushes(1)) for s in shards]
+    assert [e["seq"] for e in remembered[0]] == sorted({r["seq"] for r in records})
+    collected = records[:4]  # the driver's last collection; the rest died with the worker
+    rebuilt = fill_gap(collected, remembered, n_push, started=0.0)
+    assert len(rebuilt) == len(records)
+    for got, want in zip(rebuilt, records):  # the same, but the clock and the pulls' bytes
+        assert {k: v for k, v in got.items() if k not in ("time", "bytes")} == {
+            k: v for k, v in want.items() if k not in ("time", "bytes")}
+        assert 0 < got["bytes"] <= want["bytes"] and got["time"] == pytest.approx(
+            want["time"], abs=1.0)
