@@ -13,7 +13,9 @@ state.  The driver reaches Dask only through the
 :class:`~downpour_dask.ps.protocol.ShardChannel` per shard, and leaves what must outlive it in
 ``registry``; ``model_parallel`` runs a replica split into partitions.  Sparse models (tables
 of which a batch touches few rows): ``sparse_fit`` starts table shards and replica tasks running
-``sparse_loop``, ``sparse_checkpoints`` writes incremental checkpoints of the tables,
+``sparse_loop`` (``sparse_accrual`` for ``n_fetch``/``n_push`` other than 1), has the
+``supervisor`` restart a replica whose worker died (``sparse_replicas``: its task, its data, its
+records), ``sparse_checkpoints`` writes incremental checkpoints of the tables,
 ``sparse_recovery`` gives a sparse fit's shards to ``shard_recovery`` (a lost table shard comes
 back on a surviving worker), and ``sparse_estimator`` wraps ``fit_sparse`` as a scikit-learn
 classifier.

@@ -113,6 +113,10 @@ class DaskCluster:
                 found[worker] = err
         return found
 
+    def collect(self, function: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """``function(*args)`` on every live worker, as :meth:`_run_each` (sparse fits' records)."""
+        return self._run_each(function, *args)
+
     def fetched_copies(self, shard: int, key: str, workers: list[str]) -> dict[str, Any]:
         return self._run_each(fetched_copy, self.run, shard, key, workers=workers)
 

@@ -65,6 +65,13 @@ def write_increment(
         "step": step, "seed": seed, "versions": [int(e["version"]) for e in exports],
         "dense": layout.dense, "tables": layout.tables, "specs": [list(s) for s in layout.specs],
         "files": files,
+        # pushes each shard accepted per replica: a replica restarted with a shard restored
+        # from here goes on after them (see sparse_replicas)
+        "accepted_by_replica": [
+            {str(r): int(n) for r, n in
+             (e.get("counters") or {}).get("accepted_by_replica", {}).items()}
+            for e in exports
+        ],
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest))
     final = root / f"{PREFIX}{number:06d}"
@@ -80,7 +87,8 @@ def write_increment(
 def read_sparse(root: str | os.PathLike[str]) -> dict[str, Any]:
     """Every increment of ``root`` replayed: ``dense`` (the whole vector), ``rule_state``
     (whole per-element arrays), ``tables`` (per table the merged rows: ids, values, versions,
-    state), ``versions`` (the last increment's, per shard), ``seed``, ``specs``, ``increments``.
+    state), ``versions`` (the last increment's, per shard), ``seed``, ``specs``, ``increments``
+    and ``accepted_by_replica`` (the last increment's, per shard; None in older checkpoints).
 
     Raises CheckpointError naming the file for a missing or corrupt one."""
     found = sorted(Path(root).glob(f"{PREFIX}*"))
@@ -115,6 +123,7 @@ def read_sparse(root: str | os.PathLike[str]) -> dict[str, Any]:
         "rule_state": {k: np.concatenate(v) for k, v in rule.items()},
         "tables": tables, "versions": manifest["versions"], "seed": manifest["seed"],
         "specs": manifest["specs"], "increments": len(found), "step": manifest["step"],
+        "accepted_by_replica": manifest.get("accepted_by_replica"),
     }
 
 

@@ -28,6 +28,7 @@ from ..core.sparse import SparseBatch
 from ..core.sparse_models import EmbeddingMLP, FactorizationMachine, SparseLogisticRegression
 from ..data.hashing import HashSpec, hash_frame
 from ..runtime.cluster import cluster_client
+from .sparse_accrual import check_schedule
 from .sparse_fit import fit_sparse
 
 #: The models ``model=`` names.
@@ -56,13 +57,19 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
     hash_seed : int, default 0
         The hash's seed.
     transform : {"none", "log1p"}, default "none"
+    n_fetch, n_push : int, default 1
+        A replica fetches the rows of its next ``n_fetch`` batches every ``n_fetch`` steps and
+        pushes its accrued gradient every ``n_push`` steps (see :func:`~.sparse_fit.fit_sparse`).
+    local_learning_rate : float, optional
+        The replica's rate between fetches; default ``learning_rate``.
 
     Attributes
     ----------
     classes_ : ndarray ``[0, 1]``
     model_ : the trained model object; ``dense_`` and ``tables_`` its parameters
     pushes_, events_ : DataFrame
-        The fit's push log and its shard events (``shard_lost`` / ``shard_restored`` ...).
+        The fit's push log and its events (``shard_lost`` / ``shard_restored``,
+        ``replica_failed`` / ``replica_restarted`` ...).
     lost_updates_ : list of int
         Updates lost per shard to lost shards.
     """
@@ -84,6 +91,9 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         timeout: float = 120.0,
         hash_seed: int = 0,
         transform: str = "none",
+        n_fetch: int = 1,
+        n_push: int = 1,
+        local_learning_rate: float | None = None,
     ):
         self.categorical, self.numeric, self.model = categorical, numeric, model
         self.n_rows = n_rows
@@ -91,6 +101,8 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         self.optimizer, self.learning_rate, self.batch_size = optimizer, learning_rate, batch_size
         self.max_epochs, self.seed, self.timeout = max_epochs, seed, timeout
         self.hash_seed, self.transform = hash_seed, transform
+        self.n_fetch, self.n_push = n_fetch, n_push
+        self.local_learning_rate = local_learning_rate
 
     def _spec(self) -> HashSpec:
         return HashSpec(tuple(self.numeric), tuple(self.categorical), _LABEL, self.n_rows,
@@ -111,6 +123,7 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         Dask client, else an embedded local cluster closed afterwards."""
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        check_schedule(self.n_fetch, self.n_push, self.local_learning_rate)
         y = np.asarray(y)
         if y.ndim != 1 or len(y) != len(X) or not np.isin(y, (0, 1)).all():
             raise ValueError(f"y must be {len(X)} labels of 0 and 1 only")
@@ -121,7 +134,9 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
             fit = fit_sparse(model, batch, client=active, n_replicas=self.n_replicas,
                              n_shards=self.n_shards, optimizer=self.optimizer,
                              learning_rate=self.learning_rate, batch_size=self.batch_size,
-                             max_epochs=self.max_epochs, seed=self.seed, timeout=self.timeout)
+                             max_epochs=self.max_epochs, seed=self.seed, timeout=self.timeout,
+                             n_fetch=self.n_fetch, n_push=self.n_push,
+                             local_learning_rate=self.local_learning_rate)
             try:
                 self.dense_, self.tables_ = fit.state()
             finally:

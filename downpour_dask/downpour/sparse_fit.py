@@ -10,12 +10,15 @@ incremental checkpoint every ``checkpoint_every`` seconds while the replicas run
 end (:mod:`.sparse_checkpoints`); ``restore`` continues from such a directory with any number
 of shards.
 
-A shard whose worker leaves the cluster is restored on a surviving worker as its next
-generation and the replicas switch to it (:mod:`.sparse_recovery`, the dense path's
-:class:`~.shard_recovery.ShardRecovery`); ``SparseFit.events`` and ``SparseFit.lost_updates``
-say what happened and what was lost.  What it does not do yet, unlike the dense
-:class:`~downpour_dask.downpour.estimator.DownpourSGD`: restart a lost replica (a replica whose
-worker dies fails the fit), or run ``n_fetch``/``n_push`` other than 1.
+A replica fetches every ``n_fetch`` steps and pushes every ``n_push`` steps, as the dense
+loop does (:mod:`.sparse_accrual`; :mod:`.sparse_loop` runs ``n_fetch = n_push = 1``).  A shard
+whose worker leaves the cluster is restored on a surviving worker as its next generation and
+the replicas switch to it (:mod:`.sparse_recovery`, the dense path's
+:class:`~.shard_recovery.ShardRecovery`); a replica whose worker dies is restarted on a
+surviving worker after the steps it pushed, with its share of the data (the dense path's
+:class:`~.supervisor.Supervisor` over :class:`~.sparse_replicas.SparseTasks`).
+``SparseFit.events`` (``shard_lost``, ``shard_restored``, ``replica_failed``,
+``replica_restarted``...) and ``SparseFit.lost_updates`` say what happened and what was lost.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,7 @@ from ..runtime.cluster import cluster_workers
 from .dask_cluster import DaskCluster
 from .registry import keep_acked
 from .shard_recovery import ShardRecovery
+from .sparse_accrual import AccruingReplica, check_schedule
 from .sparse_checkpoints import merge_exports, read_sparse, restore_arguments, write_increment
 from .sparse_loop import run_sparse_replica
 from .sparse_recovery import (
@@ -54,6 +59,8 @@ from .sparse_recovery import (
     settle_acknowledged,
     supervise,
 )
+from .sparse_replicas import SparseTasks, keep_records
+from .supervisor import Supervisor
 
 
 def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: int,
@@ -90,15 +97,25 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
                  replica: int, n_replicas: int, batch_size: int, epochs: int,
                  max_steps: int | None, seed: int, timeout: float,
                  started: float, secret: bytes | None = None,
-                 run: str = "") -> list[dict[str, Any]]:
-    """One replica's whole run, as a Dask task (see :func:`fit_sparse`).  When a shard is
-    lost it waits for the driver to announce the shard's next generation
+                 run: str = "", n_fetch: int = 1, n_push: int = 1, alpha: float = 0.0,
+                 start_step: int = 0, key: str = "") -> list[dict[str, Any]]:
+    """One replica's whole run, as a Dask task (see :func:`fit_sparse`), from step
+    ``start_step`` (a restarted replica skips the batches before it).  When a shard is lost it
+    waits for the driver to announce the shard's next generation
     (:func:`~.sparse_recovery.await_replacement`), opens fresh links to every shard and goes on
-    with its next batch (the batch in flight when the shard was lost is dropped)."""
+    (the push in flight when the shard was lost is lost on it).  ``key``: the task's key, under
+    which its records are kept on the worker for the driver (:mod:`.sparse_replicas`)."""
     secede()  # it runs for the whole fit: it must not hold one of the worker's task slots
     refs, records, generations = list(refs), [], [0] * len(refs)
-    batches = _batches(data, replica, n_replicas, batch_size, epochs, seed)
-    start, first_seq = 0, None
+    if run and key:
+        keep_records(run, key, records)
+    batches = islice(_batches(data, replica, n_replicas, batch_size, epochs, seed),
+                     start_step, None)
+    accruing = None
+    if (n_fetch, n_push) != (1, 1):
+        accruing = AccruingReplica(model, layout, batches, replica, n_fetch, n_push, alpha,
+                                   start_step, max_steps, started, records)
+    start, first_seq = start_step, (0 if start_step else None)
     while True:
         links = [_link(ref, s, replica, timeout, len(layout.specs), secret)
                  for s, ref in enumerate(refs)]
@@ -110,6 +127,10 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
             keep_acked(run, s, keys[s], version)
 
         try:
+            if accruing is not None:
+                accruing.acked = acked
+                accruing.run(links)
+                break
             left = None if max_steps is None else max(0, max_steps - start)
             run_sparse_replica(model, links, layout, batches, replica, left, started,
                                start_step=start, records=records, first_seq=first_seq,
@@ -123,7 +144,7 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
                                       generations[err.shard], timeout)
             generations[err.shard] += 1
             refs[err.shard] = actor
-            start = max((r["step"] for r in records), default=-1) + 1
+            start = max((r["step"] for r in records), default=start - 1) + 1
             first_seq = 0  # fresh links: fresh push sessions
         finally:
             for link in links:
@@ -250,6 +271,9 @@ def fit_sparse(
     checkpoint_every: float = 60.0,
     restore: str | Path | None = None,
     direct: bool = True,
+    n_fetch: int = 1,
+    n_push: int = 1,
+    local_learning_rate: float | None = None,
 ) -> SparseFit:
     """Train ``model`` (a :class:`~downpour_dask.core.sparse.SparseModel`) with ``n_replicas``
     asynchronous replicas against ``n_shards`` table shards; see the module docstring.
@@ -260,7 +284,16 @@ def fit_sparse(
     ``direct`` a replica reaches a shard on another worker over a direct connection (the rows
     frame kind of :mod:`~downpour_dask.ps.rows_frames`, authenticated by a secret made for this
     fit) where the cluster's comm is plain TCP, else by actor messages.
+
+    ``n_fetch`` / ``n_push``: a replica fetches the rows of its next ``n_fetch`` batches every
+    ``n_fetch`` steps and pushes the gradient it accrued (each row touched once) every
+    ``n_push`` steps, training on its local copy in between at ``local_learning_rate``
+    (default ``learning_rate``; 0: the fetched values as they are); see :mod:`.sparse_accrual`.
+    A replica whose worker dies is restarted on a surviving worker after the steps it pushed
+    (``replica_failed`` / ``replica_restarted`` in ``events``), as in
+    :class:`~downpour_dask.DownpourSGD`.
     """
+    check_schedule(n_fetch, n_push, local_learning_rate)
     check_sparse_model(model)
     if isinstance(data, SparseBatch):
         data = check_batch(model, data)
@@ -293,7 +326,6 @@ def fit_sparse(
         initial.append({"values": np.array(values), "rule_state": {}, "version": 0,
                         **extra.get("restore", {})})
     fit = SparseFit(client, model, layout, futures, placed, seed, timeout)
-    refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, placed)]
     run = uuid.uuid4().hex[:12]
     cluster, recorder = DaskCluster(client, run), RunRecorder("accuracy")
     server = SparseServer(fit, rule, secret)
@@ -301,34 +333,40 @@ def fit_sparse(
                              recorder, timeout)
     fit.recovery = recovery
     started = time.time()
+    alpha = learning_rate if local_learning_rate is None else local_learning_rate
+    homes = [workers[r % len(workers)] for r in range(n_replicas)]
+    shares = None
     if isinstance(data, SparseBatch):
-        parts = [data.take(slice(r, None, n_replicas)) for r in range(n_replicas)]
-        parts = [client.scatter([p], workers=[workers[r % len(workers)]])[0]  # one object
-                 for r, p in enumerate(parts)]
+        shares = [data.take(slice(r, None, n_replicas)) for r in range(n_replicas)]
+        parts = [cluster.scatter([p], w)[0] for p, w in zip(shares, homes)]  # one object each
     else:
         parts = [data] * n_replicas
-    tasks = [
-        client.submit(replica_task, model, refs, layout, parts[r], r, n_replicas, batch_size,
-                      max_epochs, max_steps, seed, timeout, started,
-                      secret if direct else None, run, pure=False,
-                      workers=[workers[r % len(workers)]])
-        for r in range(n_replicas)
-    ]
+
+    def start(r: int, part: Any, step: int, worker: str, key: str) -> Any:
+        # the shards as they are now: a restarted replica opens those that replaced lost ones
+        refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, fit.workers)]
+        return client.submit(replica_task, model, refs, layout, part, r, n_replicas, batch_size,
+                             max_epochs, max_steps, seed, timeout, started,
+                             secret if direct else None, run, n_fetch, n_push, alpha, step,
+                             key, pure=False, workers=[worker], allow_other_workers=False,
+                             key=key)
+
+    replicas = SparseTasks(cluster, start, parts, shares, homes, layout.n_shards,
+                           lambda r: server.recent_pushes(r, timeout), n_push, started)
+    supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
     try:
-        supervise(tasks, [workers[r % len(workers)] for r in range(n_replicas)], fit, recovery,
-                  cluster,
+        supervise(supervisor, replicas, fit, recovery,
                   checkpoint_dir, checkpoint_every if checkpoint_dir is not None else 1e9)
-        records = [row for t in tasks for row in t.result(timeout=timeout)]
+        records = replicas.records()
         if checkpoint_dir is not None:
             fit.checkpoint(checkpoint_dir)
     except BaseException:
-        for t in tasks:
-            t.release()
         fit.close()
         raise
     finally:
+        replicas.release()
         cluster.forget()
-    fit.pushes = pd.DataFrame(records)
+    fit.pushes = pd.DataFrame(records).drop(columns=["seq", "session"], errors="ignore")
     if recovery.retired:
         recovery.settle()
         settle_acknowledged(recovery, fit.pushes)

@@ -9,7 +9,8 @@ owns.  Every push is recorded as the dense loop records them (``time``, ``replic
 carried and the bytes the step moved to and from that shard (ids, values, dense slice), so the
 traffic is seen to follow the rows touched rather than the table.
 
-This is the schedule ``n_fetch = n_push = 1`` that the reference test checks against
+This is the schedule ``n_fetch = n_push = 1`` (others: :mod:`.sparse_accrual`) that the
+reference test checks against
 :func:`~downpour_dask.core.sparse_serial.serial_train`: every pull sees the replica's previous
 push.  Over local calls and direct connections, which a shard serves in the order sent, the
 next batch's pull is sent right behind the push, so a step costs one round trip.  The links are
@@ -114,6 +115,8 @@ def run_sparse_replica(
                 "version": reply.version, "accepted": reply.accepted,
                 "rows": sum(len(i) for i, _ in pushes), "bytes": moved + pulled[s],
                 "generation": link.generation,
+                "seq": step - 1 + seq_offset, "session": link.session,  # (see sparse_replicas)
+                "transport": link.transport,
             })
             if acked is not None and reply.accepted:
                 acked(s, reply.version)

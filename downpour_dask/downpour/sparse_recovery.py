@@ -11,17 +11,20 @@ expects:
 
 - :class:`SparseServer` -- the actors of the fit by shard, their generations, retiring one,
   probing which are lost and starting a replacement :class:`~downpour_dask.ps.table.SparseShard`
-  (with its table rows);
+  (with its table rows); also what the dense path's :class:`~.supervisor.Supervisor` asks of a
+  server (a shard's counters, the stop flag), since it supervises the sparse replicas too;
 - :class:`SparseSaved` -- the freshest saved state of a shard: the fit's incremental checkpoints
   replayed (:func:`~.sparse_checkpoints.read_sparse`), else the state the fit started from.
 
 :func:`await_replacement` is the replica's half: after a lost shard it waits for the announced
-next generation.  :func:`settle_acknowledged` makes the lost-update count exact at the end: the
+next generation.  :func:`supervise` is the driver's loop while the replicas run.
+:func:`settle_acknowledged` makes the lost-update count exact at the end: the
 newest version each replaced incarnation acknowledged according to every replica's push records.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,8 @@ from ..ps.table import SparseShard
 from .registry import shard_variable
 from .shard_recovery import ShardRecovery
 from .sparse_checkpoints import PREFIX, read_sparse, restore_arguments
+from .sparse_replicas import SparseTasks
+from .supervisor import Supervisor
 
 
 class SparseServer:
@@ -68,8 +73,37 @@ class SparseServer:
         except Exception as err:  # noqa: BLE001 - a lost actor's handle may raise at once
             return Done(error=err)
 
+    def shard_status(self, shard: int, timeout: float) -> dict[str, Any]:
+        """Shard ``shard``'s counters (the supervisor reads ``accepted_by_replica``)."""
+        return self.fit.actors[shard].status().result(timeout=timeout)
+
+    def request_stop(self, timeout: float) -> None:
+        """Raise every shard's stop flag (with the fit's secret); a lost shard is skipped."""
+        calls = []
+        for actor in self.fit.actors:
+            with contextlib.suppress(Exception):
+                calls.append(actor.request_stop(self.secret, "driver"))
+        for call in calls:
+            with contextlib.suppress(Exception):
+                call.result(timeout=timeout)
+
+    def recent_pushes(self, replica: int, timeout: float) -> list[list[dict[str, Any]]]:
+        """Per shard, the pushes of ``replica`` it remembers (none from a lost shard)."""
+        out = []
+        for actor in self.fit.actors:
+            try:
+                out.append(actor.recent_pushes(replica).result(timeout=timeout))
+            except Exception:  # noqa: BLE001 - a lost shard remembers nothing
+                out.append([])
+        return out
+
     def lost_shards(self, timeout: float) -> list[int]:
-        calls = [actor.current_version() for actor in self.fit.actors]
+        calls = []
+        for actor in self.fit.actors:
+            try:
+                calls.append(actor.current_version())
+            except Exception as err:  # noqa: BLE001 - a lost actor's handle raises at once
+                calls.append(Done(error=err))
         lost = []
         for s, call in enumerate(calls):
             try:
@@ -119,8 +153,9 @@ class SparseSaved:
         self.saved = _States(self)
 
     def state(self, shard: int) -> dict[str, Any]:
-        """Shard ``shard``'s freshest saved state: ``values``, ``rule_state``, ``version`` and
-        ``tables`` (every saved row; the shard keeps those in its range)."""
+        """Shard ``shard``'s freshest saved state: ``values``, ``rule_state``, ``version``,
+        ``tables`` (every saved row; the shard keeps those in its range) and, from a
+        checkpoint, ``counters`` (the pushes it had accepted per replica then)."""
         best = self.initial[shard]
         if self.root is not None and any(Path(self.root).glob(f"{PREFIX}*/manifest.json")):
             saved = read_sparse(self.root)
@@ -130,6 +165,9 @@ class SparseSaved:
             if version >= int(best["version"]):
                 best = {"values": mine["values"], "rule_state": mine["restore"]["rule_state"],
                         "version": int(version), "tables": mine["restore"]["tables"]}
+                accepted = saved.get("accepted_by_replica")
+                if accepted is not None and len(accepted) == self.layout.n_shards:
+                    best["counters"] = {"accepted_by_replica": accepted[shard]}
         return best
 
     def replaced(self, shard: int, state: dict[str, Any]) -> None:
@@ -142,28 +180,21 @@ class SparseSaved:
 SUPERVISE_EVERY = 0.25
 
 
-def supervise(tasks: list[Any], placed: list[str], fit: Any, recovery: ShardRecovery,
-              cluster: Any, checkpoint_dir: str | Path | None, checkpoint_every: float) -> None:
-    """Wait for the replica ``tasks`` (task r runs on worker ``placed[r]``), writing an
-    increment every ``checkpoint_every`` seconds (with ``checkpoint_dir``) and restoring every
-    shard whose worker left the cluster, or that does not answer the checkpoint's call, on a
-    surviving worker.  A replica whose worker left is not restarted: RuntimeError (the
-    checkpoints written so far restore with ``restore=``)."""
+def supervise(supervisor: Supervisor, replicas: SparseTasks, fit: Any,
+              recovery: ShardRecovery, checkpoint_dir: str | Path | None,
+              checkpoint_every: float) -> None:
+    """Until every replica's result is in hand: let ``supervisor`` (the dense path's) restore
+    every shard whose worker left the cluster on a surviving worker and restart every replica
+    whose worker died (``replica_failed`` / ``replica_restarted``), collect the replicas'
+    records (:class:`~.sparse_replicas.SparseTasks`), and write an increment every
+    ``checkpoint_every`` seconds (with ``checkpoint_dir``), restoring a shard that does not
+    answer the checkpoint's call."""
     due = time.monotonic() + checkpoint_every
     while True:
-        alive = cluster.workers()
-        for r, (task, worker) in enumerate(zip(tasks, placed)):
-            # (its input data, scattered to that worker, is lost too: the task may be cancelled)
-            if worker not in alive and task.status != "finished":
-                raise RuntimeError(
-                    f"replica {r} was lost with its worker {worker}: sparse fits do not restart "
-                    f"replicas yet; fit_sparse(..., restore=<checkpoint_dir>) continues from the "
-                    f"last checkpoint")
-        if all(t.done() for t in tasks):
+        supervisor.check()
+        if replicas.all_gathered():
             return
-        for shard in [s for s, w in enumerate(recovery.server.workers) if w not in alive]:
-            recovery.recover(shard, "its worker left the cluster", alive)
-        recovery.poll_fences()
+        replicas.collect()
         if checkpoint_dir is not None and time.monotonic() >= due:
             due = time.monotonic() + checkpoint_every
             try:

@@ -18,6 +18,10 @@ non-finite row gradient, or whose update would make a row or its state non-finit
 is computed on copies first), is refused (``gradient_refused``) as a dense one is.
 ``max_grad_norm`` caps the dense part only.
 
+A shard remembers each replica's last :data:`RECENT_PUSHES` numbered pushes
+(:meth:`SparseShard.recent_pushes`), from which the driver rebuilds the push records of a
+replica lost with its worker.
+
 For checkpoints :meth:`SparseShard.export_changed` returns the rows changed since its last call
 (incremental), and ``export_state`` every row ever updated; both restore through ``restore``'s
 ``"tables"`` entry into shards of any row ranges (see :mod:`downpour_dask.ps.rows`).
@@ -26,6 +30,8 @@ For checkpoints :meth:`SparseShard.export_changed` returns the rows changed sinc
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -39,6 +45,11 @@ from .shard import ParameterServerShard
 #: One table's rows as exported and restored: ``ids`` (int64), ``values`` (k, width),
 #: ``versions`` (k,) and ``state/<name>`` (k, width) for each array of the rule's state.
 RowsExport = dict[str, np.ndarray]
+
+#: Pushes per replica a shard remembers (:meth:`SparseShard.recent_pushes`).
+RECENT_PUSHES = 2048
+_RECENT_FIELDS = ("time", "session", "seq", "examples", "loss", "staleness", "version",
+                  "accepted", "rows", "bytes", "generation")
 
 
 class RowsReply(NamedTuple):
@@ -92,6 +103,7 @@ class SparseShard(ParameterServerShard):
         ]
         self.changed = [np.zeros(hi - lo, bool) for _, lo, hi in tables]
         self.rows_refused = 0
+        self._recent: dict[int, deque[tuple]] = {}  # per replica, its last pushes
         for t, saved in enumerate(((kw.get("restore") or {}).get("tables")) or ()):
             for part in [saved] if isinstance(saved, dict) else saved:
                 self._restore_rows(t, part)
@@ -164,7 +176,32 @@ class SparseShard(ParameterServerShard):
 
         Everything is checked before anything changes: a row id out of this shard's range, a
         repeated id or a gradient of the wrong shape raises ValueError; a non-finite row
-        gradient is refused as a non-finite dense one is (see :meth:`apply_push`)."""
+        gradient is refused as a non-finite dense one is (see :meth:`apply_push`).  A numbered
+        push of a session is remembered (:meth:`recent_pushes`)."""
+        reply = self._apply_rows(grad, pushes, fetched_version, replica, seq, session, examples,
+                                 loss)
+        if seq is not None and session:
+            moved = np.asarray(grad).nbytes + sum(8 * len(i) + np.asarray(g).nbytes
+                                                  for i, g in pushes)
+            with self._lock:
+                self._recent.setdefault(replica, deque(maxlen=RECENT_PUSHES)).append((
+                    time.time(), session, int(seq), int(examples), float(loss),
+                    int(reply.staleness), int(reply.version), bool(reply.accepted),
+                    sum(len(i) for i, _ in pushes), int(moved), int(reply.generation)))
+        return reply
+
+    async def recent_pushes(self, replica: int) -> list[dict[str, Any]]:
+        """The last :data:`RECENT_PUSHES` numbered pushes of ``replica`` this incarnation
+        received, oldest first: wall-clock ``time``, ``session``, ``seq``, what the push said
+        (``examples``, ``loss``), what it got (``staleness``, ``version``, ``accepted``,
+        ``generation``) and its ``rows`` and ``bytes``.  The driver rebuilds from them the push
+        records a replica lost with its worker (``downpour/sparse_replicas.py``)."""
+        with self._lock:
+            return [dict(zip(_RECENT_FIELDS, entry)) for entry in self._recent.get(replica, ())]
+
+    def _apply_rows(self, grad: np.ndarray, pushes: Sequence[tuple[np.ndarray, np.ndarray]],
+                    fetched_version: int, replica: int, seq: int | None, session: str,
+                    examples: int, loss: float) -> PushReply:
         if len(pushes) != len(self.blocks):
             raise ValueError(f"a rows push carries {len(self.blocks)} tables, got {len(pushes)}")
         with self._lock:

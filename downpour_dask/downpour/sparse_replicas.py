@@ -1,0 +1,199 @@
+"""The replica tasks of a sparse fit, in the shape the dense path's supervisor moves them.
+
+:func:`~.sparse_fit.fit_sparse` hands :class:`SparseTasks` to the dense path's
+:class:`~.supervisor.Supervisor` (which decides: a replica whose worker died -- its task
+cancelled, lost, ``KilledWorker`` or its worker gone -- is restarted on the least-loaded
+surviving worker, continuing after the steps it pushed, as counted by the shard that counted
+most of them; an error of the replica's own ends the fit).  This module only does what is
+particular to sparse replicas:
+
+- :meth:`SparseTasks.resume_replica` scatters the replica's in-memory share of the data to its
+  new worker again (the old copy died with the old worker) and submits the replica task from
+  the step the supervisor names; it skips the batches before it, which come in the same order
+  (the replica's batches are drawn from ``(seed, replica)``), so it continues with its share;
+- the push records of a replica outlive its worker: the task registers its record list on its
+  worker (:func:`keep_records`) and the driver takes the new records of every worker every
+  :data:`COLLECT_EVERY` seconds (:meth:`SparseTasks.collect`).  The records a killed replica
+  made after the last collection died with it, but its pushes reached the shards, and each
+  shard remembers the last pushes of every replica
+  (:meth:`~downpour_dask.ps.table.SparseShard.recent_pushes`: session, push number, what the
+  push said and got): :func:`fill_gap` rebuilds the missing records from them, numbering their
+  steps on from the last collected record of the same session (a session's pushes are
+  ``n_push`` steps apart).  A rebuilt record has the shard's clock for ``time`` and counts
+  only the push's bytes (the pulls in between are not known).  A push to a shard that was lost
+  too, or of a session none of whose records was collected, stays unknown.  The log of a fit
+  is then every dead incarnation's records, followed by each replica's last incarnation's own
+  result (:meth:`SparseTasks.records`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: Push records of this worker process's sparse replicas, per (run, task key): the list the
+#: replica appends to, and how many of its records the driver has taken.
+_KEPT: dict[tuple[str, str], list[Any]] = {}
+_LOCK = threading.Lock()
+
+#: Seconds between the driver's collections of the replicas' records.
+COLLECT_EVERY = 0.5
+
+
+def keep_records(run: str, key: str, records: list[dict[str, Any]]) -> None:
+    """In a replica task: let the driver read ``records`` (appended to as the task runs)."""
+    with _LOCK:
+        _KEPT[(run, key)] = [records, 0]
+
+
+def drain_records(run: str) -> dict[str, list[dict[str, Any]]]:
+    """On a worker (``client.run``): per task key of ``run``, the records not taken yet."""
+    out = {}
+    with _LOCK:
+        for (r, key), entry in _KEPT.items():
+            if r == run:
+                new = entry[0][entry[1]:]  # (a slice of a list is taken atomically)
+                entry[1] += len(new)
+                out[key] = list(new)
+    return out
+
+
+def fill_gap(records: list[dict[str, Any]], recent: list[list[dict[str, Any]]], n_push: int,
+             started: float) -> list[dict[str, Any]]:
+    """``records`` (collected of a replica that died) followed by the records rebuilt from
+    ``recent`` (per shard, its :meth:`~downpour_dask.ps.table.SparseShard.recent_pushes` of
+    that replica) of the pushes they lack; ``started``: the fit's wall-clock start."""
+    last: dict[tuple[int, str], dict[str, Any]] = {}
+    seen = set()
+    for r in records:
+        key = (r["shard"], r.get("session", ""))
+        seen.add((*key, r.get("seq")))
+        if key not in last or r["seq"] > last[key]["seq"]:
+            last[key] = r
+    rebuilt = []
+    for shard, entries in enumerate(recent):
+        for entry in entries:
+            known = last.get((shard, entry["session"]))
+            if known is None or entry["seq"] <= known["seq"] or (
+                    (shard, entry["session"], entry["seq"]) in seen):
+                continue
+            seen.add((shard, entry["session"], entry["seq"]))
+            step = known["step"] + (entry["seq"] - known["seq"]) * n_push
+            rebuilt.append({**known, **entry, "time": entry["time"] - started, "shard": shard,
+                            "step": step})
+    rebuilt.sort(key=lambda r: (r["step"], r["shard"]))
+    return [*records, *rebuilt]
+
+
+def forget_records(run: str) -> None:
+    """On a worker (``client.run``): drop what :func:`keep_records` kept for ``run``."""
+    with _LOCK:
+        for k in [k for k in _KEPT if k[0] == run]:
+            del _KEPT[k]
+
+
+class SparseTasks:
+    """One task per replica of a sparse fit, as :class:`~.supervisor.Supervisor` sees them
+    (``tasks``, ``workers``, ``slots``, ``results``, ``stop_replica``, ``resume_replica``...).
+
+    Parameters
+    ----------
+    cluster : DaskCluster
+        Scatters data, runs :func:`drain_records` on the workers.
+    start : callable
+        ``start(replica, data, start_step, worker, key)`` submits a replica task; its future.
+    data : list
+        Per replica what its task reads: a future of its scattered share, or the file list.
+    shares : list, optional
+        Per replica its in-memory share (a SparseBatch) on the driver, scattered again when
+        the replica moves; None for files, which a replica reads wherever it runs.
+    workers : list of str
+        Where each replica starts.
+    n_shards : int
+    recent : callable, optional
+        ``recent(replica)``: per shard, the pushes of ``replica`` it remembers; with it the
+        records of a replica that died are completed from them (:func:`fill_gap`).
+    n_push : int
+    started : float
+        The fit's wall-clock start.
+    """
+
+    plan = None  # no model parallelism: one slot per replica
+
+    def __init__(self, cluster: Any, start: Callable[..., Any], data: list[Any],
+                 shares: list[Any] | None, workers: list[str], n_shards: int,
+                 recent: Callable[[int], list[list[dict[str, Any]]]] | None = None,
+                 n_push: int = 1, started: float = 0.0):
+        self.cluster, self.start, self.data, self.shares = cluster, start, data, shares
+        self.recent, self.n_push, self.started = recent, n_push, started
+        self.workers = list(workers)
+        self.slots = [(r, 0) for r in range(len(workers))]
+        # The supervisor restarts a replica after the pushes of its partition furthest ahead,
+        # counted on each partition's first shard: here every shard is one, so the count comes
+        # from the shard furthest ahead (a shard restored from a checkpoint counts fewer).
+        self.shard_bounds = list(range(n_shards + 1))
+        self.results: dict[int, list[dict[str, Any]]] = {}
+        self.leaving: dict[int, str] = {}
+        self.generation = 0
+        self.dead: dict[int, list[str]] = {r: [] for r in range(len(workers))}
+        self.kept: dict[str, list[dict[str, Any]]] = {}
+        self.collected_at = time.monotonic()
+        self.tasks = [self._submit(r, 0) for r in range(len(workers))]
+
+    def _submit(self, replica: int, step: int) -> Any:
+        key = f"sparse-replica-{replica}-{self.cluster.run}-{self.generation}"
+        return self.start(replica, self.data[replica], step, self.workers[replica], key)
+
+    def slots_of(self, replica: int) -> list[int]:
+        return [replica]
+
+    def all_gathered(self) -> bool:
+        return len(self.results) == len(self.tasks)
+
+    def stop_replica(self, replica: int, reason: str) -> None:
+        """Let the replica's task go, and keep its records: those collected, completed from
+        the shards' memory of its pushes (:func:`fill_gap`)."""
+        key = self.tasks[replica].key
+        self.dead[replica].append(key)
+        self.tasks[replica].cancel()
+        self.results.pop(replica, None)
+        self.collect(force=True)
+        if self.recent is not None:
+            self.kept[key] = fill_gap(self.kept.get(key, []), self.recent(replica), self.n_push,
+                                      self.started)
+
+    def resume_replica(self, replica: int, workers: list[str], start_step: int) -> None:
+        """Start ``replica`` again on ``workers[0]`` after ``start_step`` steps."""
+        self.generation += 1
+        self.workers[replica] = workers[0]
+        if self.shares is not None:
+            self.data[replica] = self.cluster.scatter([self.shares[replica]], workers[0])[0]
+        self.tasks[replica] = self._submit(replica, start_step)
+
+    def collect(self, force: bool = False) -> None:
+        """Take the records the replicas' workers hold, every :data:`COLLECT_EVERY` s."""
+        if not force and time.monotonic() - self.collected_at < COLLECT_EVERY:
+            return
+        self.collected_at = time.monotonic()
+        for found in self.cluster.collect(drain_records, self.cluster.run).values():
+            if isinstance(found, dict):
+                for key, records in found.items():
+                    self.kept.setdefault(key, []).extend(records)
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every replica's records: those collected from its incarnations that died, then its
+        last incarnation's result (all gathered)."""
+        out = []
+        for r in range(len(self.tasks)):
+            for key in self.dead[r]:
+                out.extend(self.kept.get(key, []))
+            out.extend(self.results[r])
+        return out
+
+    def release(self) -> None:
+        """At the end (or on failure): let every task go, and what the workers kept."""
+        for task in self.tasks:
+            task.cancel()
+        self.cluster.collect(forget_records, self.cluster.run)
