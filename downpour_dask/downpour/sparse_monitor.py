@@ -155,7 +155,8 @@ class SparseMonitor:
             self.publication.unpublish()
 
     def _run(self) -> None:
-        next_eval = time.monotonic() + self.eval_every
+        next_eval = next_report = time.monotonic()
+        next_eval += self.eval_every
         while not self._stop.wait(min(self.REPORT_EVERY, self.eval_every)):
             if self.evaluator is not None and time.monotonic() >= next_eval:
                 try:
@@ -163,8 +164,9 @@ class SparseMonitor:
                 except Exception:  # noqa: BLE001 - a shard being replaced: the next one counts
                     self.skipped += 1
                 next_eval = time.monotonic() + self.eval_every
-            if self.publication is not None:
+            if self.publication is not None and time.monotonic() >= next_report:
                 self.report("training")
+                next_report = time.monotonic() + self.REPORT_EVERY
 
     def finish(self) -> None:
         """After the replicas are done: the final evaluation and the ``done`` snapshot."""
