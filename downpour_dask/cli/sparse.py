@@ -91,7 +91,7 @@ NOT_SETTINGS = frozenset({"command", "handler", "quiet", "scheduler", "connect_t
 
 def flagged(message: str) -> str:
     """An error message of the job's checks with setting names written as their flags."""
-    names = sorted((k for k in SPARSE_DEFAULTS if "_" in k or k in FLAGS), key=len, reverse=True)
+    names = sorted(set(SPARSE_DEFAULTS) - {"model", "overwrite"}, key=len, reverse=True)
     pattern = r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?!\w)"
     return re.sub(pattern, lambda m: flag_of(m.group(1)), message)
 
