@@ -12,6 +12,7 @@ import pytest
 
 from downpour_dask.cli.app import run as cli
 from downpour_dask.data.criteo import CATEGORICAL, INTEGER, write_criteo
+from downpour_dask.log import Experiment
 from downpour_dask.runs.sparse_job import load_sparse_tables
 
 CATS = ",".join(CATEGORICAL[:6])
@@ -94,6 +95,9 @@ def test_train_sparse_on_a_cluster_writes_a_run_directory(clicks, tmp_path, clie
     assert f"held-out log-loss {evals['loss'].iloc[-1]:.4f}" in out
     pushes = pd.read_parquet(run_dir / "pushes.parquet")
     assert len(pushes) == 2 * 2 * 30  # (2 epochs x 3 files x 10 batches) x 2 shards
+    summary = Experiment.load(run_dir).summary()  # what `downpour-dask report` shows
+    assert summary["pushes"] == 60 and summary["examples"] == 2 * 3000
+    assert summary["final_accuracy"] == evals["accuracy"].iloc[-1]
     dense, (rows,) = load_sparse_tables(run_dir)
     assert dense.shape == (3 + 1,)  # fm: numeric weights and a bias
     assert rows["id"].is_monotonic_increasing and rows["id"].is_unique
