@@ -94,7 +94,7 @@ def test_the_fit_logs_evaluations_and_the_last_one_scores_the_final_parameters(c
     everything = click_data(n=2400, seed=0)
     data, held_out = everything.take(slice(0, 2000)), everything.take(slice(2000, None))
     fit = fit_sparse(model, data, client=client, n_shards=2, batch_size=32, max_epochs=3,
-                     eval_data=held_out, eval_every=0.02, seed=1, timeout=60)
+                     eval_data=held_out, eval_every=0.2, seed=1, timeout=60)
     try:
         evals = fit.evaluations
         assert list(evals.columns) == list(EVAL_FRAME_COLUMNS) and len(evals) >= 1
