@@ -8,7 +8,9 @@ start time -- and its progress on the scheduler event topic ``downpour-dask/<nam
 Any other process with a client of the same cluster -- a notebook, a script, the
 ``downpour-dask watch NAME --scheduler ADDRESS`` command -- calls :func:`attach` and gets a
 read-only :class:`LiveRun`: ``status()`` (per-shard versions, pushes per replica, recent loss,
-examples/s, staleness), ``params()`` and ``evaluate(data)``.
+examples/s, staleness), ``params()`` and ``evaluate(data)``.  A sparse run
+(``fit_sparse(..., publish=NAME)``) is attached and watched alike; its ``status()`` adds the
+rows each shard updated, and it is evaluated by its driver (``eval_data``), not by a view.
 
 **Read-only by construction.**  A view holds no actor handle (one can call *any* method: push,
 stop...): it knows each shard by key and worker from the JSON record and reads through
@@ -157,7 +159,11 @@ class LiveRun:
         self.name, self.info, self._client, self._timeout = name, info, client, timeout
         self._shards: list[ShardInfo] | None = shards
         self.model, self._no_model = model, ""
-        if model is None:
+        if info.get("sparse"):  # its tables stay on the shards: fit_sparse(eval_data=) scores
+            self.model, self._no_model = None, (
+                "a sparse run's tables stay on its shards; its driver evaluates it "
+                "(fit_sparse(..., eval_data=...) logs SparseFit.evaluations)")
+        elif model is None:
             try:
                 self.model = models.from_config(info["model"])
             except ValueError as err:  # a user's model: only its description was published
@@ -234,7 +240,8 @@ class LiveRun:
         return frame
 
     def params(self) -> np.ndarray:
-        """The current flat parameter vector, assembled from every shard."""
+        """The current flat parameter vector, assembled from every shard (of a sparse run:
+        its dense parameters; the table rows stay on the shards)."""
         values, _ = self._pull()
         return values
 

@@ -216,6 +216,8 @@ class Experiment:
         """
         p, e = self.pushes, self.evals
         first = p[p["partition"] == 0] if "partition" in p else p  # one row per replica push
+        if "shard" in p:  # a sparse fit's log (fit_sparse): a row per push and shard
+            first = p[p["shard"] == 0]
         stop = self.events.loc[self.events["kind"] == "stop", "time"]
         duration = float(stop.iloc[-1]) if len(stop) else float(p["time"].max() if len(p) else 0)
         out: dict[str, float] = {

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from downpour_dask import live
 from downpour_dask.core import optim
 from downpour_dask.core.sparse import SparseBatch
 from downpour_dask.core.sparse_models import EmbeddingMLP, SparseLogisticRegression
@@ -149,8 +150,10 @@ def test_a_killed_shard_worker_is_restored_and_the_fit_finishes_with_exact_lost_
     pid = client.run(os.getpid, workers=[victim])[victim]
 
     killer = kill_after_a_checkpoint(pid, tmp_path, shard=2)
+    held_out = click_data(n=2300, n_rows=3000).take(slice(2000, None))  # (same effects)
     fit = fit_sparse(model, data, client=client, n_shards=3, batch_size=16, max_epochs=10_000,
-                     max_steps=4000, checkpoint_dir=tmp_path, checkpoint_every=0.2, timeout=30)
+                     max_steps=4000, checkpoint_dir=tmp_path, checkpoint_every=0.2, timeout=30,
+                     eval_data=held_out, eval_every=1.0, publish="sparse-recovery")
     killer.join(timeout=130)
     try:
         events = fit.events
@@ -179,6 +182,16 @@ def test_a_killed_shard_worker_is_restored_and_the_fit_finishes_with_exact_lost_
         assert pushes["step"].max() == 3999  # the fit ran to its end
         dense, (table,) = fit.state()
         assert np.isfinite(dense).all() and np.isfinite(table).all()
+        # evaluations went on through the loss; the last one read the final parameters
+        last = fit.evaluations.iloc[-1]
+        assert last["version"] == min(c["version"] for c in fit.counters())
+        assert np.isfinite(fit.evaluations["loss"]).all()
+        # the published run was described again with the replacement, so views follow it
+        records = [json.loads(m["json"]) for _, m in client.get_events(live.topic(
+            "sparse-recovery")) if m.get("kind") == "run"]
+        assert records[0]["shards"][2]["worker"] == victim
+        assert records[-1]["shards"][2]["worker"] == restored["worker"]
+        assert "sparse-recovery" not in client.list_datasets()  # released at the end
     finally:
         fit.close()
     read_sparse(tmp_path)  # every increment written is complete and readable

@@ -31,8 +31,9 @@ def estimator(**kw):
 
 @pytest.mark.parametrize("model", ["logistic", "fm"])
 def test_fit_learns_the_click_rates_and_predicts_locally(client, model):
-    X, y = clicks()
-    clf = estimator(model=model, n_shards=2).fit(X, y, client=client)
+    everything, labels = clicks(1800)
+    X, y, X_held, y_held = everything[:1500], labels[:1500], everything[1500:], labels[1500:]
+    clf = estimator(model=model, n_shards=2).fit(X, y, client=client, eval_data=(X_held, y_held))
     proba = clf.predict_proba(X)
     assert proba.shape == (len(X), 2) and np.allclose(proba.sum(axis=1), 1)
     baseline = log_loss(y, np.full(len(y), y.mean()))
@@ -40,6 +41,11 @@ def test_fit_learns_the_click_rates_and_predicts_locally(client, model):
     assert clf.score(X, y) == np.mean(clf.predict(X) == y) > max(y.mean(), 1 - y.mean())
     assert set(clf.pushes_["shard"]) == {0, 1} and clf.lost_updates_ == [0, 0]
     assert clf.events_.empty
+    # the last evaluation scored the final parameters on the held-out rows, on the shards
+    last = clf.evaluations_.iloc[-1]
+    assert last["loss"] == pytest.approx(log_loss(y_held, clf.predict_proba(X_held)[:, 1]),
+                                         rel=1e-5)
+    assert last["examples_seen"] == 3 * 1500 and last["auc"] > 0.7
     unseen = X.assign(site="never-seen-site")  # a new category hashes to some row: no error
     assert np.isfinite(clf.predict_proba(unseen)).all()
 
@@ -58,6 +64,8 @@ def test_params_clone_and_refusals_before_any_work(client):
         clf.fit(X.drop(columns="device"), y, client=client)
     with pytest.raises(ValueError, match="y must be 50 labels of 0 and 1 only"):
         clf.fit(X, y + 1, client=client)
+    with pytest.raises(TypeError, match=r"eval_data must be \(X, y\)"):
+        clf.fit(X, y, client=client, eval_data=X)
     with pytest.raises(ValueError, match="model must be one of"):
         clone(clf).set_params(model="tree").fit(X, y, client=client)
     assert not hasattr(clf, "dense_")

@@ -21,6 +21,7 @@ except ImportError:  # Python 3.10
 
 from ..checkpoint import has_checkpoint
 from ..data import datasets
+from ..data.criteo import write_criteo
 from ..live import attach, check_name, follow, is_published
 from ..progress import ProgressBar
 from ..report import format_table, report
@@ -197,11 +198,35 @@ def wait_published(client: Any, name: str, seconds: float) -> None:
 
 
 def synthetic(args: argparse.Namespace) -> int:
-    """``downpour-dask synthetic PATH``: write a learnable dataset as parquet files."""
+    """``downpour-dask synthetic PATH``: write a learnable dataset as parquet files (with
+    ``--criteo`` a Criteo-shaped click log, :mod:`downpour_dask.data.criteo`)."""
+    if args.criteo:
+        return synthetic_criteo(args)
+    if args.features is None:
+        raise UsageError("--features is required (or --criteo for click data)")
     dataset = datasets.synthetic(
         args.path, args.rows, args.features, args.classes, seed=args.seed, n_files=args.files
     )
     print(f"wrote {dataset!r} to {args.path}")
+    return 0
+
+
+def synthetic_criteo(args: argparse.Namespace) -> int:
+    """``synthetic PATH --criteo``: the click log in ``--files`` files (default: 10^6 rows
+    each), into a folder that holds no parquet file yet (nothing is replaced)."""
+    if args.features is not None:
+        raise UsageError("--criteo writes 13 integer and 26 categorical columns; drop --features")
+    if args.rows < 1 or (args.files is not None and not 1 <= args.files <= args.rows):
+        raise UsageError(f"--rows must be >= 1 and --files in [1, --rows], got --rows "
+                         f"{args.rows} --files {args.files}")
+    out = Path(args.path)
+    if out.exists() and (not out.is_dir() or any(out.glob("*.parquet"))):
+        raise UsageError(f"{str(out)!r} is a file or already holds parquet files; give an "
+                         f"empty or new folder")
+    per_file = 1_000_000 if args.files is None else -(-args.rows // args.files)
+    paths = write_criteo(out, args.rows, per_file, args.seed, args.max_cardinality)
+    print(f"wrote {args.rows} click rows in {len(paths)} files to {out} (label click, "
+          f"numeric I1..I13, categorical C1..C26)")
     return 0
 
 

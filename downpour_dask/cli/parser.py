@@ -19,6 +19,8 @@ from .flags import FLAGLESS_ARGUMENTS, add_estimator_flags
 from .program import PROG, VERSION
 from .simulation import add_arguments as _simulate_arguments
 from .simulation import simulate
+from .sparse import add_arguments as _train_sparse_arguments
+from .sparse import train_sparse
 
 __all__ = ["FLAGLESS_ARGUMENTS", "PROG", "build_parser"]
 
@@ -152,10 +154,18 @@ def _watch_arguments(parser: argparse.ArgumentParser) -> None:
 def _synthetic_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="directory to create")
     parser.add_argument("--rows", type=int, required=True)
-    parser.add_argument("--features", type=int, required=True)
+    parser.add_argument("--features", type=int, default=None,
+                        help="float32 features per row (required without --criteo)")
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--files", type=int, default=None, help="number of parquet files")
+    parser.add_argument(
+        "--criteo", action="store_true",
+        help="write a Criteo-shaped click log instead: a click label, 13 integer columns "
+        "I1..I13 and 26 categorical columns C1..C26 with skewed frequencies (for train-sparse)",
+    )  # fmt: skip
+    parser.add_argument("--max-cardinality", type=int, default=100_000, metavar="N",
+                        help="[--criteo] distinct values of the largest categorical column")
 
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +202,16 @@ _COMMANDS: dict[str, tuple[Any, str, str, Callable[[argparse.ArgumentParser], No
         "Write ROWS rows of FEATURES float32 features, labelled by a fixed random "
         "teacher network, as parquet files in PATH (streamed: memory stays bounded).",
         _synthetic_arguments,
+    ),
+    "train-sparse": (
+        train_sparse,
+        "train a sparse model on hashed categorical columns and write a run directory",
+        "Train sparse logistic regression, a factorisation machine or an embedding + MLP "
+        "model with Downpour SGD on parquet/CSV files whose categorical columns are hashed to "
+        "table rows; the table is split by rows over --shards parameter-server shards and a "
+        "replica pulls and pushes only the rows its batch touches. Writes --run-dir "
+        "(config.json, pushes, evals, events, tables.npz).",
+        _train_sparse_arguments,
     ),
     "report": (
         compare,

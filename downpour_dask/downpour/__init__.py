@@ -17,8 +17,9 @@ of which a batch touches few rows): ``sparse_fit`` starts table shards and repli
 ``supervisor`` restart a replica whose worker died (``sparse_replicas``: its task, its data, its
 records), ``sparse_checkpoints`` writes incremental checkpoints of the tables,
 ``sparse_recovery`` gives a sparse fit's shards to ``shard_recovery`` (a lost table shard comes
-back on a surviving worker), and ``sparse_estimator`` wraps ``fit_sparse`` as a scikit-learn
-classifier.
+back on a surviving worker), ``sparse_eval`` scores held-out data pulling only the rows it
+touches, ``sparse_monitor`` runs that schedule and publishes the run for ``live.attach``, and
+``sparse_estimator`` wraps ``fit_sparse`` as a scikit-learn classifier.
 
 The events of a run (``experiment_.events``; each event's ``data`` in braces): ``start``
 {n_replicas, n_shards, n_workers}, ``resumed`` {path, versions, elapsed}, ``warmstart_done``

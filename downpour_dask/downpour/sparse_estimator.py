@@ -62,6 +62,8 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         pushes its accrued gradient every ``n_push`` steps (see :func:`~.sparse_fit.fit_sparse`).
     local_learning_rate : float, optional
         The replica's rate between fetches; default ``learning_rate``.
+    eval_every : float, default 5.0
+        Seconds between evaluations of ``fit``'s ``eval_data`` while training.
 
     Attributes
     ----------
@@ -72,6 +74,9 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         ``replica_failed`` / ``replica_restarted`` ...).
     lost_updates_ : list of int
         Updates lost per shard to lost shards.
+    evaluations_ : DataFrame
+        With ``fit(..., eval_data=)``: the evaluation log (time, version, examples_seen, loss,
+        accuracy, auc; see :mod:`.sparse_eval`), else empty.
     """
 
     def __init__(
@@ -94,13 +99,14 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         n_fetch: int = 1,
         n_push: int = 1,
         local_learning_rate: float | None = None,
+        eval_every: float = 5.0,
     ):
         self.categorical, self.numeric, self.model = categorical, numeric, model
         self.n_rows = n_rows
         self.model_options, self.n_replicas, self.n_shards = model_options, n_replicas, n_shards
         self.optimizer, self.learning_rate, self.batch_size = optimizer, learning_rate, batch_size
         self.max_epochs, self.seed, self.timeout = max_epochs, seed, timeout
-        self.hash_seed, self.transform = hash_seed, transform
+        self.hash_seed, self.transform, self.eval_every = hash_seed, transform, eval_every
         self.n_fetch, self.n_push = n_fetch, n_push
         self.local_learning_rate = local_learning_rate
 
@@ -115,12 +121,16 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         frame = X.assign(**{_LABEL: y})
         return hash_frame(frame, self._spec())
 
-    def fit(self, X: pd.DataFrame, y: Any, client: Client | None = None
+    def fit(self, X: pd.DataFrame, y: Any, client: Client | None = None,
+            eval_data: tuple[pd.DataFrame, Any] | None = None, publish: str | None = None
             ) -> SparseDownpourClassifier:
         """Train on the rows of ``X`` (a DataFrame) with 0/1 labels ``y``; returns self.
 
         ``client``: the cluster to train on; as for ``DownpourSGD.fit``, by default the current
-        Dask client, else an embedded local cluster closed afterwards."""
+        Dask client, else an embedded local cluster closed afterwards.  ``eval_data``: held-out
+        ``(X, y)``, scored every ``eval_every`` seconds and at the end (``evaluations_``).
+        ``publish``: a name to publish the running fit under (see :func:`.sparse_fit.fit_sparse`).
+        """
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
         check_schedule(self.n_fetch, self.n_push, self.local_learning_rate)
@@ -128,6 +138,11 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         if y.ndim != 1 or len(y) != len(X) or not np.isin(y, (0, 1)).all():
             raise ValueError(f"y must be {len(X)} labels of 0 and 1 only")
         batch = self._batch(X, y)
+        held_out = None
+        if eval_data is not None:
+            if not (isinstance(eval_data, tuple) and len(eval_data) == 2):
+                raise TypeError("eval_data must be (X, y): a DataFrame and its 0/1 labels")
+            held_out = self._batch(*eval_data)
         model = MODELS[self.model](self.n_rows, len(self.categorical),
                                    n_numeric=len(self.numeric), **(self.model_options or {}))
         with cluster_client(client) as active:
@@ -136,13 +151,15 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
                              learning_rate=self.learning_rate, batch_size=self.batch_size,
                              max_epochs=self.max_epochs, seed=self.seed, timeout=self.timeout,
                              n_fetch=self.n_fetch, n_push=self.n_push,
-                             local_learning_rate=self.local_learning_rate)
+                             local_learning_rate=self.local_learning_rate,
+                             eval_data=held_out, eval_every=self.eval_every, publish=publish)
             try:
                 self.dense_, self.tables_ = fit.state()
             finally:
                 fit.close()
         self.model_, self.classes_ = model, np.array([0, 1])
         self.pushes_, self.events_, self.lost_updates_ = fit.pushes, fit.events, fit.lost_updates
+        self.evaluations_ = fit.evaluations
         self.feature_names_in_ = np.array([*self.numeric, *self.categorical], dtype=object)
         return self
 

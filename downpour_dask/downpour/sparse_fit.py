@@ -51,7 +51,9 @@ from .registry import keep_acked
 from .shard_recovery import ShardRecovery
 from .sparse_accrual import AccruingReplica, check_schedule
 from .sparse_checkpoints import merge_exports, read_sparse, restore_arguments, write_increment
+from .sparse_eval import evaluation_frame
 from .sparse_loop import run_sparse_replica
+from .sparse_monitor import SparseMonitor
 from .sparse_recovery import (
     SparseSaved,
     SparseServer,
@@ -167,7 +169,8 @@ class SparseFit:
                  workers: list[str], seed: int, timeout: float):
         self.client, self.model, self.layout = client, model, layout
         self.futures, self.workers, self.seed, self.timeout = futures, workers, seed, timeout
-        self.actors = [f.result(timeout=timeout) for f in futures]
+        with client.as_current():  # the handles use this client, not the newest one made
+            self.actors = [f.result(timeout=timeout) for f in futures]
         self.pushes = pd.DataFrame()
         self.checkpoints: list[Path] = []
         self._pending: dict[int, dict[str, Any]] = {}  # exports of a checkpoint that failed
@@ -176,6 +179,8 @@ class SparseFit:
         #: Per shard, updates its replaced incarnations acknowledged that the fit lost.
         self.lost_updates = [0] * layout.n_shards
         self.recovery: Any = None
+        #: With ``eval_data``: the evaluation log (:mod:`.sparse_eval`), else empty.
+        self.evaluations = evaluation_frame([])
 
     def _all(self, method: str) -> list[Any]:
         calls = [getattr(actor, method)() for actor in self.actors]
@@ -274,6 +279,9 @@ def fit_sparse(
     n_fetch: int = 1,
     n_push: int = 1,
     local_learning_rate: float | None = None,
+    eval_data: SparseBatch | tuple[list[str | Path], HashSpec] | None = None,
+    eval_every: float = 5.0,
+    publish: str | None = None,
 ) -> SparseFit:
     """Train ``model`` (a :class:`~downpour_dask.core.sparse.SparseModel`) with ``n_replicas``
     asynchronous replicas against ``n_shards`` table shards; see the module docstring.
@@ -292,6 +300,13 @@ def fit_sparse(
     A replica whose worker dies is restarted on a surviving worker after the steps it pushed
     (``replica_failed`` / ``replica_restarted`` in ``events``), as in
     :class:`~downpour_dask.DownpourSGD`.
+
+    ``eval_data`` (a :class:`SparseBatch` or ``(paths, spec)``, read in the driver) is scored
+    every ``eval_every`` seconds and at the end, pulling only the rows it touches:
+    ``SparseFit.evaluations`` (:mod:`.sparse_eval`).  ``publish="NAME"`` publishes the running
+    fit as the dense fit's ``publish`` does, for :func:`downpour_dask.live.attach` and
+    ``downpour-dask watch NAME`` (:mod:`.sparse_monitor`); the name is released when the fit
+    returns or fails.
     """
     check_schedule(n_fetch, n_push, local_learning_rate)
     check_sparse_model(model)
@@ -300,6 +315,7 @@ def fit_sparse(
     else:
         _check_files(model, data, n_replicas)
     rule = optim.make(optimizer, learning_rate)
+    monitor = SparseMonitor(client, model, eval_data, eval_every, publish)  # checks them
     layout = SparseLayout.build(model.n_dense, model.tables, n_shards)
     workers = sorted(cluster_workers(client))
     if not workers:
@@ -329,10 +345,11 @@ def fit_sparse(
     run = uuid.uuid4().hex[:12]
     cluster, recorder = DaskCluster(client, run), RunRecorder("accuracy")
     server = SparseServer(fit, rule, secret)
-    recovery = ShardRecovery(cluster, server, SparseSaved(layout, initial, checkpoint_dir),
-                             recorder, timeout)
-    fit.recovery = recovery
     started = time.time()
+    republish = monitor.bind(fit, data, n_replicas, batch_size, max_epochs, max_steps, started)
+    recovery = ShardRecovery(cluster, server, SparseSaved(layout, initial, checkpoint_dir),
+                             recorder, timeout, republish)
+    fit.recovery = recovery
     alpha = learning_rate if local_learning_rate is None else local_learning_rate
     homes = [workers[r % len(workers)] for r in range(n_replicas)]
     shares = None
@@ -355,16 +372,19 @@ def fit_sparse(
                            lambda r: server.recent_pushes(r, timeout), n_push, started)
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
     try:
+        monitor.start()
         supervise(supervisor, replicas, fit, recovery,
                   checkpoint_dir, checkpoint_every if checkpoint_dir is not None else 1e9)
         records = replicas.records()
         if checkpoint_dir is not None:
             fit.checkpoint(checkpoint_dir)
+        monitor.finish()
     except BaseException:
         fit.close()
         raise
     finally:
         replicas.release()
+        monitor.close()
         cluster.forget()
     fit.pushes = pd.DataFrame(records).drop(columns=["seq", "session"], errors="ignore")
     if recovery.retired:
@@ -372,4 +392,5 @@ def fit_sparse(
         settle_acknowledged(recovery, fit.pushes)
     fit.events = events_frame(recorder.events)
     fit.lost_updates = recovery.lost_updates(layout.n_shards)
+    fit.evaluations = monitor.frame()
     return fit
