@@ -26,7 +26,8 @@ def sum_of_squares(array: np.ndarray) -> float:
     """
     if array.dtype in _BLAS and array.flags.c_contiguous:
         flat = array.reshape(-1)
-        return float(np.dot(flat, flat))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer here
+            return float(np.dot(flat, flat))
     return float(np.add.reduce(np.square(array, dtype=np.float64), axis=None))
 
 
