@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +60,37 @@ def save_run(
 
     ``overwrite`` replaces an existing *run* directory only (see :func:`check_replaceable`).
     """
+
+    def fill(inner: Path) -> None:
+        np.savez(inner / "params.npz", params=np.asarray(params))
+        _plot_run(experiment, inner, target.name)
+
+    target = Path(path)
+    return write_run(target, experiment, fill, overwrite)
+
+
+def write_run(
+    path: str | os.PathLike[str],
+    experiment: Experiment,
+    fill: Callable[[Path], None],
+    overwrite: bool = False,
+) -> Path:
+    """Write a run directory atomically: ``experiment`` saved in a staging directory beside
+    ``path``, ``fill(directory)`` adding the files of the run's kind, then one rename; a
+    failure leaves nothing at ``path`` (and an existing run directory there as it was).
+
+    ``overwrite`` replaces an existing *run* directory only (see :func:`check_replaceable`),
+    checked again just before the rename, since the directory may have changed while the fit ran.
+    """
     target = Path(path)
     check_replaceable(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         inner = experiment.save(staging / "run")
-        np.savez(inner / "params.npz", params=np.asarray(params))
-        _plot_run(experiment, inner, target.name)
+        fill(inner)
         if target.exists() or target.is_symlink():
-            check_replaceable(target, overwrite)  # it may have changed while the fit ran
+            check_replaceable(target, overwrite)
             shutil.rmtree(target)
         os.replace(inner, target)
     finally:

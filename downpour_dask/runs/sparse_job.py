@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from ..downpour.sparse_estimator import MODELS
 from ..downpour.sparse_fit import SparseFit, fit_sparse
 from ..log import Experiment, check_replaceable
 from ..runtime.cluster import cluster_client
+from .directory import write_run
 
 #: Settings of a sparse job and their defaults (None: required, or off).
 SPARSE_DEFAULTS: dict[str, Any] = {
@@ -236,12 +235,8 @@ def save_sparse_run(path: str | os.PathLike[str], experiment: Experiment,
                     exports: list[dict[str, Any]], overwrite: bool = False) -> Path:
     """Write a sparse run directory atomically: the experiment and ``tables.npz`` (the dense
     vector, and per table the updated rows) from the shards' ``export_state``."""
-    target = Path(path)
-    check_replaceable(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        inner = experiment.save(staging / "run")
+
+    def fill(inner: Path) -> None:
         arrays = {"dense": np.concatenate([e["values"] for e in exports])}
         for t in range(len(exports[0]["tables"])):
             ids = np.concatenate([e["tables"][t]["ids"] for e in exports])
@@ -249,13 +244,8 @@ def save_sparse_run(path: str | os.PathLike[str], experiment: Experiment,
             order = np.argsort(ids, kind="stable")
             arrays[f"table{t}_ids"], arrays[f"table{t}_values"] = ids[order], values[order]
         np.savez(inner / "tables.npz", **arrays)
-        if target.exists() or target.is_symlink():
-            check_replaceable(target, overwrite)  # it may have changed while the fit ran
-            shutil.rmtree(target)
-        os.replace(inner, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return write_run(path, experiment, fill, overwrite)
 
 
 def load_sparse_tables(path: str | os.PathLike[str]) -> tuple[np.ndarray, list[pd.DataFrame]]:
