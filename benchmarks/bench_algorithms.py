@@ -56,12 +56,16 @@ METHODS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def run_method(client: Client, name: str, train, test, budget: float, seed: int = 0):
-    """Fit method ``name`` for ``budget`` seconds; return its experiment log."""
+def run_method(
+    client: Client, name: str, train, test, budget: float, seed: int = 0, steps: int | None = None
+):
+    """Fit method ``name`` for ``budget`` seconds -- or, given ``steps``, for that many steps per
+    replica whatever the machine's load -- and return its experiment log."""
+    length = {"max_seconds": budget} if steps is None else {"max_steps": steps}
     est = DownpourSGD(
         models.MLP(784, (128,), 10), n_replicas=REPLICAS, n_shards=SHARDS, batch_size=32,
-        max_seconds=budget, max_epochs=None, eval_every=0.25, random_state=seed, timeout=60,
-        **METHODS[name],
+        max_epochs=None, eval_every=0.25, random_state=seed, timeout=60,
+        **length, **METHODS[name],
     )  # fmt: skip
     est.fit(train, eval_data=test, client=client)
     return est.experiment_
