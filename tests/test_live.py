@@ -22,7 +22,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import downpour_dask
-from downpour_dask import DownpourSGD, datasets, live, models
+from downpour_dask import DownpourSGD, cli, datasets, live, models
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
 
@@ -329,21 +329,21 @@ def test_watch_prints_progress_until_the_run_ends(own_cluster, digits):
     assert lines[-1] == "run 'live-w' finished"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # waits for a connection timeout
 @pytest.mark.timeout(120)
-def test_watch_errors_are_one_line(client):
-    done = run_cli("watch", "nothing-here", "--scheduler", client.scheduler.address)
-    assert done.returncode == 2
-    assert done.stderr.count("\n") == 2 and "Traceback" not in done.stderr  # connecting, error
-    assert "no run is published as 'nothing-here'" in done.stderr.splitlines()[-1]
+def test_watch_errors_are_one_line(client, capsys):
+    """In-process (the command's own ``main``): where it connects, then one line of error."""
+    assert cli.main(["watch", "nothing-here", "--scheduler", client.scheduler.address]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 2 and "Traceback" not in stderr  # connecting, error
+    assert "no run is published as 'nothing-here'" in stderr.splitlines()[-1]
     with socket.socket() as s:  # a port where no scheduler listens
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
-    done = run_cli("watch", "x", "--scheduler", address, "--connect-timeout", "2")
-    assert done.returncode == 2  # an unreachable scheduler is bad input (README)
-    said, error = done.stderr.splitlines()  # where it connects, then the error
-    assert said == f"connecting to {address} (timeout 2 s)" and "Traceback" not in done.stderr
+    assert cli.main(["watch", "x", "--scheduler", address, "--connect-timeout", "2"]) == 2
+    said, error = capsys.readouterr().err.splitlines()  # where it connects, then the error
+    assert said == f"connecting to {address} (timeout 2 s)"  # unreachable: bad input (README)
     assert "cannot reach the Dask scheduler" in error
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from distributed import Client, LocalCluster, Security
 
-from downpour_dask import DownpourSGD, SandblasterLBFGS, datasets, models
+from downpour_dask import DownpourSGD, SandblasterLBFGS, cli, datasets, models
 from downpour_dask.runtime.cluster import cluster_workers
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
@@ -140,16 +140,19 @@ def test_cli_trains_on_a_tls_scheduler_with_credential_files(tls_cluster, tmp_pa
     assert not (tmp_path / "runs" / "no").exists()
 
 
-@pytest.mark.slow  # its own TLS cluster or a CLI subprocess
-def test_cli_tls_flag_misuse_is_a_usage_error(tmp_path):
-    done = run_cli("train", *SMALL, "--tls", "--scheduler", "tls://127.0.0.1:1")
-    assert done.returncode == 2 and "--tls starts a TLS-only embedded cluster" in done.stderr
-    done = run_cli("train", *SMALL, "--scheduler", "x", "--tls-cert", str(tmp_path / "no.pem"))
-    assert done.returncode == 2 and "is not a file" in done.stderr
+def test_cli_tls_flag_misuse_is_a_usage_error(tmp_path, capsys):
+    """Refused before any cluster work, in one line (in-process: the command's own ``main``)."""
+
+    def usage_error(*args: str) -> str:
+        assert cli.main(["train", *SMALL, *args]) == 2
+        return capsys.readouterr().err
+
+    error = usage_error("--tls", "--scheduler", "tls://127.0.0.1:1")
+    assert "--tls starts a TLS-only embedded cluster" in error
+    assert "is not a file" in usage_error("--scheduler", "x", "--tls-cert", str(tmp_path / "no"))
     (tmp_path / "c.pem").write_text("x")
-    done = run_cli("train", *SMALL, "--tls-cert", str(tmp_path / "c.pem"))
-    assert done.returncode == 2 and "credentials for --scheduler" in done.stderr
-    assert done.stderr.count("\n") == 1
+    error = usage_error("--tls-cert", str(tmp_path / "c.pem"))
+    assert "credentials for --scheduler" in error and error.count("\n") == 1
 
 
 @pytest.mark.slow  # its own TLS cluster or a CLI subprocess
