@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from distributed import Client
 
 from downpour_dask import live
 from downpour_dask.core import optim
@@ -151,10 +152,13 @@ def test_a_killed_shard_worker_is_restored_and_the_fit_finishes_with_exact_lost_
 
     killer = kill_after_a_checkpoint(pid, tmp_path, shard=2)
     held_out = click_data(n=2300, n_rows=3000).take(slice(2000, None))  # (same effects)
+    # a newer client, closed after the fit: the replacement's handle must use the fit's client
+    other = Client(client.scheduler.address, timeout=30)
     fit = fit_sparse(model, data, client=client, n_shards=3, batch_size=16, max_epochs=10_000,
                      max_steps=4000, checkpoint_dir=tmp_path, checkpoint_every=0.2, timeout=30,
                      eval_data=held_out, eval_every=1.0, publish="sparse-recovery")
     killer.join(timeout=130)
+    other.close()
     try:
         events = fit.events
         assert events["kind"].tolist()[:2] == ["shard_lost", "shard_restored"], events
