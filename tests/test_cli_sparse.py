@@ -125,6 +125,11 @@ def test_synthetic_criteo_writes_click_files_and_refuses_to_replace_any(tmp_path
     assert cli(["synthetic", str(tmp_path / "y"), "--rows", "9"]) == 2
     assert "--features is required" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # --files K writes K files even when the rows do not divide evenly (9 rows: 3, 2, 2, 2)
+    assert cli(["synthetic", str(tmp_path / "z"), "--criteo", "--rows", "9", "--files", "4",
+                "--max-cardinality", "50"]) == 0
+    sizes = [len(pd.read_parquet(f)) for f in sorted((tmp_path / "z").glob("*.parquet"))]
+    assert sorted(sizes, reverse=True) == [3, 2, 2, 2]
 
 
 @pytest.mark.slow

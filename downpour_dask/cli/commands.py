@@ -223,8 +223,8 @@ def synthetic_criteo(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.glob("*.parquet"))):
         raise UsageError(f"{str(out)!r} is a file or already holds parquet files; give an "
                          f"empty or new folder")
-    per_file = 1_000_000 if args.files is None else -(-args.rows // args.files)
-    paths = write_criteo(out, args.rows, per_file, args.seed, args.max_cardinality)
+    paths = write_criteo(out, args.rows, seed=args.seed, max_cardinality=args.max_cardinality,
+                         n_files=args.files)
     print(f"wrote {args.rows} click rows in {len(paths)} files to {out} (label click, "
           f"numeric I1..I13, categorical C1..C26)")
     return 0

@@ -78,9 +78,11 @@ def write_criteo(
     rows_per_file: int = 1_000_000,
     seed: int = 0,
     max_cardinality: int = 100_000,
+    n_files: int | None = None,
 ) -> list[Path]:
     """Write ``n_rows`` rows as ``part-00000.parquet``... of at most ``rows_per_file`` rows
-    each into ``directory`` (created; existing part files of the same names are replaced).
+    each -- or, given ``n_files``, as exactly that many files whose sizes differ by at most one
+    row -- into ``directory`` (created; existing part files of the same names are replaced).
 
     Returns the paths written, in order.
     """
@@ -88,11 +90,19 @@ def write_criteo(
                              ("max_cardinality", max_cardinality, 4)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if n_files is None:
+        starts = list(range(0, n_rows, rows_per_file)) + [n_rows]
+    elif isinstance(n_files, bool) or not isinstance(n_files, (int, np.integer)) or not (
+        1 <= n_files <= n_rows
+    ):
+        raise ValueError(f"n_files must be an int in [1, n_rows={n_rows}], got {n_files!r}")
+    else:
+        starts = [n_rows * k // n_files for k in range(n_files + 1)]
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for file, lo in enumerate(range(0, n_rows, rows_per_file)):
-        table = criteo_frame(min(rows_per_file, n_rows - lo), seed, file, max_cardinality)
+    for file, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        table = criteo_frame(hi - lo, seed, file, max_cardinality)
         path = out / f"part-{file:05d}.parquet"
         pq.write_table(table, path, row_group_size=min(len(table), 1 << 18))
         paths.append(path)
