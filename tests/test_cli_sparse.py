@@ -81,9 +81,12 @@ def test_train_sparse_on_a_cluster_writes_a_run_directory(clicks, tmp_path, clie
     status = cli(args(clicks, run_dir, "--eval-data", held, "--model", "fm",
                       "--factors", "4", "--n-rows", "4096", "--shards", "2", "--replicas", "2",
                       "--transform", "log1p", "--batch-size", "100", "--epochs", "2",
-                      "--scheduler", client.scheduler.address, "--quiet"))
-    out = capsys.readouterr().out
+                      "--scheduler", client.scheduler.address))
+    out, err = capsys.readouterr()
     assert status == 0 and f"run directory: {run_dir}" in out
+    said, *bar = err.strip().splitlines()  # where it connects, then the progress bar's lines
+    assert said.startswith("connecting to") and bar[-1].startswith("100%|")
+    assert "test accuracy 0." in bar[-1] and "examples/s" in bar[-1]
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "config.json", "evals.parquet", "events.parquet", "pushes.parquet", "tables.npz"]
     config = json.loads((run_dir / "config.json").read_text())

@@ -220,3 +220,42 @@ def test_a_published_sparse_run_is_attached_read_only_and_watched_from_a_second_
     finally:
         fit.close()
 
+
+
+class Stop(Exception):
+    """What a user's callback raises to end a fit."""
+
+
+@pytest.mark.timeout(120)
+def test_the_callback_gets_the_progress_and_what_it_raises_ends_the_fit(client, tmp_path):
+    model = SparseLogisticRegression(500, 4, n_numeric=2)
+    seen = []
+    everything = click_data(n=1200)
+    fit = fit_sparse(model, everything.take(slice(0, 1000)), client=client, n_shards=2,
+                     batch_size=10, max_epochs=2, eval_data=everything.take(slice(1000, None)),
+                     callback=seen.append, timeout=60)
+    fit.close()
+    assert [p.phase for p in seen] == ["training"] * (len(seen) - 1) + ["done"]
+    assert [p.examples for p in seen] == sorted(p.examples for p in seen)
+    last = seen[-1]
+    assert last.examples == 2 * 1000 and last.fraction == 1.0 and last.pushes == 200
+    assert last.metric == "accuracy" and 0.5 < last.score <= 1.0
+
+    gate = tmp_path / "go"  # the replica waits after 5 steps until the callback raised
+    gated = GatedLogistic(500, 4, n_numeric=2, gate=str(gate), free=5)
+    stops = []
+
+    def stop(progress):
+        stops.append(progress)
+        gate.touch()
+        raise Stop("enough")
+
+    with pytest.raises(Stop, match="enough"):
+        fit_sparse(gated, click_data(n=1000), client=client, n_shards=2, batch_size=10,
+                   max_epochs=1, callback=stop, timeout=60, publish="stopped")
+    assert len(stops) == 1 and stops[0].phase == "training"
+    assert "stopped" not in client.list_datasets()
+    deadline = time.monotonic() + 60  # the replica ends on the closed shards: no task is left
+    while any(client.processing().values()):
+        assert time.monotonic() < deadline, client.processing()
+        time.sleep(0.1)

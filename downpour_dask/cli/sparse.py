@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from typing import Any
 
+from ..progress import ProgressBar
 from ..runs.sparse_job import SPARSE_DEFAULTS, SparseJob, prepare_sparse, run_sparse
 from .connection import add_connection_flags, connect, tls_credentials_given
 from .errors import UsageError
@@ -80,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="publish the running fit as NAME for downpour-dask watch NAME")
     job.add_argument("--scheduler", metavar="ADDRESS",
                      help="train on this Dask cluster instead of an embedded one")
-    job.add_argument("--quiet", action="store_true", help="no 'connecting to' message")
+    job.add_argument("--quiet", action="store_true",
+                     help="no progress bar and no 'connecting to' message")
     add_connection_flags(parser)
 
 
@@ -108,14 +111,19 @@ def prepare(args: argparse.Namespace) -> SparseJob:
 def train_sparse(args: argparse.Namespace) -> int:
     """``downpour-dask train-sparse``: train, write the run directory, print its headline."""
     job = prepare(args)  # every input error surfaces here, before any cluster work
-    if args.scheduler is None:
-        if tls_credentials_given(args):
-            raise UsageError("--tls-ca-file/--tls-cert/--tls-key are a client's credentials "
-                             "for --scheduler")
-        result = run_sparse(job, None)
-    else:
-        with connect(args.scheduler, args, quiet=args.quiet) as client:
-            result = run_sparse(job, client)
+    if args.scheduler is None and tls_credentials_given(args):
+        raise UsageError("--tls-ca-file/--tls-cert/--tls-key are a client's credentials for "
+                         "--scheduler")
+    bar = None if args.quiet else ProgressBar(sys.stderr)
+    try:
+        if args.scheduler is None:
+            result = run_sparse(job, None, bar)
+        else:
+            with connect(args.scheduler, args, quiet=args.quiet) as client:
+                result = run_sparse(job, client, bar)
+    finally:
+        if bar is not None:
+            bar.close()  # a failed fit sends no last snapshot
     s = result.summary
     print(f"run directory: {result.path}")
     if "final_loss" in s:

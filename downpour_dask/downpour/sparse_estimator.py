@@ -15,7 +15,7 @@ directly and stay on the shards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from sklearn.utils.validation import check_is_fitted
 from ..core.sparse import SparseBatch
 from ..core.sparse_models import EmbeddingMLP, FactorizationMachine, SparseLogisticRegression
 from ..data.hashing import HashSpec, hash_frame
+from ..log import Progress
 from ..runtime.cluster import cluster_client
 from .sparse_accrual import check_schedule
 from .sparse_fit import fit_sparse
@@ -122,14 +123,16 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         return hash_frame(frame, self._spec())
 
     def fit(self, X: pd.DataFrame, y: Any, client: Client | None = None,
-            eval_data: tuple[pd.DataFrame, Any] | None = None, publish: str | None = None
-            ) -> SparseDownpourClassifier:
+            eval_data: tuple[pd.DataFrame, Any] | None = None, publish: str | None = None,
+            callback: Callable[[Progress], Any] | None = None) -> SparseDownpourClassifier:
         """Train on the rows of ``X`` (a DataFrame) with 0/1 labels ``y``; returns self.
 
         ``client``: the cluster to train on; as for ``DownpourSGD.fit``, by default the current
         Dask client, else an embedded local cluster closed afterwards.  ``eval_data``: held-out
         ``(X, y)``, scored every ``eval_every`` seconds and at the end (``evaluations_``).
-        ``publish``: a name to publish the running fit under (see :func:`.sparse_fit.fit_sparse`).
+        ``publish``: a name to publish the running fit under, ``callback``: called with progress
+        snapshots, e.g. a :class:`~downpour_dask.progress.ProgressBar` (see
+        :func:`.sparse_fit.fit_sparse`).
         """
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
@@ -152,7 +155,8 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
                              max_epochs=self.max_epochs, seed=self.seed, timeout=self.timeout,
                              n_fetch=self.n_fetch, n_push=self.n_push,
                              local_learning_rate=self.local_learning_rate,
-                             eval_data=held_out, eval_every=self.eval_every, publish=publish)
+                             eval_data=held_out, eval_every=self.eval_every, publish=publish,
+                             callback=callback)
             try:
                 self.dense_, self.tables_ = fit.state()
             finally:

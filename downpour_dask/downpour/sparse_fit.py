@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from ..base import RunRecorder
 from ..core import optim
 from ..core.sparse import SparseBatch, check_batch, check_sparse_model, table_rows
 from ..data.hashing import HashSpec, minibatches, read_hashed
-from ..log import events_frame
+from ..log import Progress, events_frame
 from ..ps.frames import WireError
 from ..ps.protocol import ShardLostError
 from ..ps.refs import ActorRef, refer
@@ -282,6 +282,7 @@ def fit_sparse(
     eval_data: SparseBatch | tuple[list[str | Path], HashSpec] | None = None,
     eval_every: float = 5.0,
     publish: str | None = None,
+    callback: Callable[[Progress], Any] | None = None,
 ) -> SparseFit:
     """Train ``model`` (a :class:`~downpour_dask.core.sparse.SparseModel`) with ``n_replicas``
     asynchronous replicas against ``n_shards`` table shards; see the module docstring.
@@ -306,7 +307,9 @@ def fit_sparse(
     ``SparseFit.evaluations`` (:mod:`.sparse_eval`).  ``publish="NAME"`` publishes the running
     fit as the dense fit's ``publish`` does, for :func:`downpour_dask.live.attach` and
     ``downpour-dask watch NAME`` (:mod:`.sparse_monitor`); the name is released when the fit
-    returns or fails.
+    returns or fails.  ``callback`` gets a :class:`~downpour_dask.log.Progress` snapshot about
+    four times a second and at the end (a :class:`~downpour_dask.progress.ProgressBar`); what
+    it raises stops the replicas and propagates, as in ``DownpourSGD.fit``.
     """
     check_schedule(n_fetch, n_push, local_learning_rate)
     check_sparse_model(model)
@@ -315,7 +318,7 @@ def fit_sparse(
     else:
         _check_files(model, data, n_replicas)
     rule = optim.make(optimizer, learning_rate)
-    monitor = SparseMonitor(client, model, eval_data, eval_every, publish)  # checks them
+    monitor = SparseMonitor(client, model, eval_data, eval_every, publish, callback)  # checks
     layout = SparseLayout.build(model.n_dense, model.tables, n_shards)
     workers = sorted(cluster_workers(client))
     if not workers:
@@ -373,8 +376,8 @@ def fit_sparse(
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
     try:
         monitor.start()
-        supervise(supervisor, replicas, fit, recovery,
-                  checkpoint_dir, checkpoint_every if checkpoint_dir is not None else 1e9)
+        supervise(supervisor, replicas, fit, recovery, checkpoint_dir,
+                  checkpoint_every if checkpoint_dir is not None else 1e9, monitor.tick)
         records = replicas.records()
         if checkpoint_dir is not None:
             fit.checkpoint(checkpoint_dir)

@@ -95,10 +95,13 @@ class SparseMonitor:
     REPORT_EVERY = 0.25
 
     def __init__(self, client: Client, model: Any, eval_data: Any, eval_every: float,
-                 publish: str | None):
+                 publish: str | None, callback: Callable[[Progress], Any] | None = None):
         if isinstance(eval_every, bool) or not (isinstance(eval_every, (int, float))
                                                 and eval_every > 0):
             raise ValueError(f"eval_every must be a number of seconds > 0, got {eval_every!r}")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        self.callback, self._next_tick = callback, 0.0
         self.held_out = None if eval_data is None else evaluation_batch(model, eval_data)
         if publish is not None:
             live.check_name(publish)
@@ -175,25 +178,46 @@ class SparseMonitor:
             self.evaluator.evaluate(list(self.fit.actors), time.time() - self.t0)
         if self.publication is not None:
             self.report("done")
+        if self.callback is not None:
+            self.callback(self.snapshot("done"))
+
+    def tick(self) -> None:
+        """In the driver's supervising loop: a ``training`` snapshot to ``callback`` at most
+        every :attr:`REPORT_EVERY` seconds.  What the callback raises propagates, so it ends the
+        fit as the dense fit's callback does; a snapshot that cannot be read (a shard being
+        replaced) is skipped."""
+        if self.callback is None or time.monotonic() < self._next_tick:
+            return
+        self._next_tick = time.monotonic() + self.REPORT_EVERY
+        progress = None
+        with contextlib.suppress(Exception):
+            progress = self.snapshot("training")
+        if progress is not None:
+            self.callback(progress)
+
+    def snapshot(self, phase: str) -> Progress:
+        """The fit's progress now: examples of the furthest shard, shard 0's pushes and recent
+        loss, the last evaluation's accuracy and the fraction of the planned examples."""
+        counters = self.fit.counters()
+        examples = max(int(c["examples"]) for c in counters)
+        score = math.nan
+        if self.evaluator is not None and self.evaluator.rows:
+            score = self.evaluator.rows[-1]["accuracy"]
+        fraction = 0.0  # unknown plan: no estimate until the end
+        if phase == "done":
+            fraction = 1.0
+        elif self.planned:
+            fraction = float(np.clip(examples / self.planned, 0.0, 1.0))
+        return Progress(time=time.time() - self.t0, examples=examples,
+                        pushes=int(counters[0]["accepted"]),
+                        loss=float(counters[0]["recent_loss"]), score=float(score),
+                        metric="accuracy", fraction=fraction, phase=phase)
 
     def report(self, phase: str) -> None:
         """Log a progress snapshot on the published run's topic (best effort)."""
         assert self.publication is not None
         with contextlib.suppress(Exception):  # live metrics never fail the fit
-            counters = self.fit.counters()
-            examples = max(int(c["examples"]) for c in counters)
-            score = math.nan
-            if self.evaluator is not None and self.evaluator.rows:
-                score = self.evaluator.rows[-1]["accuracy"]
-            fraction = 0.0  # unknown plan: no estimate until the end
-            if phase == "done":
-                fraction = 1.0
-            elif self.planned:
-                fraction = float(np.clip(examples / self.planned, 0.0, 1.0))
-            self.publication.report(Progress(
-                time=time.time() - self.t0, examples=examples,
-                pushes=int(counters[0]["accepted"]), loss=float(counters[0]["recent_loss"]),
-                score=float(score), metric="accuracy", fraction=fraction, phase=phase))
+            self.publication.report(self.snapshot(phase))
 
 
 def live_info(model: Any, t0: float, n_replicas: int, n_shards: int,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,19 +183,21 @@ SUPERVISE_EVERY = 0.25
 
 def supervise(supervisor: Supervisor, replicas: SparseTasks, fit: Any,
               recovery: ShardRecovery, checkpoint_dir: str | Path | None,
-              checkpoint_every: float) -> None:
+              checkpoint_every: float, tick: Callable[[], None] = lambda: None) -> None:
     """Until every replica's result is in hand: let ``supervisor`` (the dense path's) restore
     every shard whose worker left the cluster on a surviving worker and restart every replica
     whose worker died (``replica_failed`` / ``replica_restarted``), collect the replicas'
     records (:class:`~.sparse_replicas.SparseTasks`), and write an increment every
     ``checkpoint_every`` seconds (with ``checkpoint_dir``), restoring a shard that does not
-    answer the checkpoint's call."""
+    answer the checkpoint's call.  ``tick`` is called every round (the fit's progress
+    callback: what it raises ends the fit)."""
     due = time.monotonic() + checkpoint_every
     while True:
         supervisor.check()
         if replicas.all_gathered():
             return
         replicas.collect()
+        tick()
         if checkpoint_dir is not None and time.monotonic() >= due:
             due = time.monotonic() + checkpoint_every
             try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from ..core import optim
 from ..data.hashing import TRANSFORMS, HashSpec
 from ..downpour.sparse_estimator import MODELS
 from ..downpour.sparse_fit import SparseFit, fit_sparse
-from ..log import Experiment, check_replaceable
+from ..log import Experiment, Progress, check_replaceable
 from ..runtime.cluster import cluster_client
 from .directory import write_run
 
@@ -194,12 +195,14 @@ def prepare_sparse(settings: dict[str, Any]) -> SparseJob:
     return SparseJob(model, (files, spec), held_out, target, recorded, fit_args)
 
 
-def run_sparse(job: SparseJob, client: Client | None = None) -> SparseResult:
+def run_sparse(job: SparseJob, client: Client | None = None,
+               callback: Callable[[Progress], Any] | None = None) -> SparseResult:
     """Train ``job`` on ``client``'s cluster (None: the current client, else an embedded local
-    cluster) and write its run directory; returns its path and headline numbers."""
+    cluster) and write its run directory; returns its path and headline numbers.  ``callback``
+    gets the fit's progress snapshots (a :class:`~downpour_dask.progress.ProgressBar`)."""
     with cluster_client(client) as active:
         fit = fit_sparse(job.model, job.data, client=active, eval_data=job.eval_data,
-                         **job.fit_args)
+                         callback=callback, **job.fit_args)
         try:
             calls = [actor.export_state() for actor in fit.actors]
             exports = [call.result(timeout=fit.timeout) for call in calls]
