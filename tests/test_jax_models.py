@@ -116,6 +116,7 @@ def _downpour(model, epochs: int) -> DownpourSGD:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 def test_a_jax_mlp_trained_by_downpour_reaches_the_numpy_mlps_accuracy(client, mnist):
     train, test = mnist
     numpy_mlp = _downpour(models.MLP(784, (64,), 10), 2).fit(train, eval_data=test, client=client)
@@ -130,6 +131,7 @@ def test_a_jax_mlp_trained_by_downpour_reaches_the_numpy_mlps_accuracy(client, m
     assert (jax_mlp.classes_[proba.argmax(axis=1)] == jax_mlp.predict(test.X[:50])).all()
 
 
+@pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 def test_the_cnn_trained_by_downpour_beats_the_mlp_on_mnist5k(client, mnist):
     """The suite's small setting (4 epochs); benchmarks/bench_models.py measures the full one."""
     train, test = mnist
@@ -143,6 +145,7 @@ def _eqx_apply(static, params, X):
     return jax.vmap(eqx.combine(params, static))(X)
 
 
+@pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 def test_an_equinox_module_trains_with_downpour_and_a_jax_function_with_sandblaster(
     client, digits
 ):

@@ -262,6 +262,7 @@ def _wait_idle(client: Client, workers: list[str] | None = None, timeout: float 
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 @pytest.mark.timeout(120)
 def test_backup_tasks_beat_a_straggler_and_the_gradient_stays_exact(client, digits_binary):
     (X, y), _ = digits_binary
@@ -343,6 +344,7 @@ def test_a_worker_killed_mid_batch_loses_nothing(digits_binary):
     assert {d["worker"] for d in lost} == {victim}
 
 
+@pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 @pytest.mark.timeout(120)
 def test_mlp_reaches_useful_accuracy_on_mnist5k(client, tmp_path):
     train, test = datasets.load("mnist5k")

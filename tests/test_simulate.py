@@ -245,6 +245,7 @@ def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, t
     assert 0.33 < stale < 3, (fitted.timing, fitted.fit)
 
 
+@pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 def test_simulate_command_prints_the_table_and_the_plan(client, tmp_path, capsys):
     run_dir = tmp_path / "run"
     _fit(client, 2).save(run_dir)

@@ -19,6 +19,7 @@ from downpour_dask.data.hashing import HashSpec, hash_column, load_hashed, minib
 VALUES = ["a", "b", None, "a", "zz", "b"]
 
 
+@pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 def test_hashes_are_stable_across_processes_and_depend_on_seed_and_field():
     here = hash_column(np.array(VALUES, object), "C1", 1000, seed=3)
     code = (
