@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--calibrate-on", default="1x1,1x4,2x2,8x2")
+    parser.add_argument("--calibrate-on", default="1x1,1x4,2x2,8x2,4x1")
     parser.add_argument("--single", default="2x2", help="the one run of the comparison")
     parser.add_argument("--save", help="directory to keep the real runs in")
     parser.add_argument("--load", help="directory of saved runs (--save) instead of running")

@@ -110,8 +110,8 @@ class Timing:
         Mean CPU time of one replica step (a minibatch's gradient, the local update and the
         loop around them).
     message_seconds : float
-        A replica's CPU per request it sends to one shard (encoding it and decoding the reply,
-        or the in-process call's bookkeeping): a step costs :meth:`replica_step`.
+        A replica's CPU per request it sends to one shard over the wire (encoding it and
+        decoding the reply; in-process calls do not pay it): a step costs :meth:`replica_step`.
     step_cv : float
         Coefficient of variation of a step's time (gamma distributed; 0: every step the same).
     push_fixed, push_per_param : float
@@ -122,7 +122,9 @@ class Timing:
         A shard's CPU per request that crosses the wire, on top of its service: ``wire_fixed``
         per request plus ``wire_per_param`` per parameter it carries (a push's gradient in, a
         pull's values out; an exchange both).  In-process calls (``Setup.local_replicas``,
-        ``Setup.local_shards``) do not pay it.
+        ``Setup.local_shards``) do not pay it.  It is spent in the request's connection thread
+        before the shard's lock: it delays the request and loads the cores, but does not hold
+        the shard's queue (:mod:`.engine`).
     latency : float
         One-way latency of every replica-shard link.
     bandwidth : float
@@ -173,10 +175,18 @@ class Timing:
         return self.pull_fixed + self.pull_per_param * setup.slice_params
 
     def replica_step(self, setup: Setup, local: bool = False) -> float:
-        """A replica's CPU per step: the step and its side of its requests to every shard
-        (``local``, calling them in-process, is accepted for symmetry and costs the same: on a
-        local cluster the replica beside the shards shares their process and runs as slowly)."""
-        return self.step_seconds + self.message_seconds * setup.requests_per_step * setup.n_shards
+        """A replica's CPU per step: the step and its side of its requests that cross the wire.
+
+        A ``local`` replica (on the worker holding every shard) sends none: its in-process calls
+        cost it the shards' service (:meth:`shard_step`), not ``message_seconds``.  On one
+        machine (``cores``) a replica's ``Setup.local_shards`` are in-process calls too; on
+        machines of their own every request crosses the wire.
+        """
+        if local:
+            return self.step_seconds
+        fraction = 1.0 if self.cores is None else setup.wire_fraction
+        wire_requests = setup.requests_per_step * setup.n_shards * fraction
+        return self.step_seconds + self.message_seconds * wire_requests
 
     def link_latency(self, setup: Setup) -> float:
         """One-way latency of a link; with ``cores`` stretched as the steps are
