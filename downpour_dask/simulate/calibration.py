@@ -223,11 +223,11 @@ def simulated_step(setup: Setup, timing: Timing) -> float:
     :func:`steady_step` measures a log: ``n_replicas`` over their summed step rates (each its
     CPU stretched by the shared cores; a replica on the shards' worker also waits for its
     in-process calls)."""
-    scale = timing.step_scale(setup)
+    near_k, far_k = timing.scales(setup)
     calls = timing.shard_step(setup, True)  # every shard's service, in-process
     local = min(setup.local_replicas, setup.n_replicas)
-    near = 1.0 / (timing.replica_step(setup, True) * scale + calls)
-    far = 1.0 / (timing.replica_step(setup, False) * scale)
+    near = 1.0 / (timing.replica_step(setup, True) * near_k + calls)
+    far = 1.0 / (timing.replica_step(setup, False) * far_k)
     return setup.n_replicas / (local * near + (setup.n_replicas - local) * far)
 
 
@@ -266,7 +266,10 @@ def fit_costs(runs: list[tuple[Setup, float]], timing: Timing) -> Timing:
         errors = [
             math.log(simulated_step(setup, t) / max(seconds, 1e-12)) for setup, seconds in runs
         ]
-        prior = [x[0], x[1] - x[2], x[3]]
+        # no loop cost, the two sides of a request alike, no crowding, and no request costing
+        # more than the runs need (without it a one-shard run alone can put an unbounded
+        # cost on the wire replica and give the replica beside the shard all the throughput)
+        prior = [x[0], x[1] - x[2], x[3], x[1], x[2]]
         return np.array([*errors, *(PRIOR_WEIGHT * p for p in prior)])
 
     start = np.full(4, 0.1)

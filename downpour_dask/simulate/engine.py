@@ -135,7 +135,8 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
     rng = np.random.default_rng(seed)
     local = np.arange(R) < setup.local_replicas
     own = np.where(local, timing.replica_step(setup, True), timing.replica_step(setup, False))
-    mean = (own * timing.step_scale(setup))[:, None]
+    near, far = timing.scales(setup)
+    mean = (own * np.where(local, near, far))[:, None]
     if timing.step_cv > 0:
         k = 1.0 / timing.step_cv**2
         durations = rng.gamma(k, mean / k, size=(R, steps))

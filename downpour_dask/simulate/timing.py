@@ -232,6 +232,44 @@ class Timing:
         crowded = 1.0 + self.crowding * max(0.0, setup.n_replicas / self.cores - 1.0)
         return max(1.0, demand / self.cores) * crowded
 
+    def scales(self, setup: Setup) -> tuple[float, float]:
+        """How much slower a step is because of shared ``cores``, for a replica beside the
+        shards (``Setup.local_replicas``) and for the others: ``(near, far)``.
+
+        Both are :meth:`step_scale` unless some replicas, but not all, run on the worker
+        holding every shard (one shard on a local cluster of ``cores`` single-threaded worker
+        processes).  Then the workers are not alike, and each is one core (its interpreter
+        lock): the shards' worker runs its replicas *and* the connection threads serving every
+        other replica's requests (``shard_step``), the others only their replicas.  The wire
+        replicas share the ``cores - 1`` other workers (``far``); the shards' worker is
+        processor-shared between its replicas, each getting ``1 / near`` of the core, and the
+        connection threads, which take what the wire replicas' steps ask for, each at most a
+        replica's share: ``near`` is where that fills the core.  With the pooled balance
+        instead, two replicas on two cores leave every step unstretched, though the replica
+        beside the shard shares its core with the other's connection threads (measured: it
+        runs at about half its lone speed).
+        """
+        pooled = self.step_scale(setup)
+        local = min(setup.local_replicas, setup.n_replicas)
+        if self.cores is None or self.cores < 2 or local in (0, setup.n_replicas):
+            return pooled, pooled
+        crowded = 1.0 + self.crowding * max(0.0, setup.n_replicas / self.cores - 1.0)
+        wire = setup.n_replicas - local
+        far = max(1.0, wire / (self.cores - 1)) * crowded
+        near_demand = 1 + self.shard_step(setup, True) / self.replica_step(setup, True)
+        far_step, served = self.replica_step(setup, False) * far, self.shard_step(setup, False)
+
+        def usage(k: float) -> float:  # of the shards' worker's core, its threads k x slower
+            return local * near_demand / k + wire * served * min(1 / far_step, 1 / (served * k))
+
+        low, high = 1.0, 1.0 + local * near_demand + wire  # usage(high) < 1
+        if usage(low) <= 1.0:
+            return crowded, far
+        for _ in range(60):  # usage falls as k grows: bisect for a full core
+            mid = 0.5 * (low + high)
+            low, high = (mid, high) if usage(mid) > 1.0 else (low, mid)
+        return high * crowded, far
+
     def with_(self, **changes: Any) -> Timing:
         """A copy with some fields changed."""
         return replace(self, **changes)
