@@ -15,13 +15,15 @@ Three sources, each for what it can tell:
   connection threads -- is attributed by :func:`fit_costs` to four costs, fitted (least
   squares on the log of the step times) to every run given: a replica's loop per step
   (``Timing.step_seconds`` above the model's step), its CPU per request it sends to a shard
-  (``Timing.message_seconds``), a shard's CPU per request arriving over the wire
-  (``Timing.wire_fixed``), which competes with the replicas for the same cores, and the
-  slowdown of crowding more replicas than cores (``Timing.crowding``).  Runs that differ in
-  replicas and shards separate them: one replica leaves the shards' wire CPU a core of its
-  own, two on two cores do not; more shards mean more requests per step; eight replicas on
-  two cores crowd them.  A weak prior (no loop cost; the replica's and the shard's side of a
-  wire request equal; no crowding) decides what the runs cannot -- all of it with one run;
+  (``Timing.message_seconds``; in-process calls do not pay it), a shard's CPU per request
+  arriving over the wire (``Timing.wire_fixed``), which competes with the replicas for the
+  same cores (with one shard, the core of the shard's worker: :meth:`~.timing.Timing.scales`),
+  and the slowdown of crowding more replicas than cores (``Timing.crowding``).  Runs that
+  differ in replicas and shards separate them: one replica leaves the shards' wire CPU a core
+  of its own, two on two cores do not; more shards mean more requests per step; eight
+  replicas on two cores crowd them.  A weak prior (no loop cost; the replica's and the
+  shard's side of a wire request equal; no crowding; no request costing more than the runs
+  need) decides what the runs cannot -- all of it with one run;
 * the one cost none shows -- the round trip of a message (latency plus the wire's handling)
   -- is **fitted**: the latency whose simulations of the runs come closest to their mean
   staleness and throughput (the sum of their log-ratio errors; latency moves both, and matching
@@ -221,8 +223,8 @@ def steady_step(setup: Setup, seen: dict[str, float]) -> float:
 def simulated_step(setup: Setup, timing: Timing) -> float:
     """The replicas' seconds per step under ``timing`` without queueing, as
     :func:`steady_step` measures a log: ``n_replicas`` over their summed step rates (each its
-    CPU stretched by the shared cores; a replica on the shards' worker also waits for its
-    in-process calls)."""
+    CPU stretched by the shared cores, :meth:`~.timing.Timing.scales`; a replica on the
+    shards' worker also waits for its in-process calls)."""
     near_k, far_k = timing.scales(setup)
     calls = timing.shard_step(setup, True)  # every shard's service, in-process
     local = min(setup.local_replicas, setup.n_replicas)
@@ -244,9 +246,10 @@ def fit_costs(runs: list[tuple[Setup, float]], timing: Timing) -> Timing:
 
     Returns the timing whose :func:`simulated_step` is closest to the observed ones, in log
     ratio, with a weak prior (``PRIOR_WEIGHT``): no loop cost above the model's step, a wire
-    request costing its shard what it costs its replica, and no crowding.  What the runs cannot
-    tell apart is left to the prior: the wire cost if no request crossed the wire, the crowding
-    if no run had more replicas than cores.
+    request costing its shard what it costs its replica, no crowding, and per-request costs
+    no larger than the runs need.  What the runs cannot tell apart is left to the prior: the
+    wire cost if no request crossed the wire, the crowding if no run had more replicas than
+    cores.
     """
     if not runs:
         raise ValueError("fit_costs needs at least one run")

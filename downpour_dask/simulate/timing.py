@@ -10,9 +10,10 @@ time per push and per pull (a fixed part plus a part per parameter of its slice)
 per request that crosses the wire (decoding it and encoding the reply in its connection's thread:
 a fixed part plus a part per parameter carried), and every link's latency and bandwidth.  When
 replicas and shards share a machine's cores (``Timing.cores``), the shards' CPU counts against
-the replicas' too (:meth:`Timing.step_scale`).  Both are plain dataclasses that round-trip
-through JSON (:meth:`Timing.to_dict`), so calibrated timings are saved next to the run they came
-from.
+the replicas' too (:meth:`Timing.step_scale`; with one shard on a local cluster, against the
+replicas on the shard's own worker: :meth:`Timing.scales`).  Both are plain dataclasses that
+round-trip through JSON (:meth:`Timing.to_dict`), so calibrated timings are saved next to the
+run they came from.
 """
 
 from __future__ import annotations
