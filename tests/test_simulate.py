@@ -136,6 +136,35 @@ def test_one_shard_worker_shares_its_core_with_the_wire_replicas_connection_thre
     assert timing.with_(cores=None).scales(two) == (1.0, 1.0)  # machines of their own
 
 
+def test_a_lone_replicas_requests_reach_its_idle_workers_shards_without_the_latency():
+    # On one machine the latency is a message's wait for its receiving process: a lone
+    # replica's wire shard sits on a worker running no replica, so only the reply waits.
+    timing = Timing(step_seconds=1e-3, latency=2e-3, cores=2)
+    lone = Setup(n_replicas=1, n_shards=2, local_shards=1, steps=20)
+    two = lone.with_(n_replicas=2)
+
+    def first_round_trip(setup: Setup, timing: Timing) -> float:
+        trace = run(setup, timing)
+        return float((trace.push_acked - trace.push_sent)[0])
+
+    assert first_round_trip(lone, timing) == pytest.approx(2e-3)
+    assert first_round_trip(two, timing) == pytest.approx(4e-3)  # both workers run a replica
+    assert first_round_trip(lone, timing.with_(cores=None)) == pytest.approx(4e-3)
+
+
+def test_every_step_takes_its_floor_and_the_pauses_keep_the_spread():
+    timing = Timing(step_seconds=1e-3, step_cv=1.0, step_floor=0.5)
+    alone = Setup(steps=4000, local_replicas=1)  # in-process calls of no cost: sends = steps
+    steps = np.diff(run(alone, timing).push_sent)
+    assert steps.min() >= 0.5e-3 * (1 - 1e-9)
+    assert steps.mean() == pytest.approx(1e-3, rel=0.1)
+    assert steps.std() / steps.mean() == pytest.approx(1.0, rel=0.25)
+    plain = np.diff(run(alone, timing.with_(step_floor=0.0)).push_sent)
+    assert np.mean(plain < 0.5e-3) > 0.3  # a plain gamma of that spread: 39% of steps
+    with pytest.raises(ValueError, match="step_floor"):
+        Timing(step_floor=1.0)
+
+
 def test_fit_costs_recovers_the_costs_that_made_the_runs():
     # Runs "measured" from known costs: the fit on the corners predicts the runs in between.
     truth = Timing(
@@ -274,6 +303,7 @@ def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, t
     assert again.timing == fitted.timing and again.setup == fitted.setup
     # the wire replica's requests cost it and the shard CPU (one run: split evenly)
     assert fitted.timing.message_seconds > 0 and fitted.timing.wire_fixed > 0
+    assert 0 < fitted.timing.step_floor < 1  # the model's gradient: part of every step
     seen = calibration.measured(four)
     predicted = predict(calibration.setup_of(four), again.timing)
     # Generous: the machine is shared and busy (see benchmarks/README.md for measured errors).

@@ -62,7 +62,7 @@ from .timing import Setup, Timing
 #: The file :meth:`Calibration.save` writes into a run directory.
 FILENAME = "simulation.json"
 #: Latencies (s) :func:`calibrate` tries: log-spaced from 1 microsecond to 0.1 s.
-LATENCY_GRID = tuple(float(x) for x in np.geomspace(1e-6, 1e-1, 31))
+LATENCY_GRID = tuple(float(x) for x in np.geomspace(1e-6, 1e-1, 61))
 #: Weight of :func:`fit_costs`' prior against one run's log step error.
 PRIOR_WEIGHT = 0.05
 
@@ -280,6 +280,12 @@ def fit_costs(runs: list[tuple[Setup, float]], timing: Timing) -> Timing:
     return timing_of(fitted.x)
 
 
+def _floor(model_step: float, timing: Timing) -> float:
+    """``Timing.step_floor``: the model's gradient (the micro-benchmark), which every step
+    computes, over the mean step with its loop and requests (at most 0.9)."""
+    return float(min(model_step / timing.step_seconds, 0.9))
+
+
 def calibrate(
     experiment: Experiment,
     *,
@@ -339,6 +345,7 @@ def calibrate(
             cores=cores,
         ),
     )
+    base = base.with_(step_floor=_floor(bench["step"], base))
     best = None
     for latency in LATENCY_GRID:
         error, guesses = 0.0, []

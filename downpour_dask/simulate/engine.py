@@ -137,9 +137,10 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
     own = np.where(local, timing.replica_step(setup, True), timing.replica_step(setup, False))
     near, far = timing.scales(setup)
     mean = (own * np.where(local, near, far))[:, None]
-    if timing.step_cv > 0:
-        k = 1.0 / timing.step_cv**2
-        durations = rng.gamma(k, mean / k, size=(R, steps))
+    if timing.step_cv > 0:  # a floor every step takes, and a gamma part carrying the spread
+        floor = timing.step_floor
+        k = ((1.0 - floor) / timing.step_cv) ** 2
+        durations = mean * floor + rng.gamma(k, mean * (1.0 - floor) / k, size=(R, steps))
     else:
         durations = np.broadcast_to(mean, (R, steps))
     reps = [_Replica(durations[r], r < setup.local_replicas) for r in range(R)]
@@ -148,6 +149,7 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
     one, two = timing.wire_cost(setup, 1), timing.wire_cost(setup, 2)
     decode = (one, one, two)  # a wire request's connection thread, before it takes the lock
     transfer, latency = timing.transfer(setup), timing.link_latency(setup)
+    request = timing.transfer(setup, request=True)
     gate = -(-setup.warmstart_steps // setup.n_push) if R > 1 and setup.warmstart_steps else 0
     n_fetch, n_push, max_inflight = setup.n_fetch, setup.n_push, setup.max_inflight
     obs = observer
@@ -180,7 +182,7 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
             return
         # the link and its connection thread are FIFO: a request is decoded after the one
         # before it, then waits for the shard's lock
-        arrival = max(t + transfer, rep.link_free) + decode[kind]
+        arrival = max(t + request, rep.link_free) + decode[kind]
         rep.link_free = arrival
         schedule(arrival, _ARRIVE, r, (kind, pid, pull))
 

@@ -114,7 +114,13 @@ class Timing:
         A replica's CPU per request it sends to one shard over the wire (encoding it and
         decoding the reply; in-process calls do not pay it): a step costs :meth:`replica_step`.
     step_cv : float
-        Coefficient of variation of a step's time (gamma distributed; 0: every step the same).
+        Coefficient of variation of a step's time (0: every step the same).
+    step_floor : float
+        The part of a step's mean time every step takes, in [0, 1): a step is
+        ``mean * (step_floor + (1 - step_floor) * G)`` with ``G`` gamma distributed of mean 1,
+        its spread set so the step's is ``step_cv``.  0 is a plain gamma, whose large ``step_cv``
+        makes most steps far shorter than the mean; a real step never takes less than its
+        gradient, and its spread is rare long pauses (another process on the core).
     push_fixed, push_per_param : float
         A shard's service time for one push: ``push_fixed + push_per_param * slice``.
     pull_fixed, pull_per_param : float
@@ -127,7 +133,8 @@ class Timing:
         before the shard's lock: it delays the request and loads the cores, but does not hold
         the shard's queue (:mod:`.engine`).
     latency : float
-        One-way latency of every replica-shard link.
+        One-way latency of every replica-shard link (on one machine a request pays
+        :meth:`request_share` of it).
     bandwidth : float
         Bytes per second of every replica's link (inf: no transfer time).
     cores : int or None
@@ -143,6 +150,7 @@ class Timing:
 
     step_seconds: float = 1e-3
     step_cv: float = 0.0
+    step_floor: float = 0.0
     message_seconds: float = 0.0
     push_fixed: float = 0.0
     push_per_param: float = 0.0
@@ -166,6 +174,8 @@ class Timing:
         if self.cores is not None and (not isinstance(self.cores, int) or self.cores < 1):
             raise ValueError(f"Timing.cores must be None or an int >= 1, got {self.cores!r}")
         _check("Timing.crowding", self.crowding)
+        if self.step_floor >= 1:
+            raise ValueError(f"Timing.step_floor must be in [0, 1), got {self.step_floor!r}")
 
     def push_service(self, setup: Setup) -> float:
         """A shard's seconds to apply one push to its slice."""
@@ -194,9 +204,26 @@ class Timing:
         (:meth:`step_scale`): on one machine a message waits for its threads to get a core."""
         return self.latency * self.step_scale(setup)
 
-    def transfer(self, setup: Setup) -> float:
-        """Seconds for a replica's full gradient (or parameters) to cross its link."""
-        return self.link_latency(setup) + BYTES_PER_PARAM * setup.n_params / self.bandwidth
+    def transfer(self, setup: Setup, request: bool = False) -> float:
+        """Seconds for a replica's full gradient (or parameters) to cross its link; a
+        ``request`` (towards the shards) pays :meth:`request_share` of the latency."""
+        share = self.request_share(setup) if request else 1.0
+        return self.link_latency(setup) * share + BYTES_PER_PARAM * setup.n_params / self.bandwidth
+
+    def request_share(self, setup: Setup) -> float:
+        """The part of the link's latency a request (towards the shards) pays.
+
+        Without ``cores`` all of it.  On one machine the latency stands for a message's wait
+        until its receiving thread gets its worker process's interpreter, which a replica's
+        step holds: a reply always lands in a replica's process, a request only if the
+        shard's worker runs a replica too.  With fewer replicas than ``cores`` workers the
+        wire shards sit on the workers the other replicas leave idle: a request pays
+        ``(min(replicas, cores) - 1) / (cores - 1)`` of the latency (none for a lone
+        replica, all of it from ``cores`` replicas on).
+        """
+        if self.cores is None or self.cores < 2:
+            return 1.0
+        return (min(setup.n_replicas, self.cores) - 1) / (self.cores - 1)
 
     def wire_cost(self, setup: Setup, payloads: int = 1) -> float:
         """A shard's wire CPU for one request of a replica that is not local, carrying
