@@ -9,7 +9,9 @@ Three sources, each for what it can tell:
   guarded update of the run's update rule (:class:`~downpour_dask.core.guard.GuardedUpdate`) and
   the copy a pull makes, each on a tiny slice and on the run's slice size, so the fixed and the
   per-parameter costs separate; a request crossing the wire is taken to cost its shard one such
-  copy per parameter it carries (``Timing.wire_per_param``: decoding or encoding the slice);
+  copy per parameter it carries (``Timing.wire_per_param``: decoding or encoding the slice); the
+  model's step is the part of the mean step every step takes (``Timing.step_floor``: the log's
+  spread is rare long pauses, not steps shorter than the gradient);
 * the **gap** between the two -- the log's step against ``loss_and_grad`` and the shards'
   service: the loop around the step, the calls and their messages on both sides, the shards'
   connection threads -- is attributed by :func:`fit_costs` to four costs, fitted (least

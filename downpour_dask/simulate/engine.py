@@ -15,7 +15,9 @@ decoded by its connection's own thread (one per replica and shard, so a replica'
 decoded in order, concurrently with other replicas' and with the in-process calls) and only
 then queues for the shard's lock: the queue holds the update and the pull's copy alone, as in
 :class:`~downpour_dask.ps.shard.ParameterServerShard`, and the connection threads' CPU counts in
-the cores' balance (:meth:`~.timing.Timing.step_scale`), not in the queue.  Replicas other than
+the cores' balance (:meth:`~.timing.Timing.step_scale`), not in the queue.  On one machine a
+request pays only :meth:`~.timing.Timing.request_share` of the latency (none when its shards'
+worker runs no replica), a reply all of it.  Replicas other than
 0 start when the shards' version reaches replica 0's warmstart pushes.  A shard serves messages
 first come, first served; its version counts applied pushes and a push's staleness is
 ``version - base version`` as in

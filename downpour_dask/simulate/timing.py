@@ -4,8 +4,8 @@
 A :class:`Setup` is the part of a :class:`~downpour_dask.DownpourSGD` configuration that decides
 *when* things happen: replicas, shards, the parameter count, ``n_fetch``, ``n_push``,
 ``max_inflight``, ``warmstart_steps`` and how many steps each replica takes.  A :class:`Timing`
-holds the costs, in seconds: a replica's compute time per step (a gamma distribution with a mean
-and a coefficient of variation) plus its CPU per request it sends to a shard, a shard's service
+holds the costs, in seconds: a replica's compute time per step (a mean, a coefficient of
+variation and a floor every step takes, the rest gamma distributed) plus its CPU per request it sends to a shard, a shard's service
 time per push and per pull (a fixed part plus a part per parameter of its slice), the shard's CPU
 per request that crosses the wire (decoding it and encoding the reply in its connection's thread:
 a fixed part plus a part per parameter carried), and every link's latency and bandwidth.  When
