@@ -5,10 +5,11 @@ A :class:`Setup` is the part of a :class:`~downpour_dask.DownpourSGD` configurat
 *when* things happen: replicas, shards, the parameter count, ``n_fetch``, ``n_push``,
 ``max_inflight``, ``warmstart_steps`` and how many steps each replica takes.  A :class:`Timing`
 holds the costs, in seconds: a replica's compute time per step (a mean, a coefficient of
-variation and a floor every step takes, the rest gamma distributed) plus its CPU per request it sends to a shard, a shard's service
-time per push and per pull (a fixed part plus a part per parameter of its slice), the shard's CPU
-per request that crosses the wire (decoding it and encoding the reply in its connection's thread:
-a fixed part plus a part per parameter carried), and every link's latency and bandwidth.  When
+variation and a floor every step takes, the rest gamma distributed) plus its CPU per request it
+sends to a shard, a shard's service time per push and per pull (a fixed part plus a part per
+parameter of its slice), the shard's CPU per request that crosses the wire (decoding it and
+encoding the reply in its connection's thread: a fixed part plus a part per parameter
+carried), and every link's latency and bandwidth.  When
 replicas and shards share a machine's cores (``Timing.cores``), the shards' CPU counts against
 the replicas' too (:meth:`Timing.step_scale`; with one shard on a local cluster, against the
 replicas on the shard's own worker: :meth:`Timing.scales`).  Both are plain dataclasses that
