@@ -3,8 +3,9 @@
 Real runs with 1, 2, 4 and 8 replicas and 1, 2 and 4 shards on a local cluster of
 single-threaded worker processes, each configuration ``--repeats`` times (in rounds: every
 round runs every configuration once, so a change in the machine's load hits them all alike).
-The simulator is calibrated on a few of them (``--calibrate-on``, default 1x1, 1x4, 2x2 and
-8x2: replicas x shards, the corners of the range; each its median repeat by examples/s) and
+The simulator is calibrated on a few of them (``--calibrate-on``, default 1x1, 1x4, 2x2, 8x2
+and 4x1: replicas x shards, the corners of the range and one shard with replicas on both
+workers, which no corner has; each its median repeat by examples/s) and
 predicts all of them: steady examples/s (``simulate.calibration.steady_throughput`` on the
 real log, ``simulate.summarise`` on the simulation) and mean staleness, against the median of
 the repeats.  Prints the table, the
@@ -14,7 +15,7 @@ comparison, and the machine's load.  ``--save DIR`` keeps the real runs, ``--loa
 them (to compare models on the same runs).  See benchmarks/README.md.
 
     python benchmarks/bench_simulate.py --replicas 1,2,4,8 --shards 1,2,4 --epochs 40 \
-        --hidden 128 --repeats 5
+        --hidden 128 --repeats 3 --save DIR
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--calibrate-on", default="1x1,1x4,2x2,8x2")
+    parser.add_argument("--calibrate-on", default="1x1,1x4,2x2,8x2,4x1")
     parser.add_argument("--single", default="2x2", help="the one run of the comparison")
     parser.add_argument("--save", help="directory to keep the real runs in")
     parser.add_argument("--load", help="directory of saved runs (--save) instead of running")

@@ -101,6 +101,70 @@ def test_shards_wire_cpu_slows_crowded_cores_but_not_a_lone_replica():
     )
 
 
+def test_wire_decoding_delays_its_own_requests_not_the_shards_in_process_callers():
+    # One shard, a replica beside it and two over the wire whose requests take 2 ms each to
+    # decode in their connection threads: the lock queue holds only the (tiny) update, so the
+    # in-process caller keeps its own pace, and each wire replica's requests are decoded in
+    # order, one every 2 ms, which caps it at 500 pushes/s (max_inflight then blocks it).
+    timing = Timing(step_seconds=1e-3, push_fixed=1e-5, wire_fixed=2e-3)
+    trace = run(Setup(n_replicas=3, steps=400, local_replicas=1), timing)
+    busy = trace.replica_end - trace.replica_start
+    rates = [np.sum(trace.push_replica == r) / busy[r] for r in range(3)]
+    assert rates[0] == pytest.approx(1 / (1e-3 + 1e-5), rel=0.05)
+    assert rates[1] == pytest.approx(500, rel=0.05) and rates[2] == pytest.approx(500, rel=0.05)
+    assert np.all(trace.msg_start - trace.msg_arrival < 3e-5)  # nobody queued behind a decode
+
+
+def test_one_shard_worker_shares_its_core_with_the_wire_replicas_connection_threads():
+    # Two workers of one core, the shard on the first with replica 0; replica 1's requests cost
+    # the shard's worker as much CPU as a step: replica 0 runs at half speed, replica 1 alone
+    # on its worker at full speed (the pooled balance would stretch both by 1.5).
+    timing = Timing(step_seconds=1e-3, wire_fixed=1e-3, cores=2)
+    two = Setup(n_replicas=2, local_replicas=1)
+    assert timing.scales(two) == pytest.approx((2.0, 1.0), rel=1e-6)
+    assert timing.step_scale(two) == pytest.approx(1.5)
+    # four wire replicas ask more than the core: each connection thread gets a replica's share
+    many = Setup(n_replicas=8, local_replicas=4)
+    near, far = timing.scales(many)
+    assert far == pytest.approx(4.0) and near == pytest.approx(8.0, rel=1e-6)
+    # shards spread over the workers, or every replica beside them: one balance for all
+    for setup in (
+        two.with_(local_replicas=0, n_shards=2, local_shards=1),
+        two.with_(local_replicas=2),
+    ):
+        assert timing.scales(setup) == (timing.step_scale(setup),) * 2
+    assert timing.with_(cores=None).scales(two) == (1.0, 1.0)  # machines of their own
+
+
+def test_a_lone_replicas_requests_reach_its_idle_workers_shards_without_the_latency():
+    # On one machine the latency is a message's wait for its receiving process: a lone
+    # replica's wire shard sits on a worker running no replica, so only the reply waits.
+    timing = Timing(step_seconds=1e-3, latency=2e-3, cores=2)
+    lone = Setup(n_replicas=1, n_shards=2, local_shards=1, steps=20)
+    two = lone.with_(n_replicas=2)
+
+    def first_round_trip(setup: Setup, timing: Timing) -> float:
+        trace = run(setup, timing)
+        return float((trace.push_acked - trace.push_sent)[0])
+
+    assert first_round_trip(lone, timing) == pytest.approx(2e-3)
+    assert first_round_trip(two, timing) == pytest.approx(4e-3)  # both workers run a replica
+    assert first_round_trip(lone, timing.with_(cores=None)) == pytest.approx(4e-3)
+
+
+def test_every_step_takes_its_floor_and_the_pauses_keep_the_spread():
+    timing = Timing(step_seconds=1e-3, step_cv=1.0, step_floor=0.5)
+    alone = Setup(steps=4000, local_replicas=1)  # in-process calls of no cost: sends = steps
+    steps = np.diff(run(alone, timing).push_sent)
+    assert steps.min() >= 0.5e-3 * (1 - 1e-9)
+    assert steps.mean() == pytest.approx(1e-3, rel=0.1)
+    assert steps.std() / steps.mean() == pytest.approx(1.0, rel=0.25)
+    plain = np.diff(run(alone, timing.with_(step_floor=0.0)).push_sent)
+    assert np.mean(plain < 0.5e-3) > 0.3  # a plain gamma of that spread: 39% of steps
+    with pytest.raises(ValueError, match="step_floor"):
+        Timing(step_floor=1.0)
+
+
 def test_fit_costs_recovers_the_costs_that_made_the_runs():
     # Runs "measured" from known costs: the fit on the corners predicts the runs in between.
     truth = Timing(
@@ -129,6 +193,11 @@ def test_fit_costs_recovers_the_costs_that_made_the_runs():
     assert calibration.simulated_step(corners[2], one) == pytest.approx(9e-4, rel=0.01)
     assert one.message_seconds == pytest.approx(one.wire_fixed, rel=0.1)
     assert one.crowding < 0.01
+    # a one-shard run alone: the prior keeps the wire costs within what the run needs instead
+    # of letting the replica beside the shard take all the throughput
+    lone = calibration.fit_costs([(shape(2, 1), 9e-4)], model_only)
+    assert calibration.simulated_step(shape(2, 1), lone) == pytest.approx(9e-4, rel=0.05)
+    assert lone.message_seconds < 9e-4 and lone.wire_fixed < 9e-4
 
 
 def test_every_request_to_a_shard_costs_the_replica_its_message_time():
@@ -234,6 +303,7 @@ def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, t
     assert again.timing == fitted.timing and again.setup == fitted.setup
     # the wire replica's requests cost it and the shard CPU (one run: split evenly)
     assert fitted.timing.message_seconds > 0 and fitted.timing.wire_fixed > 0
+    assert 0 < fitted.timing.step_floor < 1  # the model's gradient: part of every step
     seen = calibration.measured(four)
     predicted = predict(calibration.setup_of(four), again.timing)
     # Generous: the machine is shared and busy (see benchmarks/README.md for measured errors).

@@ -9,19 +9,23 @@ Three sources, each for what it can tell:
   guarded update of the run's update rule (:class:`~downpour_dask.core.guard.GuardedUpdate`) and
   the copy a pull makes, each on a tiny slice and on the run's slice size, so the fixed and the
   per-parameter costs separate; a request crossing the wire is taken to cost its shard one such
-  copy per parameter it carries (``Timing.wire_per_param``: decoding or encoding the slice);
+  copy per parameter it carries (``Timing.wire_per_param``: decoding or encoding the slice); the
+  model's step is the part of the mean step every step takes (``Timing.step_floor``: the log's
+  spread is rare long pauses, not steps shorter than the gradient);
 * the **gap** between the two -- the log's step against ``loss_and_grad`` and the shards'
   service: the loop around the step, the calls and their messages on both sides, the shards'
   connection threads -- is attributed by :func:`fit_costs` to four costs, fitted (least
   squares on the log of the step times) to every run given: a replica's loop per step
   (``Timing.step_seconds`` above the model's step), its CPU per request it sends to a shard
-  (``Timing.message_seconds``), a shard's CPU per request arriving over the wire
-  (``Timing.wire_fixed``), which competes with the replicas for the same cores, and the
-  slowdown of crowding more replicas than cores (``Timing.crowding``).  Runs that differ in
-  replicas and shards separate them: one replica leaves the shards' wire CPU a core of its
-  own, two on two cores do not; more shards mean more requests per step; eight replicas on
-  two cores crowd them.  A weak prior (no loop cost; the replica's and the shard's side of a
-  wire request equal; no crowding) decides what the runs cannot -- all of it with one run;
+  (``Timing.message_seconds``; in-process calls do not pay it), a shard's CPU per request
+  arriving over the wire (``Timing.wire_fixed``), which competes with the replicas for the
+  same cores (with one shard, the core of the shard's worker: :meth:`~.timing.Timing.scales`),
+  and the slowdown of crowding more replicas than cores (``Timing.crowding``).  Runs that
+  differ in replicas and shards separate them: one replica leaves the shards' wire CPU a core
+  of its own, two on two cores do not; more shards mean more requests per step; eight
+  replicas on two cores crowd them.  A weak prior (no loop cost; the replica's and the
+  shard's side of a wire request equal; no crowding; no request costing more than the runs
+  need) decides what the runs cannot -- all of it with one run;
 * the one cost none shows -- the round trip of a message (latency plus the wire's handling)
   -- is **fitted**: the latency whose simulations of the runs come closest to their mean
   staleness and throughput (the sum of their log-ratio errors; latency moves both, and matching
@@ -60,7 +64,7 @@ from .timing import Setup, Timing
 #: The file :meth:`Calibration.save` writes into a run directory.
 FILENAME = "simulation.json"
 #: Latencies (s) :func:`calibrate` tries: log-spaced from 1 microsecond to 0.1 s.
-LATENCY_GRID = tuple(float(x) for x in np.geomspace(1e-6, 1e-1, 31))
+LATENCY_GRID = tuple(float(x) for x in np.geomspace(1e-6, 1e-1, 61))
 #: Weight of :func:`fit_costs`' prior against one run's log step error.
 PRIOR_WEIGHT = 0.05
 
@@ -221,13 +225,13 @@ def steady_step(setup: Setup, seen: dict[str, float]) -> float:
 def simulated_step(setup: Setup, timing: Timing) -> float:
     """The replicas' seconds per step under ``timing`` without queueing, as
     :func:`steady_step` measures a log: ``n_replicas`` over their summed step rates (each its
-    CPU stretched by the shared cores; a replica on the shards' worker also waits for its
-    in-process calls)."""
-    scale = timing.step_scale(setup)
+    CPU stretched by the shared cores, :meth:`~.timing.Timing.scales`; a replica on the
+    shards' worker also waits for its in-process calls)."""
+    near_k, far_k = timing.scales(setup)
     calls = timing.shard_step(setup, True)  # every shard's service, in-process
     local = min(setup.local_replicas, setup.n_replicas)
-    near = 1.0 / (timing.replica_step(setup, True) * scale + calls)
-    far = 1.0 / (timing.replica_step(setup, False) * scale)
+    near = 1.0 / (timing.replica_step(setup, True) * near_k + calls)
+    far = 1.0 / (timing.replica_step(setup, False) * far_k)
     return setup.n_replicas / (local * near + (setup.n_replicas - local) * far)
 
 
@@ -244,9 +248,10 @@ def fit_costs(runs: list[tuple[Setup, float]], timing: Timing) -> Timing:
 
     Returns the timing whose :func:`simulated_step` is closest to the observed ones, in log
     ratio, with a weak prior (``PRIOR_WEIGHT``): no loop cost above the model's step, a wire
-    request costing its shard what it costs its replica, and no crowding.  What the runs cannot
-    tell apart is left to the prior: the wire cost if no request crossed the wire, the crowding
-    if no run had more replicas than cores.
+    request costing its shard what it costs its replica, no crowding, and per-request costs
+    no larger than the runs need.  What the runs cannot tell apart is left to the prior: the
+    wire cost if no request crossed the wire, the crowding if no run had more replicas than
+    cores.
     """
     if not runs:
         raise ValueError("fit_costs needs at least one run")
@@ -266,12 +271,21 @@ def fit_costs(runs: list[tuple[Setup, float]], timing: Timing) -> Timing:
         errors = [
             math.log(simulated_step(setup, t) / max(seconds, 1e-12)) for setup, seconds in runs
         ]
-        prior = [x[0], x[1] - x[2], x[3]]
+        # no loop cost, the two sides of a request alike, no crowding, and no request costing
+        # more than the runs need (without it a one-shard run alone can put an unbounded
+        # cost on the wire replica and give the replica beside the shard all the throughput)
+        prior = [x[0], x[1] - x[2], x[3], x[1], x[2]]
         return np.array([*errors, *(PRIOR_WEIGHT * p for p in prior)])
 
     start = np.full(4, 0.1)
     fitted = least_squares(residuals, start, bounds=(0.0, np.inf), method="trf")
     return timing_of(fitted.x)
+
+
+def _floor(model_step: float, timing: Timing) -> float:
+    """``Timing.step_floor``: the model's gradient (the micro-benchmark), which every step
+    computes, over the mean step with its loop and requests (at most 0.9)."""
+    return float(min(model_step / timing.step_seconds, 0.9))
 
 
 def calibrate(
@@ -333,6 +347,7 @@ def calibrate(
             cores=cores,
         ),
     )
+    base = base.with_(step_floor=_floor(bench["step"], base))
     best = None
     for latency in LATENCY_GRID:
         error, guesses = 0.0, []

@@ -10,9 +10,17 @@ the next fetch is due), waits for its oldest push when ``max_inflight`` are unac
 pushes what it accrued when its steps run out.  The first ``Setup.local_replicas`` replicas
 share a worker with every shard and call them in-process, as the real loop does: no latency,
 transfer or wire CPU (``Timing.wire_fixed``, ``Timing.wire_per_param``), and the replica waits
-(in the shards' queue) until its call is served.  Replicas other than 0 start when the shards'
-version reaches replica 0's warmstart pushes.  A shard serves messages first come, first served;
-its version counts applied pushes and a push's staleness is ``version - base version`` as in
+(in the shards' queue) until its call is served.  A request that crosses the wire is first
+decoded by its connection's own thread (one per replica and shard, so a replica's requests are
+decoded in order, concurrently with other replicas' and with the in-process calls) and only
+then queues for the shard's lock: the queue holds the update and the pull's copy alone, as in
+:class:`~downpour_dask.ps.shard.ParameterServerShard`, and the connection threads' CPU counts in
+the cores' balance (:meth:`~.timing.Timing.step_scale`), not in the queue.  On one machine a
+request pays only :meth:`~.timing.Timing.request_share` of the latency (none when its shards'
+worker runs no replica), a reply all of it.  Replicas other than
+0 start when the shards' version reaches replica 0's warmstart pushes.  A shard serves messages
+first come, first served; its version counts applied pushes and a push's staleness is
+``version - base version`` as in
 :meth:`~downpour_dask.ps.shard.ParameterServerShard.apply_push`.
 
 Shards are symmetric: equal slices, the same deterministic service times, and every message of a
@@ -129,18 +137,21 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
     rng = np.random.default_rng(seed)
     local = np.arange(R) < setup.local_replicas
     own = np.where(local, timing.replica_step(setup, True), timing.replica_step(setup, False))
-    mean = (own * timing.step_scale(setup))[:, None]
-    if timing.step_cv > 0:
-        k = 1.0 / timing.step_cv**2
-        durations = rng.gamma(k, mean / k, size=(R, steps))
+    near, far = timing.scales(setup)
+    mean = (own * np.where(local, near, far))[:, None]
+    if timing.step_cv > 0:  # a floor every step takes, and a gamma part carrying the spread
+        floor = timing.step_floor
+        k = ((1.0 - floor) / timing.step_cv) ** 2
+        durations = mean * floor + rng.gamma(k, mean * (1.0 - floor) / k, size=(R, steps))
     else:
         durations = np.broadcast_to(mean, (R, steps))
     reps = [_Replica(durations[r], r < setup.local_replicas) for r in range(R)]
     push_s, pull_s = timing.push_service(setup), timing.pull_service(setup)
-    service = (push_s, pull_s, push_s + pull_s)  # in-process calls
+    service = (push_s, pull_s, push_s + pull_s)  # under the shard's lock, whoever calls
     one, two = timing.wire_cost(setup, 1), timing.wire_cost(setup, 2)
-    wire_service = (push_s + one, pull_s + one, push_s + pull_s + two)
+    decode = (one, one, two)  # a wire request's connection thread, before it takes the lock
     transfer, latency = timing.transfer(setup), timing.link_latency(setup)
+    request = timing.transfer(setup, request=True)
     gate = -(-setup.warmstart_steps // setup.n_push) if R > 1 and setup.warmstart_steps else 0
     n_fetch, n_push, max_inflight = setup.n_fetch, setup.n_push, setup.max_inflight
     obs = observer
@@ -171,7 +182,9 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
         if rep.local:  # an in-process call: served now (after the queue), the replica waits
             rep.busy_until = arrive(t, r, kind, pid, pull)
             return
-        arrival = max(t + transfer, rep.link_free)
+        # the link and its connection thread are FIFO: a request is decoded after the one
+        # before it, then waits for the shard's lock
+        arrival = max(t + request, rep.link_free) + decode[kind]
         rep.link_free = arrival
         schedule(arrival, _ARRIVE, r, (kind, pid, pull))
 
@@ -295,7 +308,7 @@ def run(setup: Setup, timing: Timing, seed: int = 0, observer: Observer | None =
         """Serve a message arriving at ``t``; return when the shards are done with it."""
         rep = reps[r]
         begin = max(t, shard["free"])
-        end = begin + (service if rep.local else wire_service)[kind]
+        end = begin + service[kind]
         shard["free"] = end
         m_arr.append(t)
         m_start.append(begin)
