@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from downpour_dask import models
-from downpour_dask.core.partition import MLPPart, PartitionPlan
+from downpour_dask.core.partition import PartitionPlan
+from downpour_dask.core.partition_part import MLPPart
 
 
 class ThreadLink:

@@ -30,7 +30,8 @@ import numpy as np
 from distributed import secede
 
 from ..core.models import Model
-from ..core.partition import MLPPart, PartitionPlan
+from ..core.partition import PartitionPlan
+from ..core.partition_part import MLPPart
 from ..data.stream import StreamSpec, make_source
 from ..ps.protocol import ShardChannel
 from ..ps.refs import ActorRef
