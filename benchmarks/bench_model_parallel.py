@@ -12,7 +12,13 @@ same model shows what one core does with no communication at all.
 The bytes crossing partition boundaries are counted by the partitions themselves (every message
 payload) and compared with the plan's count of values per example.
 
+With ``--ab [NAME ...]`` each configuration also runs with the speed-ups listed in ``BEFORE``
+(those named, or all) switched off on the workers ("no ..." rows), interleaved with the current
+code's runs in every repeat, so a change is measured against what it replaced on the same
+machine at the same moment.
+
     python benchmarks/bench_model_parallel.py [--seconds 10] [--repeats 3]
+    python benchmarks/bench_model_parallel.py --ab [NAME ...] [--every 1 4]
 """
 
 from __future__ import annotations
@@ -33,8 +39,20 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import DownpourSGD, models  # noqa: E402
 from downpour_dask.core.partition import PartitionPlan  # noqa: E402
+from downpour_dask.core.partition_part import MLPPart  # noqa: E402
+from downpour_dask.downpour.replica_loop import ReplicaLoop  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
+
+#: The speed-ups ``--ab`` switches off for its "before" rows: (class, attribute, before, now).
+BEFORE = [(MLPPart, "overlap", False, True), (ReplicaLoop, "skip_refetched", False, True)]
+
+
+def switch(before: bool, names: list[str]) -> None:
+    """Set the speed-ups ``names`` of this process (a worker's, through ``Client.run``) off or
+    on (every other one on)."""
+    for cls, name, old, new in BEFORE:
+        setattr(cls, name, old if before and name in names else new)
 
 
 def synthetic(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -76,6 +94,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--ab",
+        nargs="*",
+        metavar="NAME",
+        help="also run with these of BEFORE's speed-ups off (none named: all of them)",
+    )
+    parser.add_argument("--every", type=int, nargs="+", default=[1, 4], help="n_fetch = n_push")
     args = parser.parse_args()
     model = models.MLP(FEATURES, HIDDEN, CLASSES)
     X, y = synthetic(8192)
@@ -94,29 +119,38 @@ def main() -> None:
         ) as cluster,
         Client(cluster) as client,
     ):
-        for every in (1, 4):
-            base = None
-            for partitions in (1, 2):
-                runs = [
-                    replica_run(client, model, X, y, partitions, every, args.seconds)
-                    for _ in range(args.repeats)
-                ]
-                rate = statistics.median(r for r, _ in runs)
-                sent = statistics.median(s for _, s in runs)
-                base = rate if partitions == 1 else base
-                rows.append((f"1 replica, P = {partitions}", str(every), rate, rate / base, sent))
+        configs = [(1, False), (2, False)]
+        off = [name for _, name, _, _ in BEFORE] if args.ab == [] else args.ab or []
+        if off:  # interleaved: every repeat runs each configuration once
+            configs = [(1, True), (1, False), (2, True), (2, False)]
+        for every in args.every:
+            runs: dict[tuple[int, bool], list] = {config: [] for config in configs}
+            for _ in range(args.repeats):
+                for partitions, before in configs:
+                    client.run(switch, before, off)
+                    run = replica_run(client, model, X, y, partitions, every, args.seconds)
+                    runs[(partitions, before)].append(run)
+                    label = f"P = {partitions}" + (" (no ...)" if before else "")
+                    print(f"  run: n = {every}, {label}: {run[0]:,.1f} examples/s", flush=True)
+            client.run(switch, False, off)
+            base = statistics.median(r for r, _ in runs[(1, False)])
+            for (partitions, before), measured in runs.items():
+                rate = statistics.median(r for r, _ in measured)
+                sent = statistics.median(s for _, s in measured)
+                name = f"1 replica, P = {partitions}" + (f" (no {'+'.join(off)})" if before else "")
+                rows.append((name, str(every), rate, rate / base, sent))
     plan = PartitionPlan(model, 2)
     print(
         f"\nMLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES} ({model.layout.size:,} "
         f"parameters), batch {BATCH}, Adagrad, 2 workers; median of {args.repeats} runs of "
         f"{args.seconds:.0f} s"
     )
-    header = f"{'configuration':42} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs P = 1':>9}"
+    header = f"{'configuration':48} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs P = 1':>9}"
     print(f"{header} {'bytes/example across partitions':>32}")
     for name, every, rate, ratio, sent in rows:
         ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
         sent_text = "-" if sent is None else f"{sent:,.0f}"
-        print(f"{name:42} {every:>14} {rate:>11,.1f} {ratio_text:>9} {sent_text:>32}")
+        print(f"{name:48} {every:>14} {rate:>11,.1f} {ratio_text:>9} {sent_text:>32}")
     print(
         f"\nplan for P = 2: {plan.boundary_values_per_example():,} float32 values cross "
         f"partitions per example ({4 * plan.boundary_values_per_example():,} bytes): the "

@@ -27,7 +27,16 @@ class MLPPart:
     ``vote`` (optional) is asked on every step whether this partition wants to stop (its shards
     said so); the answers of all partitions are combined with the logits, and
     :attr:`agreed_stop` becomes true on every partition at the same step.
+
+    With :attr:`overlap` (the default) the messages travel while the partition computes what
+    does not need them: the next layer's product with its own block of activations while the
+    other blocks arrive, and the previous layer's weight gradient while the pieces of the
+    reduce-scatter are on their way; without it, each collective waits before the compute.
     """
+
+    #: Hide the messages' latency behind the compute that does not depend on them (False: the
+    #: plain order, kept for benchmarks/bench_model_parallel.py's A/B).
+    overlap: bool = True
 
     def __init__(
         self,
@@ -66,6 +75,59 @@ class MLPPart:
             if q != me:
                 lo, hi = blocks[q]
                 out[:, lo:hi] = self.link.receive(q, tag)
+
+    def _share(self, block: np.ndarray) -> int:
+        """Start an all-gather: send ``block`` to every other partition; returns its tag."""
+        tag = self._next_tag()
+        for q in range(self.plan.partitions):
+            if q != self.p:
+                self._send(q, tag, block.copy(), block.size)
+        return tag
+
+    def _gathered_dot(
+        self,
+        tag: int,
+        block: np.ndarray,
+        W: np.ndarray,
+        out: np.ndarray,
+        full: np.ndarray,
+        blocks: list,
+    ) -> None:
+        """Finish the all-gather ``tag`` of ``block`` into ``full`` and compute
+        ``out = full @ W``: the own block's rows first, each other block's as it arrives."""
+        me = self.p
+        lo, hi = blocks[me]
+        full[:, lo:hi] = block
+        np.dot(block, W[lo:hi], out=out)
+        for q in range(self.plan.partitions):
+            if q != me:
+                lo, hi = blocks[q]
+                received = self.link.receive(q, tag)
+                full[:, lo:hi] = received
+                out += np.dot(received, W[lo:hi])
+
+    def _scatter(self, d: np.ndarray, W: np.ndarray, blocks: list) -> int:
+        """Start a reduce-scatter of ``d @ W.T``: compute and send each other partition its
+        block of columns; returns the tag."""
+        tag = self._next_tag()
+        for q in range(self.plan.partitions):
+            if q != self.p:
+                lo, hi = blocks[q]
+                piece = np.dot(d, W[lo:hi].T)
+                self._send(q, tag, piece, piece.size)
+        return tag
+
+    def _reduced(self, tag: int, d: np.ndarray, W: np.ndarray, out: np.ndarray, blocks) -> None:
+        """Finish the reduce-scatter ``tag``: ``out`` = the sum in partition order of every
+        partition's piece of the own block (this one's: ``d @ W[own rows].T``)."""
+        me = self.p
+        lo, hi = blocks[me]
+        for q in range(self.plan.partitions):
+            part = np.dot(d, W[lo:hi].T) if q == me else self.link.receive(q, tag)
+            if q == 0:
+                out[...] = part
+            else:
+                out += part
 
     def _reduce_scatter(self, partial: np.ndarray, out: np.ndarray, blocks: list) -> None:
         """``out`` = the sum over partitions of their ``partial[:, own block]``, in partition
@@ -163,13 +225,19 @@ class MLPPart:
         layers, grads = self.layout.views(params), self.layout.views(out)
         ws = self._workspace(n, dtype)
         # forward: own units of each hidden layer, gathering all units but the last layer's
-        a = X
+        a, overlap, tag = X, self.overlap, 0
         for layer in range(L):
             h = ws["h"][layer]
-            np.dot(a, layers[f"W{layer}"], out=h)
+            if overlap and layer > 0:  # the own block's product while the others arrive
+                previous = plan.blocks[layer - 1]
+                self._gathered_dot(tag, a, layers[f"W{layer}"], h, ws["full"][layer - 1], previous)
+            else:
+                np.dot(a, layers[f"W{layer}"], out=h)
             h += layers[f"b{layer}"]
             activate(h, self._act)
-            if layer < L - 1:
+            if layer < L - 1 and overlap:
+                a, tag = h, self._share(h)
+            elif layer < L - 1:
                 a = ws["full"][layer]
                 self._all_gather(h, a, plan.blocks[layer])
         logits = ws["out"].acts[0][:n]
@@ -191,15 +259,22 @@ class MLPPart:
         np.dot(delta, layers[f"W{L}"].T, out=d)
         times_derivative(d, h_last, self._act)
         for layer in range(L - 1, -1, -1):
+            W, previous = layers[f"W{layer}"], plan.blocks[layer - 1] if layer else None
+            if overlap and layer > 0:  # the pieces travel while the weight gradient is computed
+                tag = self._scatter(d, W, previous)
             a_prev = X if layer == 0 else ws["full"][layer - 1]
             np.dot(a_prev.T, d, out=grads[f"W{layer}"])
             np.sum(d, axis=0, out=grads[f"b{layer}"])
             if layer == 0:
                 break
-            partial = ws["partial"][layer - 1]
-            np.dot(d, layers[f"W{layer}"].T, out=partial)
-            d = ws["d"][layer - 1]
-            self._reduce_scatter(partial, d, plan.blocks[layer - 1])
+            d_prev = ws["d"][layer - 1]
+            if overlap:
+                self._reduced(tag, d, W, d_prev, previous)
+            else:
+                partial = ws["partial"][layer - 1]
+                np.dot(d, W.T, out=partial)
+                self._reduce_scatter(partial, d_prev, previous)
+            d = d_prev
             times_derivative(d, ws["h"][layer - 1], self._act)
         self._penalty(layers, grads, scale)
         return data_loss + penalty, out
