@@ -5,14 +5,24 @@ single-threaded worker.  Data: 8,192 synthetic rows of 1,024 features labelled b
 teacher.  One Downpour replica with Adagrad, batch 128, 2 shards, on a local cluster of 2
 single-threaded worker processes; P = 1 runs the replica on one worker (its shards on both),
 P = 2 splits it by neurons over both (each partition with the shard of its own parameters).
-Each configuration is repeated and the median reported; ratios are against P = 1 measured in
-this same run, with the same n_fetch = n_push.  A single-threaded in-process numpy loop of the
-same model shows what one core does with no communication at all.
+Each configuration is repeated and the median reported, and the best run (the one least
+disturbed on a shared machine); ratios are against P = 1 measured in this same run, with the
+same n_fetch = n_push.  A single-threaded in-process numpy loop of the same model shows what one
+core does with no communication at all.
 
 The bytes crossing partition boundaries are counted by the partitions themselves (every message
-payload) and compared with the plan's count of values per example.
+payload) and compared with the plan's count of values per example; each partition also reports
+its thread's CPU time and the time it waited for the other's messages, shown per step (mean of
+the partitions, median of the runs): the CPU time does not grow when other processes take the
+cores, so it shows a change in work even on a busy machine.
+
+With ``--ab [NAME ...]`` each configuration also runs with the speed-ups listed in ``BEFORE``
+(those named, or all) switched off on the workers ("no ..." rows), interleaved with the current
+code's runs in every repeat, so a change is measured against what it replaced on the same
+machine at the same moment.
 
     python benchmarks/bench_model_parallel.py [--seconds 10] [--repeats 3]
+    python benchmarks/bench_model_parallel.py --ab [NAME ...] [--every 1 4]
 """
 
 from __future__ import annotations
@@ -33,8 +43,20 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import DownpourSGD, models  # noqa: E402
 from downpour_dask.core.partition import PartitionPlan  # noqa: E402
+from downpour_dask.core.partition_part import MLPPart  # noqa: E402
+from downpour_dask.downpour.replica_loop import ReplicaLoop  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
+
+#: The speed-ups ``--ab`` switches off for its "before" rows: (class, attribute, before, now).
+BEFORE = [(MLPPart, "overlap", False, True), (ReplicaLoop, "skip_refetched", False, True)]
+
+
+def switch(before: bool, names: list[str]) -> None:
+    """Set the speed-ups ``names`` of this process (a worker's, through ``Client.run``) off or
+    on (every other one on)."""
+    for cls, name, old, new in BEFORE:
+        setattr(cls, name, old if before and name in names else new)
 
 
 def synthetic(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -69,13 +91,43 @@ def replica_run(client, model, X, y, partitions: int, every: int, seconds: float
     span = window["time"].max() - 2.0 if len(window) else float("nan")
     rate = window["examples"].sum() / span if span > 0 else float("nan")
     sent = run.config.get("partition_bytes_sent", 0) / max(1.0, run.summary()["examples"])
-    return rate, sent
+    slots = run.config.get("partition_slots", [])
+    per_step = [  # ms of its thread's CPU and of waiting for the peer, per step, per partition
+        (1e3 * s["cpu_seconds"] / s["steps"], 1e3 * s["waited_seconds"] / s["steps"])
+        for s in slots
+        if s.get("steps")
+    ]
+    return rate, sent, per_step
+
+
+def _median(values: list[float]) -> float:
+    """The median of the runs that measured something (a run too slow to push in its window
+    measures nan)."""
+    finite = [v for v in values if np.isfinite(v)]
+    return statistics.median(finite) if finite else float("nan")
+
+
+def _best(values: list[float]) -> float:
+    """The fastest of the runs that measured something."""
+    return max((v for v in values if np.isfinite(v)), default=float("nan"))
+
+
+def _ms(value: float | None) -> str:
+    """A partition's milliseconds per step for the table ("-": not split, or not measured)."""
+    return "-" if value is None or not np.isfinite(value) else f"{value:.0f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--ab",
+        nargs="*",
+        metavar="NAME",
+        help="also run with these of BEFORE's speed-ups off (none named: all of them)",
+    )
+    parser.add_argument("--every", type=int, nargs="+", default=[1, 4], help="n_fetch = n_push")
     args = parser.parse_args()
     model = models.MLP(FEATURES, HIDDEN, CLASSES)
     X, y = synthetic(8192)
@@ -87,36 +139,62 @@ def main() -> None:
         serial_examples_per_s(model, X, y, args.seconds / 2, learning_rate=0.001)
         for _ in range(args.repeats)
     )
-    rows = [("serial numpy loop (1 thread, in process)", "-", serial, None, None)]
+    rows = [("serial numpy loop (1 thread, in process)", "-", serial, *[None] * 6)]
     with (
         LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,
     ):
-        for every in (1, 4):
-            base = None
-            for partitions in (1, 2):
-                runs = [
-                    replica_run(client, model, X, y, partitions, every, args.seconds)
-                    for _ in range(args.repeats)
-                ]
-                rate = statistics.median(r for r, _ in runs)
-                sent = statistics.median(s for _, s in runs)
-                base = rate if partitions == 1 else base
-                rows.append((f"1 replica, P = {partitions}", str(every), rate, rate / base, sent))
+        configs = [(1, False), (2, False)]
+        off = [name for _, name, _, _ in BEFORE] if args.ab == [] else args.ab or []
+        if off:  # interleaved: every repeat runs each configuration once
+            configs = [(1, True), (1, False), (2, True), (2, False)]
+        for every in args.every:
+            runs: dict[tuple[int, bool], list] = {config: [] for config in configs}
+            for _ in range(args.repeats):
+                for partitions, before in configs:
+                    client.run(switch, before, off)
+                    run = replica_run(client, model, X, y, partitions, every, args.seconds)
+                    runs[(partitions, before)].append(run)
+                    label = f"P = {partitions}" + (" (no ...)" if before else "")
+                    steps = ", ".join(f"CPU {c:.0f} ms + wait {w:.0f} ms" for c, w in run[2])
+                    print(
+                        f"  run: n = {every}, {label}: {run[0]:,.1f} examples/s"
+                        + (f"; per step and partition: {steps}" if steps else ""),
+                        flush=True,
+                    )
+            client.run(switch, False, off)
+            base = _median([r for r, *_ in runs[(1, False)]])
+            best_base = _best([r for r, *_ in runs[(1, False)]])
+            for (partitions, before), measured in runs.items():
+                rate, best = _median([r for r, *_ in measured]), _best([r for r, *_ in measured])
+                sent = _median([s for _, s, _ in measured])
+                cpu = _median([float(np.mean([c for c, _ in p])) for *_, p in measured if p])
+                wait = _median([float(np.mean([w for _, w in p])) for *_, p in measured if p])
+                name = f"1 replica, P = {partitions}" + (f" (no {'+'.join(off)})" if before else "")
+                ratios = (rate / base, best, best / best_base)
+                rows.append((name, str(every), rate, *ratios, sent, cpu, wait))
     plan = PartitionPlan(model, 2)
     print(
         f"\nMLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES} ({model.layout.size:,} "
         f"parameters), batch {BATCH}, Adagrad, 2 workers; median of {args.repeats} runs of "
         f"{args.seconds:.0f} s"
     )
-    header = f"{'configuration':42} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs P = 1':>9}"
-    print(f"{header} {'bytes/example across partitions':>32}")
-    for name, every, rate, ratio, sent in rows:
+    header = f"{'configuration':48} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs P = 1':>9}"
+    print(
+        f"{header} {'best':>8} {'vs P = 1':>9} {'bytes/example across partitions':>32} "
+        f"{'CPU ms/step':>11} {'wait ms/step':>12}"
+    )
+    for name, every, rate, ratio, best, best_ratio, sent, cpu, wait in rows:
         ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
+        best_text = "-" if best is None else f"{best:,.1f}"
+        best_ratio_text = "-" if best_ratio is None else f"{best_ratio:.2f}x"
         sent_text = "-" if sent is None else f"{sent:,.0f}"
-        print(f"{name:42} {every:>14} {rate:>11,.1f} {ratio_text:>9} {sent_text:>32}")
+        print(
+            f"{name:48} {every:>14} {rate:>11,.1f} {ratio_text:>9} {best_text:>8} "
+            f"{best_ratio_text:>9} {sent_text:>32} {_ms(cpu):>11} {_ms(wait):>12}"
+        )
     print(
         f"\nplan for P = 2: {plan.boundary_values_per_example():,} float32 values cross "
         f"partitions per example ({4 * plan.boundary_values_per_example():,} bytes): the "

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from downpour_dask import models
-from downpour_dask.core.partition import MLPPart, PartitionPlan
+from downpour_dask.core.partition import PartitionPlan
+from downpour_dask.core.partition_part import MLPPart
 
 
 class ThreadLink:
@@ -30,15 +31,16 @@ class _Boxes(dict):
         return self.setdefault(key, queue.Queue())
 
 
-def partitioned_loss_and_grad(plan, params, X, y, votes=None, scale=1.0):
-    """Run every partition's loss_and_grad in its own thread; return losses, joined gradient,
-    agreed stop flags and values sent."""
+def partitioned_loss_and_grad(plan, params, X, y, votes=None, scale=1.0, overlap=True):
+    """Run every partition's loss_and_grad in its own thread (messages overlapped with the
+    compute or not); return losses, joined gradient, agreed stop flags and values sent."""
     packed = plan.pack(params)
     boxes = _Boxes()
     parts = []
     for p in range(plan.partitions):
         vote = (lambda p=p: votes[p]) if votes is not None else None
         parts.append(MLPPart(plan, p, ThreadLink(boxes, p), vote=vote))
+        parts[-1].overlap = overlap
     results = [None] * plan.partitions
 
     def work(p):
@@ -63,8 +65,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "plain"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['hidden']}-{c['output']}-P{c['P']}")
-def test_partitions_compute_the_whole_models_loss_and_gradient(case):
+def test_partitions_compute_the_whole_models_loss_and_gradient(case, overlap):
     rng = np.random.default_rng(0)
     n_out = 1 if case["output"] == "linear" else 3
     model = models.MLP(
@@ -81,12 +84,14 @@ def test_partitions_compute_the_whole_models_loss_and_gradient(case):
     y = rng.integers(0, 3, 11) if n_out > 1 else rng.normal(size=11).astype(np.float32)
     loss, grad = model.loss_and_grad(params, X, y)
     plan = PartitionPlan(model, case["P"])
-    losses, joined, _, _ = partitioned_loss_and_grad(plan, params, X, y)
+    losses, joined, _, _ = partitioned_loss_and_grad(plan, params, X, y, overlap=overlap)
     for part_loss in losses:  # every partition reports the whole objective
         assert part_loss == pytest.approx(loss, rel=1e-5)
     np.testing.assert_allclose(joined, grad, rtol=1e-4, atol=1e-6)
     # scaled (as a replica asks for alpha * grad): every partition scales its part alike
-    scaled_losses, scaled, _, _ = partitioned_loss_and_grad(plan, params, X, y, scale=0.05)
+    scaled_losses, scaled, _, _ = partitioned_loss_and_grad(
+        plan, params, X, y, scale=0.05, overlap=overlap
+    )
     assert scaled_losses == losses
     np.testing.assert_allclose(scaled, 0.05 * joined, rtol=1e-5, atol=1e-8)
 
@@ -128,12 +133,13 @@ def test_stop_votes_are_agreed_by_every_partition():
     assert agreed == [False, False, False]
 
 
-def test_values_crossing_boundaries_match_the_plan():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "plain"])
+def test_values_crossing_boundaries_match_the_plan(overlap):
     model = models.MLP(10, (8, 6, 4), 3)
     plan = PartitionPlan(model, 2)
     rng = np.random.default_rng(2)
     X, y = rng.normal(size=(7, 10)).astype(np.float32), rng.integers(0, 3, 7)
-    _, _, _, parts = partitioned_loss_and_grad(plan, model.init(rng), X, y)
+    _, _, _, parts = partitioned_loss_and_grad(plan, model.init(rng), X, y, overlap=overlap)
     sent = sum(part.values_sent for part in parts)
     assert sent == 7 * plan.boundary_values_per_example()
     # the last hidden layer (4 units) never travels: only layers 8 and 6 and the 3 logits

@@ -241,6 +241,44 @@ def test_one_replica_with_plain_sgd_equals_serial_sgd(n_shards):
     np.testing.assert_allclose(server_values(shards), expected, rtol=0, atol=2e-6)
 
 
+class CountingLoop(ReplicaLoop):
+    """Counts the parameters each local step updates (not the installs' re-application of
+    the accrued gradient)."""
+
+    descended, stepping = 0, False
+
+    def _step_locally(self, g, exchanging):
+        self.stepping = True
+        super()._step_locally(g, exchanging)
+        self.stepping = False
+
+    def _descend(self, target, accrued, scratch):
+        self.descended += target.size if self.stepping else 0
+        super()._descend(target, accrued, scratch)
+
+
+@pytest.mark.parametrize(("n_fetch", "n_push"), [(1, 1), (2, 2), (2, 1), (1, 3)])
+def test_in_process_shards_skip_the_local_step_their_exchange_overwrites(n_fetch, n_push):
+    """A step whose push exchanges with a shard in the replica's process leaves that shard's
+    slice alone (the fetch installed before the next step overwrites it): one pass over the
+    vector less, and the same training as serial SGD."""
+    batches = data()
+    shards = shards_for(INITIAL, 2)
+    channels = [FakeChannel(shard) for shard in shards]
+    channels[0].in_process = True  # shard 0 in the replica's process, shard 1 remote
+    ranges = [(shard.start, shard.stop) for shard in shards]
+    cfg = config(max_steps=len(batches), n_fetch=n_fetch, n_push=n_push)
+    loop = CountingLoop(channels, ranges, MODEL, cfg, Sink())
+    loop.run(Batches(batches))
+    expected = serial_sgd(MODEL, INITIAL, batches)
+    np.testing.assert_allclose(server_values(shards), expected, rtol=0, atol=2e-6)
+    exchanges = sum(
+        1 for step in range(1, len(batches) + 1) if step % n_push == step % n_fetch == 0
+    )
+    skipped = exchanges * (shards[0].stop - shards[0].start)
+    assert loop.descended == len(batches) * INITIAL.size - skipped
+
+
 def test_a_fetch_lacking_the_replicas_own_pushes_gets_each_replayed_exactly_once():
     """Pushes held back while fetches arrive: every fetch lacks the replica's latest pushes.
     Re-applying each missing push once (not zero times, not twice) keeps the replica's copy,

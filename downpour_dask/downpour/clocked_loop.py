@@ -36,6 +36,8 @@ class ClockedReplicaLoop(ReplicaLoop):
     """A replica that keeps within ``config.staleness_bound`` clock ticks of the slowest of
     ``config.n_replicas`` (module docstring)."""
 
+    skip_refetched = False  # (see ReplicaLoop)
+
     #: Seconds between two looks at a shard's clock while waiting (doubling up to ``POLL_MAX``).
     POLL = 0.0005
     POLL_MAX = 0.01

@@ -35,6 +35,8 @@ class ElasticReplicaLoop(ReplicaLoop):
     """A replica of asynchronous EASGD (module docstring): ``config.elastic_alpha`` is alpha,
     ``config.centre_rate`` the shards' SGD learning rate."""
 
+    skip_refetched = False  # (see ReplicaLoop)
+
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         self.centre = np.empty_like(self.params)

@@ -77,6 +77,11 @@ class ReplicaLoop:
 
     #: Seconds between looks at the shard while waiting for the warmstart.
     WARMSTART_POLL = 0.002
+    #: Whether a step whose push is an ``exchange`` leaves out the local step on the slices of
+    #: in-process shards: their fetch completes with the push and is installed (overwriting
+    #: them) before the next step.  False where ``_push`` does not exchange or the install
+    #: keeps the local values (the clocked and elastic loops).
+    skip_refetched: bool = True
 
     def __init__(
         self,
@@ -148,13 +153,15 @@ class ReplicaLoop:
                     loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=out, **self.grad_kw)
                     if not first:
                         self.accrued += g
+                    pushing = (step + 1) % cfg.n_push == 0  # with the next step's fetch, if due
+                    fetching = pushing and (step + 1) % cfg.n_fetch == 0
                     if np.isfinite(loss):  # a diverged step is not applied locally; the shard
-                        self._descend(self.params, g, self.scratch)  # refuses its push
+                        self._step_locally(g, fetching)  # refuses its push
                     self.accrual_steps += 1
                     self.accrual_loss += float(loss)
                     self.accrual_examples += len(Xb)
-                    if (step + 1) % cfg.n_push == 0:  # with the next step's fetch, if due
-                        fetched = (step + 1) % cfg.n_fetch == 0
+                    if pushing:
+                        fetched = fetching
                         self._push(step, fetch=fetched)
                     step += 1
                 else:
@@ -263,6 +270,23 @@ class ReplicaLoop:
         self.versions[s] = reply.version + replayed
         self.stop = self.stop or reply.stop
         self.ledger.release()
+
+    def _step_locally(self, g: np.ndarray, exchanging: bool) -> None:
+        """The local step ``params -= alpha * g``, left out (with :attr:`skip_refetched`) on
+        the slices an ``exchange`` with an in-process shard is about to overwrite."""
+        skipped = [
+            self.ranges[s]
+            for s, channel in enumerate(self.channels)
+            if exchanging and self.skip_refetched and channel.in_process
+        ]
+        if not skipped:
+            self._descend(self.params, g, self.scratch)
+            return
+        lo = 0
+        for start, stop in [*skipped, (self.params.size, self.params.size)]:
+            if start > lo:
+                self._descend(self.params[lo:start], g[lo:start], self.scratch[lo:start])
+            lo = stop
 
     def _descend(self, target: np.ndarray, accrued: np.ndarray, scratch: np.ndarray) -> None:
         """``target -= alpha * gradient`` for a gradient in accrual units (times ``scale``)."""

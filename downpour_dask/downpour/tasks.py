@@ -135,6 +135,9 @@ class ReplicaTasks:
                     "worker": worker,
                     "shards": list(range(bounds[p], bounds[p + 1])),
                     "sessions": list(result.get("sessions", [])),
+                    "steps": result.get("steps", 0),  # its thread's CPU, its waits for peers
+                    "cpu_seconds": result.get("cpu_seconds", 0.0),
+                    "waited_seconds": result.get("waited_seconds", 0.0),
                 }
                 for (r, p), worker, result in zip(self.slots, self.workers, results)
             ]
