@@ -14,7 +14,10 @@ worker processes used per example (``time.process_time`` in each, before and aft
 fit, over all the examples it trained on, start-up included), against the ceiling's: CPU spent
 by other processes does not count in it, CPU spent on anything but gradients does.
 
-    python benchmarks/bench_code_ab.py [--base HEAD] [--rounds 4] [--seconds 4] [--replicas 2]
+    python benchmarks/bench_code_ab.py [--base HEAD] [--new REV] [--rounds 4] [--seconds 4]
+
+``--new`` compares against a second revision instead of the working tree (so the tree can be
+edited while the script runs).
 """
 
 from __future__ import annotations
@@ -94,9 +97,20 @@ def run_one(code: Path, args: argparse.Namespace) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def export(revision: str, into: Path) -> Path:
+    """A copy of the project at git ``revision`` in the new directory ``into``."""
+    into.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", revision], cwd=ROOT, capture_output=True, check=True, timeout=60
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=60)
+    return into
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD", help="the git revision to compare against")
+    parser.add_argument("--new", default=None, help="a git revision instead of the working tree")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--replicas", type=int, default=2)
@@ -107,11 +121,9 @@ def main() -> None:
         print(json.dumps(measure(args.seconds, args.replicas, args.shards)))
         return
     with tempfile.TemporaryDirectory(prefix="bench-code-ab-") as tmp:
-        archive = subprocess.run(
-            ["git", "archive", args.base], cwd=ROOT, capture_output=True, check=True, timeout=60
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True, timeout=60)
-        versions = {f"base {args.base}": Path(tmp), "working tree": ROOT}
+        versions = {f"base {args.base}": export(args.base, Path(tmp, "base"))}
+        versions.update({f"new {args.new}": export(args.new, Path(tmp, "new"))} if args.new
+                        else {"working tree": ROOT})  # fmt: skip
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
         for i in range(args.rounds):
             for name, code in versions.items() if i % 2 == 0 else reversed(versions.items()):
