@@ -80,6 +80,35 @@ def test_pushes_are_applied_in_the_order_sent_and_a_repeat_is_refused(shard_and_
     assert not repeat.accepted and shard.duplicates == 1 and shard.version == 40
 
 
+def test_a_stalled_shard_never_holds_up_the_callers_thread_and_gets_every_request_in_order():
+    """A request on an idle connection is written by the caller's thread; behind a shard that
+    stopped reading, what the socket cannot take goes to the sender thread, and the caller
+    returns at once (a replica must keep its own deadlines)."""
+    size = 2_000_000  # 8 MB a push: three are more than the socket buffers hold
+    shard = make_shard(size)
+    client = WireClient(wire.serve(shard, "127.0.0.1"), timeout=TIMEOUT)
+    grad = np.full(size, 0.5, dtype=np.float32)
+    try:
+        assert client.pull().result(TIMEOUT).version == 0
+        assert client.handed_off == 0  # written by this thread
+        calls: list[wire.WireCall] = []
+        with shard._lock:  # the shard's connection thread stops at its first apply
+            caller = threading.Thread(
+                target=lambda: calls.extend(
+                    client.push(grad, 0, 0, seq=s, session="s") for s in range(3)
+                )
+            )
+            caller.start()
+            caller.join(TIMEOUT)
+            assert not caller.is_alive(), "the caller waited for a stalled shard"
+            assert len(calls) == 3 and not any(call.done() for call in calls)
+            assert client.handed_off >= 1
+        assert [call.result(TIMEOUT).version for call in calls] == [1, 2, 3]
+        np.testing.assert_allclose(shard.values[[0, -1]], [-1 - 0.75, 1 - 0.75])
+    finally:
+        client.close()
+
+
 def test_a_non_finite_gradient_is_refused_and_the_connection_stays_usable(shard_and_client):
     shard, client = shard_and_client
     bad = np.zeros(1000, dtype=np.float32)
