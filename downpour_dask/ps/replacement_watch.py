@@ -153,15 +153,20 @@ def watch_thread() -> threading.Thread | None:
 def _run() -> None:
     """The watch thread: each watched channel's look when it is due, until none is left."""
     global _thread
-    while True:
+    try:
+        while True:
+            with _changed:
+                if not _watched:
+                    _thread = None  # under the lock: a new watch() starts a new thread
+                    return
+                now = time.monotonic()
+                due = [target for target in _watched if target.due <= now]
+                if not due:
+                    _changed.wait(max(0.0, min(target.due for target in _watched) - now))
+                    continue
+            for target in due:  # outside the lock: a read may take its whole timeout
+                target.look()
+    finally:  # ended by an error: the next watch() starts a new thread
         with _changed:
-            if not _watched:
+            if _thread is threading.current_thread():
                 _thread = None
-                return
-            now = time.monotonic()
-            due = [target for target in _watched if target.due <= now]
-            if not due:
-                _changed.wait(max(0.0, min(target.due for target in _watched) - now))
-                continue
-        for target in due:  # outside the lock: a read may take its whole timeout
-            target.look()
