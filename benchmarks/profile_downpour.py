@@ -31,8 +31,8 @@ from pathlib import Path  # noqa: E402
 ITEMS = [
     ("gradient (loss_and_grad)", "loss_and_grad"),
     ("_push", "_push (downpour_dask"),
-    ("  sender hand-off (SimpleQueue.put)", "put (_queuemodule"),
-    ("  send from the replica thread", "_send_now"),
+    ("  thread hand-off (SimpleQueue.put)", "put (_queuemodule"),
+    ("  send from the replica thread (sendmsg)", "sendmsg"),
     ("  waits for acknowledgements (_ack)", "_ack (downpour_dask"),
     ("  in-process apply_push", "apply_push"),
     ("_poll", "_poll (downpour_dask"),

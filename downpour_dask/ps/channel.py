@@ -106,7 +106,7 @@ class DaskShardChannel:
         self._next_seq = 0  # one past the highest push number sent
         self._checked = time.monotonic()
         self.generation = int(generation)  # the newest known: older replies are refused
-        every, wait = self.CHECK_EVERY / 2, min(timeout, self.FROZEN)  # looks off this thread:
+        every, wait = self.CHECK_EVERY / 4, min(timeout, self.FROZEN)  # looks off this thread:
         self._watch = ReplacementWatch(replacements, every, wait) if replacements else None
         self._attach(actor)
 

@@ -36,6 +36,7 @@ keeps every call on Dask's comm).  This module does not import Dask.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import socket
@@ -123,7 +124,7 @@ class WireClient:
         self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
         self._queued = 0  # requests handed to the sender thread and not yet written (the lock's)
         self.handed_off = 0  # how many requests the sender thread wrote (all others: the caller)
-        self._waiting: queue.SimpleQueue[WireCall | None] = queue.SimpleQueue()
+        self._waiting: collections.deque[WireCall] = collections.deque()  # in request order
         self._broken: BaseException | None = None
         for target in (self._send, self._receive):
             threading.Thread(target=target, name="downpour-wire-replica", daemon=True).start()
@@ -153,8 +154,7 @@ class WireClient:
         self._outbox.put(None)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        self._waiting.put(None)
+        self._sock.close()  # ends the receiver
 
     # -- internals -------------------------------------------------------------------------------
     def _request(
@@ -196,7 +196,7 @@ class WireClient:
             if self._broken is not None:
                 call._finish(error=self._broken)
                 return call
-            self._waiting.put(call)
+            self._waiting.append(call)  # before sending: its reply finds it there
             if not self._queued:
                 try:
                     parts = _unsent(parts, self._sock.sendmsg(parts, (), socket.MSG_DONTWAIT))
@@ -234,10 +234,22 @@ class WireClient:
             self._sock.shutdown(socket.SHUT_RDWR)
 
     def _receive(self) -> None:
-        """Read the replies in request order and complete each call (receiver thread)."""
+        """Read the replies in request order and complete each call (receiver thread).  It
+        waits in the socket for a reply's first byte, not on a queue for the next request: a
+        request is only appended to ``_waiting``, which wakes no thread."""
         while True:
-            call = self._waiting.get()
+            why = "lost the connection to the shard: it was closed"
+            try:
+                started = self._sock.recv(1, socket.MSG_PEEK)
+                call = self._waiting.popleft() if started else None
+            except OSError as err:
+                call, why = None, f"lost the connection to the shard: {err}"
+            except IndexError:
+                call, why = None, "lost the connection to the shard: a reply to no request"
             if call is None:
+                self._fail(ConnectionError(why))
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
                 return
             try:
                 call._finish(self._read(call))
@@ -259,11 +271,9 @@ class WireClient:
             self._broken = error
         while True:
             try:
-                call = self._waiting.get_nowait()
-            except queue.Empty:
+                call = self._waiting.popleft()
+            except IndexError:
                 return
-            if call is None:
-                continue
             if not call.done():
                 call._finish(error=error)
 
