@@ -168,6 +168,34 @@ def test_a_lost_shard_fails_every_call_in_flight_with_connection_error():
     listener.close()
 
 
+def test_bytes_from_the_shard_before_any_request_break_the_connection_not_a_later_call():
+    """The receiver waits in the socket for replies, not for requests: a reply to no request
+    is a broken shard, and the next call fails with ``ConnectionError`` instead of reading it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def shard_side() -> None:  # accepts the hello, then sends a reply nobody asked for
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.recv(1024)
+        conn.sendall(frames.OK + frames.SIZE.pack(1000) + frames.OK)
+
+    thread = threading.Thread(target=shard_side)
+    thread.start()
+    client = WireClient(("127.0.0.1", listener.getsockname()[1], "x"), timeout=TIMEOUT)
+    thread.join(TIMEOUT)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while client._broken is None and time.monotonic() < deadline:  # no request sent yet
+            time.sleep(0.01)
+        with pytest.raises(ConnectionError, match="a reply to no request"):
+            client.pull().result(TIMEOUT)
+    finally:
+        client.close()
+        accepted[0].close()
+        listener.close()
+
+
 def test_a_call_without_a_reply_times_out_instead_of_hanging(shard_and_client):
     _, client = shard_and_client
     call = wire.WireCall(frames.PULL)  # never answered
