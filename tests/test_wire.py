@@ -239,6 +239,15 @@ def test_replicas_reach_remote_shards_directly_and_train_as_with_actor_messages(
         gc.collect()  # see test_finished_fits_release_their_shards_on_the_workers for why
         time.sleep(0.1)
     assert sum(client.run(_served_shards).values()) == 0
+    while any(client.run(_replica_threads).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # a look at the replacements in flight ends within its timeout
+    assert not any(client.run(_replica_threads).values())  # closed channels leave no thread
+
+
+def _replica_threads() -> list[str]:
+    """The threads a replica's channels start (wire connections, replacement looks), alive."""
+    names = ("downpour-wire-replica", "downpour-replacement-watch")
+    return [t.name for t in threading.enumerate() if t.name in names]
 
 
 def test_transport_must_be_auto_or_dask():
