@@ -80,36 +80,6 @@ def test_pushes_are_applied_in_the_order_sent_and_a_repeat_is_refused(shard_and_
     assert not repeat.accepted and shard.duplicates == 1 and shard.version == 40
 
 
-def test_a_stalled_shard_never_holds_up_the_callers_thread_and_gets_every_request_in_order():
-    """A request on an idle connection is written by the caller's thread; behind a shard that
-    stopped reading, what the socket cannot take goes to the sender thread, and the caller
-    returns at once (a replica must keep its own deadlines)."""
-    size = 2_000_000  # 8 MB a push: three are more than the socket buffers hold
-    shard = make_shard(size)
-    client = WireClient(wire.serve(shard, "127.0.0.1"), timeout=TIMEOUT)
-    grad = np.full(size, 0.5, dtype=np.float32)
-    try:
-        assert client.pull().result(TIMEOUT).version == 0
-        assert client.handed_off == 0  # written by this thread
-        calls: list[wire.WireCall] = []
-        with shard._lock:  # the shard's connection thread stops at its first apply
-            caller = threading.Thread(
-                target=lambda: calls.extend(
-                    client.push(grad, 0, 0, seq=s, session="s") for s in range(3)
-                )
-            )
-            caller.start()
-            caller.join(TIMEOUT)
-            assert not caller.is_alive(), "the caller waited for a stalled shard"
-            assert len(calls) == 3 and not any(call.done() for call in calls)
-            assert client.handed_off >= 1
-        assert [call.result(TIMEOUT).version for call in calls] == [1, 2, 3]
-        want = np.linspace(-1, 1, size, dtype=np.float32) - np.float32(0.75)  # 3 x 0.5 x 0.5
-        np.testing.assert_allclose(shard.values, want, atol=1e-6)  # every byte arrived, in place
-    finally:
-        client.close()
-
-
 def test_a_non_finite_gradient_is_refused_and_the_connection_stays_usable(shard_and_client):
     shard, client = shard_and_client
     bad = np.zeros(1000, dtype=np.float32)
@@ -169,34 +139,6 @@ def test_a_lost_shard_fails_every_call_in_flight_with_connection_error():
     listener.close()
 
 
-def test_bytes_from_the_shard_before_any_request_break_the_connection_not_a_later_call():
-    """The receiver waits in the socket for replies, not for requests: a reply to no request
-    is a broken shard, and the next call fails with ``ConnectionError`` instead of reading it."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-
-    def shard_side() -> None:  # accepts the hello, then sends a reply nobody asked for
-        conn, _ = listener.accept()
-        accepted.append(conn)
-        conn.recv(1024)
-        conn.sendall(frames.OK + frames.SIZE.pack(1000) + frames.OK)
-
-    thread = threading.Thread(target=shard_side)
-    thread.start()
-    client = WireClient(("127.0.0.1", listener.getsockname()[1], "x"), timeout=TIMEOUT)
-    thread.join(TIMEOUT)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while client._broken is None and time.monotonic() < deadline:  # no request sent yet
-            time.sleep(0.01)
-        with pytest.raises(ConnectionError, match="a reply to no request"):
-            client.pull().result(TIMEOUT)
-    finally:
-        client.close()
-        accepted[0].close()
-        listener.close()
-
-
 def test_a_call_without_a_reply_times_out_instead_of_hanging(shard_and_client):
     _, client = shard_and_client
     call = wire.WireCall(frames.PULL)  # never answered
@@ -240,15 +182,6 @@ def test_replicas_reach_remote_shards_directly_and_train_as_with_actor_messages(
         gc.collect()  # see test_finished_fits_release_their_shards_on_the_workers for why
         time.sleep(0.1)
     assert sum(client.run(_served_shards).values()) == 0
-    while any(client.run(_replica_threads).values()) and time.monotonic() < deadline:
-        time.sleep(0.1)  # a look at the replacements in flight ends within its timeout
-    assert not any(client.run(_replica_threads).values())  # closed channels leave no thread
-
-
-def _replica_threads() -> list[str]:
-    """The threads a replica's channels start (wire connections, replacement looks), alive."""
-    names = ("downpour-wire-replica", "downpour-replacement-watch")
-    return [t.name for t in threading.enumerate() if t.name in names]
 
 
 def test_transport_must_be_auto_or_dask():

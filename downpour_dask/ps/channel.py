@@ -23,10 +23,8 @@ numbers start again from 0 (the channel translates them, see :meth:`~ShardChanne
 **Fencing.**  The channel never accepts a reply from an incarnation older than the newest it
 knows of (:class:`~downpour_dask.ps.protocol.FencedError`, handled like a lost shard).  It
 learns of a replacement when a call is stuck for :attr:`~DaskShardChannel.STUCK` seconds, from
-any reply (a shard in the replica's own process, back from a stopped worker, would answer at
-once), and from a retired shard: :mod:`~.replacement_watch` reads the variables off the
-replica's thread; without a look of the last :attr:`~DaskShardChannel.CHECK_EVERY` seconds,
-the channel reads them itself, at most that often.
+any reply at most every :attr:`~DaskShardChannel.CHECK_EVERY` seconds (a shard in the replica's
+own process, back from a stopped worker, would answer at once), and from a retired shard.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+from distributed import Variable
 
 from ..core.params import DTYPE
 from ..runtime.dask_internals import actor_result, local_actor
@@ -45,10 +44,10 @@ from .protocol import (
     FencedError,
     PullReply,
     ShardLostError,
+    generation_variable,
     is_fenced,
     is_shard_lost,
 )
-from .replacement_watch import ReplacementWatch, published, published_generation, unwatch, watch
 from .server import ParameterServer
 from .shard import ParameterServerShard
 from .wire import WireClient, WireError
@@ -106,8 +105,6 @@ class DaskShardChannel:
         self._next_seq = 0  # one past the highest push number sent
         self._checked = time.monotonic()
         self.generation = int(generation)  # the newest known: older replies are refused
-        every, wait = self.CHECK_EVERY / 4, min(timeout, self.FROZEN)  # looks off this thread:
-        self._watch = ReplacementWatch(replacements, every, wait) if replacements else None
         self._attach(actor)
 
     def _attach(self, actor: Any) -> None:
@@ -119,8 +116,6 @@ class DaskShardChannel:
         self.session = uuid.uuid4().hex
         self._base = self._next_seq  # the replica's number of this session's push 0
         self._buffers: list[np.ndarray] = []
-        self._attached = time.monotonic()  # a look at the replacements must be newer
-        watch(self._watch)
 
     @property
     def transport(self) -> str:
@@ -239,20 +234,11 @@ class DaskShardChannel:
     # -- a lost shard ----------------------------------------------------------------------------
     def _published(self, timeout: float) -> Any | None:
         """The future the driver last published for this shard, if it can be read in time."""
-        return None if self.replacements is None else published(self.replacements, timeout)
-
-    def _announced(self, timeout: float) -> tuple[str, int | None] | None:
-        """The key (and generation if known) last published for this shard: the watch thread's
-        look if recent enough (:mod:`.replacement_watch`), else read here (<= 1/CHECK_EVERY)."""
-        look = self._watch.fresh(self.CHECK_EVERY, self._attached) if self._watch else None
-        if look is not None:
-            return look.key, look.generation
-        now = time.monotonic()
-        if self.replacements is None or now - self._checked < self.CHECK_EVERY:
+        if self.replacements is None:
             return None
-        self._checked = now
-        future = self._published(timeout)
-        return None if future is None else (future.key, None)
+        with contextlib.suppress(TimeoutError, OSError):
+            return Variable(self.replacements).get(timeout=timeout)
+        return None
 
     def replaced(self, key: str, sent: float) -> bool:
         """A call into a lost actor may never complete, so a call outstanding for more than
@@ -260,10 +246,13 @@ class DaskShardChannel:
         seconds) at the variable where the driver publishes replacements."""
         if self.key != key:
             return True
-        if self.replacements is None or time.monotonic() - sent < self.STUCK:
+        now = time.monotonic()
+        early = now - sent < self.STUCK or now - self._checked < self.CHECK_EVERY
+        if self.replacements is None or early:
             return False
-        found = self._announced(min(self.timeout, self.FROZEN))  # a deleted variable blocks
-        return found is not None and found[0] != key
+        self._checked = now
+        future = self._published(min(self.timeout, self.FROZEN))  # a deleted variable blocks
+        return future is not None and future.key != key
 
     def wait(self, call: Any, key: str, sent: float) -> Any:
         last = time.monotonic()
@@ -311,12 +300,24 @@ class DaskShardChannel:
     def _superseded(self, key: str) -> bool:
         """Whether the driver announced a newer incarnation than actor ``key`` (looked up at
         most every :attr:`CHECK_EVERY` seconds; raises the known generation if so)."""
-        found = self._announced(self.timeout)
-        if found is None or found[0] == key:
+        now = time.monotonic()
+        if self.replacements is None or now - self._checked < self.CHECK_EVERY:
             return False
-        known = found[1] if found[1] is not None else published_generation(str(self.replacements))
-        self.generation = max(self.generation, known)
+        self._checked = now
+        future = self._published(self.timeout)
+        if future is None or future.key == key:
+            return False
+        self.generation = max(self.generation, self._published_generation())
         return True
+
+    def _published_generation(self) -> int:
+        """The generation the driver announced last for this shard (0 if it cannot be read
+        within a second: it is set before the actor, so it is there once the actor is)."""
+        if self.replacements is None:
+            return 0
+        with contextlib.suppress(TimeoutError, OSError, TypeError, ValueError, RuntimeError):
+            return int(Variable(generation_variable(self.replacements)).get(timeout=1.0))
+        return 0
 
     def _replacement(self, lost_key: str) -> Any | None:
         """The actor replacing ``lost_key`` once the driver publishes it, or None if none
@@ -352,13 +353,12 @@ class DaskShardChannel:
                 self.shard,
             ) from error
         self.close()  # its receiver may still be writing into a buffer: new ones
-        self.generation = max(self.generation, published_generation(str(self.replacements)))
+        self.generation = max(self.generation, self._published_generation())
         self._attach(actor)
         self.connect(self.ask_endpoint(), time.monotonic())
         return True
 
     def close(self) -> None:
-        unwatch(self._watch)
         if self.wire is not None:
             self.wire.close()
             self.wire = None

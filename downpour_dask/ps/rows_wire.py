@@ -1,7 +1,7 @@
 """A replica's direct connection to a sparse shard: rows pulls and pushes over the wire.
 
 :class:`RowsWireClient` is a :class:`~downpour_dask.ps.wire.WireClient` (same hello, secret,
-sending, receiver thread, failure handling) that also sends the two ops of
+sender and receiver threads, failure handling) that also sends the two ops of
 :mod:`~downpour_dask.ps.rows_frames`, with the signatures of
 :class:`~downpour_dask.ps.table.SparseShard`'s actor methods, so
 :class:`~downpour_dask.ps.rows.RowsLink` uses it in place of the actor.
@@ -44,7 +44,13 @@ class RowsWireClient(WireClient):
     def _rows(self, op: int, payload: bytes, fetched: int, replica: int, **fields: Any) -> WireCall:
         call = WireCall(op)
         head = frames.request(op, replica, fetched, len(payload), **fields)
-        return self._submit(call, [head, payload])
+        with self._send_lock:  # the order of _waiting is the order of the requests sent
+            if self._broken is not None:
+                call._finish(error=self._broken)
+                return call
+            self._waiting.put(call)
+            self._outbox.put((head, payload))
+        return call
 
     def _read(self, call: WireCall) -> Any:
         if call.op not in ROWS_OPS:

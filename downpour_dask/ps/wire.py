@@ -16,14 +16,10 @@ replica 0's warmstart; :mod:`~downpour_dask.ps.frames` defines their bytes.
   socket on the worker's own host and one thread per accepted connection.  A shard registers
   with it under the run's secret and gets a random id; the id and the secret, sent first on
   every connection (the *hello*), select the shard and prove the connection is from the run.
-- A replica opens one :class:`WireClient` per remote shard.  A request is written by the
-  caller's own thread, in one ``sendmsg`` that never blocks, when the connection has nothing
-  else to send (the usual case); what the socket does not take at once, and requests behind it,
-  go to a sender thread, so a slow or stopped shard never holds up the replica (handing every
-  request to that thread cost a thread wake-up per request).  A receiver thread reads the
-  replies, which come back in request order, and completes the :class:`WireCall` of each.  One
-  connection per (replica, shard) also keeps a replica's pushes in order on the shard without
-  any waiting.
+- A replica opens one :class:`WireClient` per remote shard.  Requests are written from a sender
+  thread; a receiver thread reads the replies, which come back in request order, and completes
+  the :class:`WireCall` of each.  One connection per (replica, shard) also keeps a replica's
+  pushes in order on the shard without any waiting.
 - A lost shard or worker closes the connection: every call in flight fails with
   ``ConnectionError`` (an ``OSError``), which the replica treats like a lost actor.
 
@@ -36,7 +32,6 @@ keeps every call on Dask's comm).  This module does not import Dask.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import queue
 import socket
@@ -121,10 +116,8 @@ class WireClient:
             raise
         self._sock = sock
         self._send_lock = threading.Lock()
-        self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
-        self._queued = 0  # requests handed to the sender thread and not yet written (the lock's)
-        self.handed_off = 0  # how many requests the sender thread wrote (all others: the caller)
-        self._waiting: collections.deque[WireCall] = collections.deque()  # in request order
+        self._outbox: queue.SimpleQueue[tuple[bytes, Any] | None] = queue.SimpleQueue()
+        self._waiting: queue.SimpleQueue[WireCall | None] = queue.SimpleQueue()
         self._broken: BaseException | None = None
         for target in (self._send, self._receive):
             threading.Thread(target=target, name="downpour-wire-replica", daemon=True).start()
@@ -154,7 +147,8 @@ class WireClient:
         self._outbox.put(None)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()  # ends the receiver
+        self._sock.close()
+        self._waiting.put(None)
 
     # -- internals -------------------------------------------------------------------------------
     def _request(
@@ -185,71 +179,40 @@ class WireClient:
             )
         n_values = 0 if grad is None else len(body[0]) if isinstance(body, tuple) else self.size
         head = frames.request(op, replica, fetched_version, n_values, **fields)
-        parts = [head, *(body if isinstance(body, tuple) else (body,) if body is not None else ())]
-        return self._submit(call, parts)
-
-    def _submit(self, call: WireCall, parts: list[Any]) -> WireCall:
-        """Send a request (``parts``: its buffers) and expect ``call``'s reply: written here if
-        the connection is idle, as far as the socket takes it without blocking, the rest by the
-        sender thread.  The caller leaves the buffers untouched until the reply has arrived."""
         with self._send_lock:  # the order of _waiting is the order of the requests sent
             if self._broken is not None:
                 call._finish(error=self._broken)
                 return call
-            self._waiting.append(call)  # before sending: its reply finds it there
-            if not self._queued:
-                try:
-                    parts = _unsent(parts, self._sock.sendmsg(parts, (), socket.MSG_DONTWAIT))
-                except BlockingIOError:
-                    pass
-                except OSError as err:
-                    self._broke(err)
-                    return call
-            if parts:
-                self._queued += 1
-                self.handed_off += 1
-                self._outbox.put(parts)
+            self._waiting.put(call)
+            self._outbox.put((head, body))
         return call
 
     def _send(self) -> None:
-        """Write what the caller's thread could not (sender thread), in order, so that the
-        replica's thread computes on while a gradient is copied into the socket."""
+        """Write the requests in order (sender thread), so that the replica's thread computes
+        on while a gradient is copied into the socket.  The replica leaves a pushed gradient
+        untouched until its reply has arrived, which is after it was sent."""
         while True:
-            parts = self._outbox.get()
-            if parts is None:
+            item = self._outbox.get()
+            if item is None:
                 return
+            head, grad = item
             try:
-                for part in parts:
+                self._sock.sendall(head)
+                for part in (
+                    grad if isinstance(grad, tuple) else (grad,) if grad is not None else ()
+                ):
                     self._sock.sendall(part)
             except OSError as err:
-                self._broke(err)
+                self._fail(ConnectionError(f"sending to the shard failed: {err}"))
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)  # ends the receiver too
                 return
-            with self._send_lock:
-                self._queued -= 1
-
-    def _broke(self, err: OSError) -> None:
-        """Sending failed: fail every call waiting and shut the socket (ends the receiver)."""
-        self._fail(ConnectionError(f"sending to the shard failed: {err}"))
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
 
     def _receive(self) -> None:
-        """Read the replies in request order and complete each call (receiver thread).  It
-        waits in the socket for a reply's first byte, not on a queue for the next request: a
-        request is only appended to ``_waiting``, which wakes no thread."""
+        """Read the replies in request order and complete each call (receiver thread)."""
         while True:
-            why = "lost the connection to the shard: it was closed"
-            try:
-                started = self._sock.recv(1, socket.MSG_PEEK)
-                call = self._waiting.popleft() if started else None
-            except OSError as err:
-                call, why = None, f"lost the connection to the shard: {err}"
-            except IndexError:
-                call, why = None, "lost the connection to the shard: a reply to no request"
+            call = self._waiting.get()
             if call is None:
-                self._fail(ConnectionError(why))
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)
                 return
             try:
                 call._finish(self._read(call))
@@ -271,24 +234,13 @@ class WireClient:
             self._broken = error
         while True:
             try:
-                call = self._waiting.popleft()
-            except IndexError:
+                call = self._waiting.get_nowait()
+            except queue.Empty:
                 return
+            if call is None:
+                continue
             if not call.done():
                 call._finish(error=error)
-
-
-def _unsent(parts: list[Any], sent: int) -> list[Any]:
-    """What is left of the buffers ``parts`` after their first ``sent`` bytes were written."""
-    rest: list[Any] = []
-    for part in parts:
-        view = memoryview(part).cast("B")
-        if sent >= view.nbytes:
-            sent -= view.nbytes
-            continue
-        rest.append(view[sent:])
-        sent = 0
-    return rest
 
 
 def _sparse_body(grad: SparseGradient, size: int) -> tuple[np.ndarray, np.ndarray]:
