@@ -14,7 +14,10 @@ worker processes used per example (``time.process_time`` in each, before and aft
 fit, over all the examples it trained on, start-up included), against the ceiling's: CPU spent
 by other processes does not count in it, CPU spent on anything but gradients does.
 
-    python benchmarks/bench_code_ab.py [--base HEAD] [--rounds 4] [--seconds 4] [--replicas 2]
+    python benchmarks/bench_code_ab.py [--base HEAD] [--new REV] [--rounds 4] [--seconds 4]
+
+``--new`` compares against a second revision instead of the working tree (so the tree can be
+edited while the script runs).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -40,6 +44,18 @@ ROOT = HERE.parent
 def _cpu(client) -> float:
     """CPU seconds the cluster's worker processes have used so far (all their threads)."""
     return sum(client.run(time.process_time).values())
+
+
+def _switches() -> int:
+    """Context switches of this process's threads so far, ended threads included (voluntary: a
+    thread blocked or woke another; involuntary: preempted): thread hand-offs show up here."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
+
+
+def _cpu_and_switches(client) -> tuple[float, int]:
+    """``_cpu`` and the worker processes' context switches so far."""
+    return _cpu(client), sum(client.run(_switches).values())
 
 
 def measure(seconds: float, replicas: int, shards: int) -> dict[str, float]:
@@ -72,9 +88,11 @@ def measure(seconds: float, replicas: int, shards: int) -> dict[str, float]:
         rates["ceiling cpu"] = cpu * 1e6 / (rates["ceiling"] * seconds)
         client.cancel(data)
         for every in (1, 4):
-            cpu = _cpu(client)
+            cpu, switches = _cpu_and_switches(client)
             pushes = downpour_fit(client, model, train, replicas, every, seconds, shards)
-            cpu = _cpu(client) - cpu
+            cpu_after, switches_after = _cpu_and_switches(client)
+            cpu = cpu_after - cpu
+            rates[f"n={every} switches"] = (switches_after - switches) / pushes["examples"].sum()
             window = pushes[(pushes["time"] >= 1.0) & (pushes["time"] <= seconds)]
             rates[f"n={every}"] = window["examples"].sum() / (seconds - 1.0)
             rates[f"n={every} cpu"] = cpu * 1e6 / pushes["examples"].sum()
@@ -94,9 +112,20 @@ def run_one(code: Path, args: argparse.Namespace) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def export(revision: str, into: Path) -> Path:
+    """A copy of the project at git ``revision`` in the new directory ``into``."""
+    into.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", revision], cwd=ROOT, capture_output=True, check=True, timeout=60
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=60)
+    return into
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD", help="the git revision to compare against")
+    parser.add_argument("--new", default=None, help="a git revision instead of the working tree")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--replicas", type=int, default=2)
@@ -107,11 +136,9 @@ def main() -> None:
         print(json.dumps(measure(args.seconds, args.replicas, args.shards)))
         return
     with tempfile.TemporaryDirectory(prefix="bench-code-ab-") as tmp:
-        archive = subprocess.run(
-            ["git", "archive", args.base], cwd=ROOT, capture_output=True, check=True, timeout=60
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True, timeout=60)
-        versions = {f"base {args.base}": Path(tmp), "working tree": ROOT}
+        versions = {f"base {args.base}": export(args.base, Path(tmp, "base"))}
+        versions.update({f"new {args.new}": export(args.new, Path(tmp, "new"))} if args.new
+                        else {"working tree": ROOT})  # fmt: skip
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
         for i in range(args.rounds):
             for name, code in versions.items() if i % 2 == 0 else reversed(versions.items()):
@@ -121,11 +148,12 @@ def main() -> None:
         f"\n{args.replicas} replicas, {args.shards} shards, MLP 784-256-10, batch 128; "
         f"{args.rounds} rounds of {args.seconds:.0f} s runs, old and new code alternating; "
         "medians (range): examples/s and its share of the ceiling measured in the same run; "
-        "the workers' CPU per example against the ceiling's (CPU share: ceiling's / row's)"
+        "the workers' CPU per example against the ceiling's (CPU share: ceiling's / row's); "
+        "the workers' context switches per 128 examples (one step)"
     )
     print(
         f"{'code':24} {'n':>3} {'examples/s':>11} {'of ceiling':>10} {'range':>9} "
-        f"{'cpu us/ex':>10} {'CPU share':>10} {'range':>9}"
+        f"{'cpu us/ex':>10} {'CPU share':>10} {'range':>9} {'switches/step':>14}"
     )
     for name, rows in runs.items():
         for every in (1, 4):
@@ -133,11 +161,12 @@ def main() -> None:
             cpu_shares = [row["ceiling cpu"] / row[f"n={every} cpu"] for row in rows]
             rate = statistics.median(row[f"n={every}"] for row in rows)
             cpu = statistics.median(row[f"n={every} cpu"] for row in rows)
+            switches = [128 * row.get(f"n={every} switches", float("nan")) for row in rows]
             print(
                 f"{name:24} {every:>3} {rate:>11,.0f} {statistics.median(shares):>9.0%} "
                 f"{min(shares):>4.0%}-{max(shares):.0%} {cpu:>10.1f} "
                 f"{statistics.median(cpu_shares):>9.0%} {min(cpu_shares):>4.0%}-"
-                f"{max(cpu_shares):.0%}"
+                f"{max(cpu_shares):.0%} {statistics.median(switches):>14.1f}"
             )
 
 
