@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..runs import DEFAULTS, Job, RunResult, misnamed_interval, prepare, resume,
 from .connection import connect, tls_credentials_given
 from .errors import Interrupted, UsageError
 from .flags import flag
+from .interrupts import DeferredInterrupt
 from .program import PROG
 
 #: Parsed arguments of ``train`` that are not job settings.
@@ -87,7 +89,8 @@ def train(args: argparse.Namespace) -> int:
         job = prepare_job(settings)  # all input errors surface here, before any cluster work
     bar = None if args.quiet else ProgressBar(sys.stderr)
     try:
-        result = train_on(job, scheduler, args, bar)
+        with DeferredInterrupt(bar) as callback:  # Ctrl-C stops the fit at its next report
+            result = train_on(job, scheduler, args, callback)
     except KeyboardInterrupt:
         raise Interrupted(kept(job)) from None
     finally:
@@ -117,9 +120,9 @@ def kept(job: Job) -> str:
 
 
 def train_on(
-    job: Job, scheduler: str | None, args: argparse.Namespace, bar: ProgressBar | None
+    job: Job, scheduler: str | None, args: argparse.Namespace, callback: Callable[..., Any]
 ) -> RunResult:
-    """Run ``job`` on an embedded cluster, or on ``scheduler``'s."""
+    """Run ``job`` on an embedded cluster, or on ``scheduler``'s, reporting to ``callback``."""
     if scheduler is None:
         if tls_credentials_given(args):
             raise UsageError(
@@ -128,14 +131,14 @@ def train_on(
             )
         if args.tls:
             job.estimator.set_params(security=True)
-        return run(job, None, bar)
+        return run(job, None, callback)
     if args.tls:
         raise UsageError(
             "--tls starts a TLS-only embedded cluster; with --scheduler give "
             "--tls-ca-file/--tls-cert/--tls-key (or Dask's distributed.comm.tls settings)"
         )
     with connect(scheduler, args, quiet=args.quiet) as client:
-        return run(job, client, bar)
+        return run(job, client, callback)
 
 
 def print_result(result: RunResult) -> None:

@@ -21,6 +21,7 @@ from ..progress import ProgressBar
 from ..runs.sparse_job import SPARSE_DEFAULTS, SparseJob, prepare_sparse, run_sparse
 from .connection import add_connection_flags, connect, tls_credentials_given
 from .errors import UsageError
+from .interrupts import DeferredInterrupt
 
 #: Flag of each setting whose flag is not simply its name with dashes.
 FLAGS = {"n_shards": "--shards", "n_replicas": "--replicas", "max_epochs": "--epochs",
@@ -116,11 +117,12 @@ def train_sparse(args: argparse.Namespace) -> int:
                          "--scheduler")
     bar = None if args.quiet else ProgressBar(sys.stderr)
     try:
-        if args.scheduler is None:
-            result = run_sparse(job, None, bar)
-        else:
-            with connect(args.scheduler, args, quiet=args.quiet) as client:
-                result = run_sparse(job, client, bar)
+        with DeferredInterrupt(bar) as callback:  # Ctrl-C stops the fit at its next report
+            if args.scheduler is None:
+                result = run_sparse(job, None, callback)
+            else:
+                with connect(args.scheduler, args, quiet=args.quiet) as client:
+                    result = run_sparse(job, client, callback)
     finally:
         if bar is not None:
             bar.close()  # a failed fit sends no last snapshot
