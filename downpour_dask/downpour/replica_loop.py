@@ -274,11 +274,8 @@ class ReplicaLoop:
     def _step_locally(self, g: np.ndarray, exchanging: bool) -> None:
         """The local step ``params -= alpha * g``, left out (with :attr:`skip_refetched`) on
         the slices an ``exchange`` with an in-process shard is about to overwrite."""
-        skipped = [
-            self.ranges[s]
-            for s, channel in enumerate(self.channels)
-            if exchanging and self.skip_refetched and channel.in_process
-        ]
+        skipping = exchanging and self.skip_refetched
+        skipped = [r for r, c in zip(self.ranges, self.channels) if skipping and c.in_process]
         if not skipped:
             self._descend(self.params, g, self.scratch)
             return
