@@ -15,9 +15,10 @@ it, and the ratios to scipy's best time and to dask-ml's (below 1: faster).  ``e
 full gradient evaluations (distributed passes for Sandblaster, line-search trials included);
 ``1st eval`` is when the first objective value was known: mostly data placement (scatter to the
 workers) for the cluster runs.  Sandblaster runs with its default portions (10 per worker thread)
-and with 4 (2 per thread), interleaved with scipy ``--repeats`` times; the "any-worker" row lets
-a free worker take a portion whose block is on another live worker (``Portions.LOCAL_ONLY =
-False``, the dispatch before), moving the block.
+and with 4 (2 per thread), interleaved with scipy ``--repeats`` times; the "relayed" row runs the
+default through a client made with ``direct_to_workers=False``, so its data blocks travel through
+the scheduler (Dask's default for a scatter, and the placement before) instead of straight to
+the workers.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
                                            [--repeats 1] [--skip-dask-ml]
@@ -47,7 +48,6 @@ from distributed import Client, LocalCluster  # noqa: E402
 from downpour_dask import models  # noqa: E402
 from downpour_dask.sandblaster.coordinator import Coordinator  # noqa: E402
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS  # noqa: E402
-from downpour_dask.sandblaster.portions import Portions  # noqa: E402
 
 L2_WEIGHT = 1e-4
 
@@ -193,6 +193,7 @@ def main() -> None:
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,
+        Client(cluster, direct_to_workers=False) as relaying,  # Dask's default path for scatter
     ):
         if not args.skip_dask_ml:
             chunk = -(-args.rows // 20)
@@ -203,14 +204,13 @@ def main() -> None:
         try:
             for _ in range(args.repeats):  # interleaved: each repeat runs every method once
                 results.setdefault(SCIPY, []).append(run_scipy(model, X, y, x0))
-                for portions, local_only in ((None, True), (None, False), (4, True)):
-                    Portions.LOCAL_ONLY = local_only  # False: the dispatch before (A/B)
+                for portions, relayed in ((None, False), (None, True), (4, False)):
                     label = "SandblasterLBFGS" + (
                         " (default 20 portions)" if portions is None else f" ({portions} portions)"
                     )
-                    label += "" if local_only else " any-worker"
+                    label += " relayed" if relayed else ""  # data via the scheduler (A/B)
                     results.setdefault(label, []).append(
-                        run_sandblaster(client, model, X, y, portions)
+                        run_sandblaster(relaying if relayed else client, model, X, y, portions)
                     )
         finally:
             models.LogisticRegression.init = original_init

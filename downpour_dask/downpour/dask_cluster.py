@@ -26,7 +26,7 @@ from ..core.partition import PartitionPlan
 from ..ps.calls import Done
 from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.server import ParameterServer
-from ..runtime.cluster import cluster_workers
+from ..runtime.cluster import cluster_workers, send_to_workers
 from .membership import (
     HoldForMigration,
     MembershipPlugin,
@@ -85,8 +85,7 @@ class DaskCluster:
         )
 
     def scatter(self, values: list[Any], worker: str) -> list[Any]:
-        # hash=False: unique keys, so an earlier fit releasing equal data cannot race this one
-        return list(self.client.scatter(values, workers=[worker], hash=False))
+        return list(send_to_workers(self.client, values, [worker]))
 
     def wait(self, tasks: list[Future], timeout: float) -> None:
         with contextlib.suppress(TimeoutError, CancelledError):  # a lost task: seen by its owner

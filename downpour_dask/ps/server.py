@@ -19,7 +19,7 @@ from distributed import Client, Future
 
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE, split_range
-from ..runtime.cluster import cluster_workers
+from ..runtime.cluster import cluster_workers, send_to_workers
 from .protocol import PushReply, ShardLostError, is_shard_lost
 from .refs import ActorRef, refer
 from .shard import ParameterServerShard
@@ -153,7 +153,7 @@ class ParameterServer:
             address = workers[i % len(workers)]
             values = np.ascontiguousarray(initial[lo:hi], dtype=DTYPE)
             if values.nbytes > SCATTER_ABOVE:  # not inside the task graph the scheduler carries
-                values = client.scatter(values, workers=[address], hash=False)
+                values = send_to_workers(client, [values], [address])[0]
             futures.append(
                 client.submit(
                     shard_class,

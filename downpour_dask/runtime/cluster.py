@@ -1,4 +1,5 @@
-"""The Dask cluster a fit runs on: the embedded local cluster, TLS settings, the worker list.
+"""The Dask cluster a fit runs on: the embedded local cluster, TLS settings, the worker list,
+and how the driver's data reaches the workers.
 
 A fit given a client uses that cluster as it is; given none, it uses the current default Dask
 client if there is one (as Dask and dask-ml do), and otherwise starts an embedded
@@ -124,3 +125,23 @@ def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
     (:func:`~downpour_dask.runtime.dask_internals.scheduler_workers`).
     """
     return scheduler_workers(client)
+
+
+def send_to_workers(
+    client: Client, data: Any, workers: list[str] | None = None, timeout: float | None = None
+) -> Any:
+    """Scatter ``data`` (a list, or a dict of named values) from the driver to ``workers``
+    (default: spread over all of them), straight to the workers rather than through the scheduler.
+
+    Dask's own default relays a scatter from a client outside the cluster through the scheduler:
+    every byte crosses the loopback or the network twice, and the scheduler process (which
+    shares the cores with the workers on a local cluster) serialises each block on the way.  A
+    fit's driver already talks to the workers directly (actor calls go to the worker holding the
+    actor), so going direct adds no reachability requirement.  A client made with
+    ``direct_to_workers=False`` (or Dask's ``distributed.client.direct-to-workers: false``) keeps
+    the relay.  List items get fresh random keys (``hash=False``), so a previous fit releasing
+    equal data cannot race this one.
+    """
+    direct = client.direct_to_workers is not False
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    return client.scatter(data, workers=workers, direct=direct, hash=False, **kwargs)

@@ -27,6 +27,7 @@ from ..data.assignment import assign_partitions, assign_shards
 from ..data.dask_collections import DaskDataset
 from ..data.shards import ShardedDataset
 from ..data.stream import replica_spec
+from .cluster import send_to_workers
 
 
 @dataclass
@@ -108,8 +109,7 @@ def place_replicas(
     replicas = []
     for r, (X_part, y_part) in enumerate(data):
         address = workers[r % len(workers)]
-        # hash=False: unique keys, so a previous fit releasing the same data cannot race this one
-        X_r, y_r = client.scatter([X_part, y_part], workers=[address], hash=False)
+        X_r, y_r = send_to_workers(client, [X_part, y_part], [address])
         replicas.append(Placement(address, (X_r, y_r), [], len(y_part)))
     n_rows = sum(p.rows for p in replicas)
     return PlacedData(

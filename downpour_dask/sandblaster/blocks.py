@@ -25,7 +25,7 @@ from ..core.params import split_range
 from ..data.readers import IN_ORDER, read_chunks
 from ..data.schema import Schema, Shard
 from ..data.shards import ShardedDataset
-from ..runtime.cluster import cluster_workers
+from ..runtime.cluster import cluster_workers, send_to_workers
 
 #: Dataset kinds whose shards a worker reads itself (Dask collections are refused by ``fit``).
 FILE_KINDS = ("parquet", "npy", "csv")
@@ -82,14 +82,14 @@ class ArrayBlocks:
     ) -> list[Future]:
         """Scatter every portion's rows, spread over ``workers`` (default: any)."""
         X, y = self.X, self.y
-        return client.scatter(
-            [(X[idx], y[idx]) for idx in rows], workers=workers, hash=False, timeout=timeout
+        return send_to_workers(
+            client, [(X[idx], y[idx]) for idx in rows], workers, timeout
         )  # views when the rows are contiguous
 
     def replace(self, client: Client, rows: slice | np.ndarray, timeout: float) -> Future:
         """Send the rows of one portion again, to one worker (Dask picks it, spreading blocks)."""
         X, y = self.X, self.y
-        return client.scatter([(X[rows], y[rows])], hash=False, timeout=timeout)[0]
+        return send_to_workers(client, [(X[rows], y[rows])], timeout=timeout)[0]
 
 
 class FileBlocks:

@@ -46,7 +46,7 @@ from ..core.protocol import TrainableModel
 from ..log import Experiment, Progress, PushRow
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
-from ..runtime.cluster import cluster_workers
+from ..runtime.cluster import cluster_workers, send_to_workers
 from .blocks import ArrayBlocks, FileBlocks, default_portions
 from .portions import Portions
 from .shard import SandblasterShard
@@ -331,7 +331,7 @@ class Coordinator:
             return
         key = f"sandblaster-eval-{uuid.uuid4().hex[:12]}"
         data = {key: self.evaluation}
-        scattered = self.client.scatter(data, workers=self.survivors(), timeout=self.est.timeout)
+        scattered = send_to_workers(self.client, data, self.survivors(), self.est.timeout)
         self._eval_future = scattered[key]
         if restored:
             self.event("data_restored", "the evaluation data scattered again", evaluation=True)
