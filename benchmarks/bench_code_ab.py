@@ -15,9 +15,14 @@ fit, over all the examples it trained on, start-up included), against the ceilin
 by other processes does not count in it, CPU spent on anything but gradients does.
 
     python benchmarks/bench_code_ab.py [--base HEAD] [--new REV] [--rounds 4] [--seconds 4]
+    python benchmarks/bench_code_ab.py --base REV --rounds 2 --script bench_sandblaster.py \
+        -- --repeats 1 --skip-dask-ml
 
 ``--new`` compares against a second revision instead of the working tree (so the tree can be
-edited while the script runs).
+edited while the script runs).  ``--script`` runs another benchmark script of this directory
+(the working tree's copy, so both versions are measured the same way) alternately with the two
+versions of the project, passing it the arguments after ``--``, and prints each run's output:
+each output's own baseline rows (measured in that run) are what to compare.
 """
 
 from __future__ import annotations
@@ -112,6 +117,17 @@ def run_one(code: Path, args: argparse.Namespace) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_script(code: Path, script: str, script_args: list[str]) -> str:
+    """Benchmark ``script`` (of this directory) in a new process importing the project from
+    ``code``; its standard output."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(HERE)])}
+    command = [sys.executable, str(HERE / script), *script_args]
+    done = subprocess.run(
+        command, env=env, cwd=code, capture_output=True, text=True, timeout=1800, check=True
+    )
+    return done.stdout
+
+
 def export(revision: str, into: Path) -> Path:
     """A copy of the project at git ``revision`` in the new directory ``into``."""
     into.mkdir()
@@ -130,8 +146,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--script", default=None, help="another benchmark script to alternate")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, script_args = parser.parse_known_args()
+    script_args = [a for a in script_args if a != "--"]
+    if script_args and not args.script:
+        parser.error(f"unrecognized arguments: {' '.join(script_args)} (only with --script)")
     if args.child:
         print(json.dumps(measure(args.seconds, args.replicas, args.shards)))
         return
@@ -142,8 +162,14 @@ def main() -> None:
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
         for i in range(args.rounds):
             for name, code in versions.items() if i % 2 == 0 else reversed(versions.items()):
+                if args.script:
+                    output = run_script(code, args.script, script_args)
+                    print(f"\n=== round {i + 1}, {name} ===\n{output}", flush=True)
+                    continue
                 runs[name].append(run_one(code, args))
                 print(f"round {i + 1} {name}: {runs[name][-1]}", flush=True)
+    if args.script:
+        return
     print(
         f"\n{args.replicas} replicas, {args.shards} shards, MLP 784-256-10, batch 128; "
         f"{args.rounds} rounds of {args.seconds:.0f} s runs, old and new code alternating; "
