@@ -12,8 +12,9 @@ import scipy.optimize
 from distributed import Client, LocalCluster
 
 from downpour_dask import Experiment, datasets, models, optim
-from downpour_dask.core.lbfgs import LBFGS, VectorStore, sum_replies
+from downpour_dask.core.lbfgs import LBFGS
 from downpour_dask.core.params import split_range
+from downpour_dask.core.vectors import VectorStore, sum_replies
 from downpour_dask.ps.protocol import ShardLostError
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.sandblaster.coordinator import Coordinator
@@ -111,12 +112,12 @@ def test_two_loop_direction_equals_the_dense_lbfgs_inverse_hessian():
             store.set("acc", (y + g)[lo:hi])
             store.set("g", g[lo:hi])
             store.set("xt", np.zeros(hi - lo))
-        opt._accept(1.0)  # s = 1 * d, y = acc - g, then g = acc: restore g
-        for store, (lo, hi) in zip(space.stores, space.ranges):
-            store.set("g", g[lo:hi])
+        opt._accept(1.0)  # s = 1 * d, y = acc - g, then g = acc
         pairs.append((s, y))
-    assert len(opt.ring) == m
-    gd = opt._direction()
+    assert len(opt.history) == m
+    g = np.concatenate([store["g"] for store in space.stores])  # the last accepted gradient
+    program, gd = opt.history.direction()  # from inner products only, no round trip
+    space.run(program)
     d = np.concatenate([store["d"] for store in space.stores])
     s_new, y_new = pairs[-1]
     H = (s_new @ y_new) / (y_new @ y_new) * np.eye(n)
@@ -148,6 +149,41 @@ def test_coordinator_in_process_matches_scipy(digits_binary):
     assert data["objective"] == result.objective and data["rule"]
     searches = [data for kind, data in events if kind == "line_search"]
     assert [d["iteration"] for d in searches] == list(range(1, result.n_iter + 1))
+
+
+class CountingSpace(InProcessSpace):
+    """Counts the coordinator's shard round trips (programs) and distributed passes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.programs = self.passes = 0
+
+    def run(self, program):
+        self.programs += 1
+        return super().run(program)
+
+    def evaluate(self, batch, prelude):
+        self.passes += 1
+        self.run(prelude)
+        self.programs -= 1  # the prelude travels with the pass
+        xt = np.concatenate([store["xt"] for store in self.stores])
+        loss, grad = self.model.loss_and_grad(xt, self.X, self.y)
+        for store, (lo, hi) in zip(self.stores, self.ranges):
+            store.set("acc", grad[lo:hi] * len(self.X))
+        return loss * len(self.X), len(self.X)
+
+
+@pytest.mark.parametrize("history", [2, 10])
+def test_shard_round_trips_per_iteration_do_not_grow_with_the_history(digits_binary, history):
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-3)
+    x0 = model.init(np.random.default_rng(0)).astype(np.float64)
+    space = CountingSpace(model, X, y, x0)
+    result = LBFGS(space, history=history, max_iter=25, tol=0.0).minimize()
+    assert result.n_iter == 25
+    # one program after every pass (the gradient's scaling) and one per accepted step, plus at
+    # most one restore per line search that expanded: no program per history pair
+    assert space.passes + result.n_iter <= space.programs <= space.passes + 2 * result.n_iter
 
 
 def test_shard_counts_each_portion_once_and_discards_stale_copies():

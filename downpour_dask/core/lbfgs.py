@@ -1,25 +1,24 @@
-"""L-BFGS over vectors that never leave their shards: the vector machine and the coordinator.
+"""L-BFGS over vectors that never leave their shards: the coordinator.
 
 Sandblaster L-BFGS (Dean et al., 2012) keeps every long vector -- the parameters, the gradient,
 the search direction and the L-BFGS history of ``(s, y)`` pairs -- on the parameter-server shards,
 each shard owning the same element range of every vector.  The coordinator runs L-BFGS by sending
-the shards small *programs* of vector commands and receives only scalars back (partial dot
-products, which it sums over shards).
+the shards small *programs* of vector commands (:mod:`~downpour_dask.core.vectors`) and receives
+only scalars back (partial dot products, which it sums over shards).
 
-This module is plain numpy, free of Dask, so both halves are testable in one process:
-
-* :class:`VectorStore` is one shard's vector machine: named float64 vectors and the commands
-  ``dot``, ``axpy``, ``scale``, ``copy``, ``mul`` (coefficient-wise) and ``zero``.
-* :class:`LBFGS` is the coordinator: the two-loop recursion, a backtracking line search satisfying
-  the Armijo condition (and the curvature condition, checked for free because the trial point's
-  gradient is computed anyway) and the stopping rules.  It talks to the shards through a
-  :class:`Space`: ``run(program)`` executes a program on every shard and returns the summed
-  scalars; ``evaluate(batch, prelude)`` runs a distributed pass over one batch.
+:class:`LBFGS` is the coordinator: the two-loop recursion (on inner products, see
+:mod:`~downpour_dask.core.lbfgs_history`), a backtracking line search satisfying the Armijo
+condition (and the curvature condition, checked for free because the trial point's gradient is
+computed anyway) and the stopping rules.  It talks to the shards through a :class:`Space`:
+``run(program)`` executes a program on every shard and returns the summed scalars;
+``evaluate(batch, prelude)`` runs a distributed pass over one batch.  Plain numpy, free of Dask,
+so it is testable in one process.  Round trips to the shards per iteration: one per distributed
+pass (plus the pass itself) and one to accept the step, however long the history.
 
 Vector names used by the coordinator: ``x`` (iterate), ``g`` (gradient at ``x``), ``d``
 (direction), ``xt`` (trial point), ``acc`` (gradient accumulator, becomes the trial gradient),
 ``xb``/``gb`` (best trial kept while the line search expands), ``tmp``, ``l2mask`` (``l2`` on
-penalised weights, 0 on biases) and ``s0..s{m-1}``, ``y0..y{m-1}`` (the history ring: ``m + 1``
+penalised weights, 0 on biases) and ``s0..s{m}``, ``y0..y{m}`` (the history ring: ``m + 1``
 slots, so a new pair is written into a free slot before it is known to be kept).
 """
 
@@ -27,87 +26,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-Command = tuple  # ("dot", a, b) | ("axpy", alpha, x, y) | ("scale", a, alpha) | ...
-Program = Sequence[Command]
-
-
-class VectorStore:
-    """One shard's named float64 vectors of equal length, and the commands run on them.
-
-    Float64 keeps the reductions and the L-BFGS history accurate even though the model computes
-    in float32: only the point published to the workers is rounded to float32.
-
-    Parameters
-    ----------
-    size : int
-        Length of every vector (the shard's element range).
-    """
-
-    def __init__(self, size: int):
-        self.size = size
-        self.vectors: dict[str, np.ndarray] = {}
-        self._scratch = np.empty(size, np.float64)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        try:
-            return self.vectors[name]
-        except KeyError:
-            raise KeyError(f"no vector named {name!r} on this shard") from None
-
-    def set(self, name: str, values: np.ndarray) -> None:
-        """Store a float64 copy of ``values`` under ``name``."""
-        values = np.asarray(values)
-        if values.shape != (self.size,):
-            raise ValueError(f"vector {name!r} must have shape ({self.size},), got {values.shape}")
-        self.vectors[name] = np.array(values, dtype=np.float64)
-
-    def _out(self, name: str) -> np.ndarray:
-        """The vector ``name``, created (uninitialised) if it is written for the first time."""
-        vec = self.vectors.get(name)
-        if vec is None:
-            vec = self.vectors[name] = np.empty(self.size, np.float64)
-        return vec
-
-    def run(self, program: Program) -> list[float]:
-        """Execute the commands in order; return the results of the ``dot`` commands, in order.
-
-        Commands: ``("dot", a, b)`` -> a.b; ``("axpy", alpha, x, y)``: y += alpha*x;
-        ``("scale", a, alpha)``: a *= alpha; ``("copy", src, dst)``: dst = src;
-        ``("mul", a, b, dst)``: dst = a*b coefficient-wise; ``("zero", a)``: a = 0.
-        """
-        out: list[float] = []
-        for command in program:
-            op, *args = command
-            if op == "dot":
-                out.append(float(np.dot(self[args[0]], self[args[1]])))
-            elif op == "axpy":
-                alpha, x, y = args
-                self[y]  # must exist
-                np.multiply(self[x], float(alpha), out=self._scratch)
-                self.vectors[y] += self._scratch
-            elif op == "scale":
-                vec = self[args[0]]
-                vec *= float(args[1])
-            elif op == "copy":
-                np.copyto(self._out(args[1]), self[args[0]])
-            elif op == "mul":
-                np.multiply(self[args[0]], self[args[1]], out=self._out(args[2]))
-            elif op == "zero":
-                self._out(args[0]).fill(0.0)
-            else:
-                raise ValueError(f"unknown vector command {op!r} in {command!r}")
-        return out
-
-
-def sum_replies(replies: Sequence[Sequence[float]]) -> np.ndarray:
-    """Sum the per-shard results of one program, in float64 (the coordinator's only reduction)."""
-    return np.sum(np.asarray(replies, dtype=np.float64).reshape(len(replies), -1), axis=0)
+from .lbfgs_history import History
+from .vectors import Command, Program
 
 
 class Space(Protocol):
@@ -194,8 +120,7 @@ class LBFGS:
         self.max_seconds = max_seconds
         self.log = log or (lambda kind, detail, **data: None)
         self.on_iteration = on_iteration or (lambda record: None)
-        self.ring: list[tuple[int, float]] = []  # (slot, rho = 1/s'y), oldest first
-        self.gamma = 1.0  # initial Hessian scaling s'y / y'y of the newest pair
+        self.history = History(history)
 
     # -- one distributed evaluation ---------------------------------------------------------------
     def _evaluate(self, batch: int, prelude: Program, extra: Program = ()) -> tuple[float, list]:
@@ -213,28 +138,13 @@ class LBFGS:
         return loss_sum / n + 0.5 * float(dots[0]), [float(v) for v in dots[1:]]
 
     def _gradient_at_x(self, batch: int) -> tuple[float, float]:
-        """Evaluate at ``x``: objective and ||g||^2, with the gradient stored in ``g``."""
+        """Evaluate at ``x``: objective and ||g||^2, with the gradient stored in ``g`` (and its
+        inner products with the history recorded)."""
         f, (gg,) = self._evaluate(batch, [("copy", "x", "xt")], [("dot", "acc", "acc")])
-        self.space.run([("copy", "acc", "g")])
+        pairs = [("g", "g"), *self.history.gradient_dots()]
+        dots = self.space.run([("copy", "acc", "g"), *self.history.program(pairs[1:])])
+        self.history.record(pairs, [gg, *dots])
         return f, gg
-
-    # -- the two-loop recursion, one shard round trip per history entry ---------------------------
-    def _direction(self) -> float:
-        """Store ``d = -H g`` on the shards; return ``g'd``."""
-        alphas: list[float] = []
-        program: list[Command] = [("copy", "g", "d")]
-        for slot, rho in reversed(self.ring):  # newest to oldest
-            program.append(("dot", f"s{slot}", "d"))
-            alpha = rho * float(self.space.run(program)[-1])
-            alphas.append(alpha)
-            program = [("axpy", -alpha, f"y{slot}", "d")]
-        program.append(("scale", "d", self.gamma))
-        for (slot, rho), alpha in zip(self.ring, reversed(alphas)):  # oldest to newest
-            program.append(("dot", f"y{slot}", "d"))
-            beta = rho * float(self.space.run(program)[-1])
-            program = [("axpy", alpha - beta, f"s{slot}", "d")]
-        program += [("scale", "d", -1.0), ("dot", "g", "d")]
-        return float(self.space.run(program)[-1])
 
     # -- the optimisation loop --------------------------------------------------------------------
     def minimize(self) -> LBFGSResult:
@@ -254,23 +164,22 @@ class LBFGS:
             if self.max_seconds is not None and time.time() - start >= self.max_seconds:
                 reason = "max_seconds"
                 break
-            gd = self._direction() if self.ring else -gg
-            if not self.ring or not (gd < 0 and math.isfinite(gd)):
-                if self.ring:
+            direction, gd = self.history.direction() if self.history else ([], -gg)
+            if not self.history or not (gd < 0 and math.isfinite(gd)):
+                if self.history:
                     self.log(
                         "history_reset", f"g'd = {gd:.3g} is not a descent direction",
                         iteration=k, gd=gd,
                     )  # fmt: skip
-                self.ring = []
-                self.space.run([("copy", "g", "d"), ("scale", "d", -1.0)])
-                gd = -gg
-            t = 1.0 if self.ring else min(1.0, 1.0 / math.sqrt(gg))
+                self.history.reset()
+                direction, gd = [("copy", "g", "d"), ("scale", "d", -1.0)], -gg
+            t = 1.0 if self.history else min(1.0, 1.0 / math.sqrt(gg))
             floor = self.precision * max(abs(f), 1.0)
             if -t * gd <= floor:
                 detail = f"predicted decrease {-t * gd:.3g} below precision"
                 reason = self._converged("predicted_decrease", detail, k, f)
                 break
-            found = self._line_search(batch, f, gd, t, floor, k + 1)
+            found = self._line_search(batch, f, gd, t, floor, k + 1, direction)
             if found is None:
                 reason = "line_search_failed"
                 self.log(
@@ -311,7 +220,14 @@ class LBFGS:
         return "converged"
 
     def _line_search(
-        self, batch: int, f: float, gd: float, t: float, floor: float, iteration: int
+        self,
+        batch: int,
+        f: float,
+        gd: float,
+        t: float,
+        floor: float,
+        iteration: int,
+        direction: Program = (),
     ) -> tuple[float | None, float, int] | None:
         """Backtracking Armijo search along ``d``; expands while the curvature condition fails.
 
@@ -321,13 +237,14 @@ class LBFGS:
         (at most 3 times) and the best Armijo point kept.  Returns ``(f_new, t, evals)`` with
         ``xt``/``acc`` holding the accepted point and its gradient; ``(None, t, evals)`` when
         backtracking fell below the precision ``floor``; None after ``max_evals`` passes.
+        ``direction`` (the program storing ``d``) runs on the shards just before the first trial.
         """
         best: tuple[float, float] | None = None
         backtracked, evals = False, 0
         while evals < self.max_evals:
-            ft, (gtd,) = self._evaluate(
-                batch, [("copy", "x", "xt"), ("axpy", t, "d", "xt")], [("dot", "acc", "d")]
-            )
+            trial: list[Command] = [("copy", "x", "xt"), ("axpy", t, "d", "xt")]
+            prelude = [*direction, *trial] if evals == 0 else trial
+            ft, (gtd,) = self._evaluate(batch, prelude, [("dot", "acc", "d")])
             evals += 1
             armijo = math.isfinite(ft) and ft <= f + self.c1 * t * gd
             if best is not None and (not armijo or ft >= best[0]):
@@ -355,11 +272,12 @@ class LBFGS:
         return ft, t, evals
 
     def _accept(self, t: float, iteration: int = 0) -> tuple[float, float, float]:
-        """Move to the trial point; push ``s = t d``, ``y = g_new - g`` into the history ring."""
-        used = {e[0] for e in self.ring}
-        slot = next(i for i in range(self.m + 1) if i not in used)  # m + 1 slots: one spare
+        """Move to the trial point; push ``s = t d``, ``y = g_new - g`` into the history ring,
+        and record the inner products the next directions need (same round trip)."""
+        slot = self.history.free_slot()
         s, y = f"s{slot}", f"y{slot}"
-        sy, yy, gg = self.space.run(
+        pairs = self.history.pair_dots(slot)
+        sy, yy, gg, *dots = self.space.run(
             [
                 ("copy", "d", s),
                 ("scale", s, t),
@@ -370,11 +288,12 @@ class LBFGS:
                 ("dot", s, y),
                 ("dot", y, y),
                 ("dot", "g", "g"),
+                *self.history.program(pairs),
             ]
         )
+        self.history.record([("g", "g"), *pairs], [gg, *dots])
         if sy > 1e-10 * yy and yy > 0:  # keep H positive definite
-            self.ring = [*self.ring[max(0, len(self.ring) + 1 - self.m) :], (slot, 1.0 / sy)]
-            self.gamma = sy / yy
+            self.history.keep(slot, float(sy), float(yy))
         else:
             self.log(
                 "history_skipped", f"s'y = {sy:.3g} <= eps * y'y: pair not stored",

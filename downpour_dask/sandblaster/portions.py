@@ -29,8 +29,8 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from distributed import Client, Future, wait
 
-from ..core.lbfgs import Program, sum_replies
 from ..core.models import Model
+from ..core.vectors import Program, sum_replies
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers

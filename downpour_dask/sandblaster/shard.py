@@ -1,7 +1,7 @@
 """Sandblaster's parameter-server shard: the L-BFGS vector machine over its range of every vector.
 
 A :class:`SandblasterShard` is a Dask actor.  It runs the coordinator's vector programs
-(:class:`~downpour_dask.core.lbfgs.VectorStore`) on its range of the iterate, the gradients, the
+(:class:`~downpour_dask.core.vectors.VectorStore`) on its range of the iterate, the gradients, the
 search direction and the history; publishes the point workers evaluate, as float32 ``values``
 with a new ``version`` per distributed pass; and accumulates the portions' gradients exactly once
 per ``(version, portion)``, however many copies of a portion run.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import optim
-from ..core.lbfgs import Program, VectorStore
+from ..core.vectors import Program, VectorStore
 from ..ps.shard import ParameterServerShard
 
 
