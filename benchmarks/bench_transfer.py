@@ -13,8 +13,11 @@ now tuned, processes, to show what part of the gain is the allocator
 The limit any transport could reach: the machine's raw loopback socket throughput, measured in the
 same run between the same two worker processes -- a plain TCP connection from a task on the near
 worker to a thread on the far one, sending the push's bytes (4 MB) and receiving as many back
-(the pull's), with nothing else done on either side.  The "vs loopback" column is each row's time
-over that one.
+(the pull's), with nothing else done on either side.  The loopback and downpour-dask's two paths
+are measured in turns, one batch of ``--calls`` round trips each per round, so a change in the
+machine's load between rounds reaches all three; their "vs loopback" column is the median over
+the rounds of each round's time over that round's loopback (the range in "rounds"), the naive
+actor's rows are over the median loopback.
 
     python benchmarks/bench_transfer.py [--repeats 5] [--calls 30]
 """
@@ -43,6 +46,9 @@ from downpour_dask.runtime.cluster import cluster_workers  # noqa: E402
 from downpour_dask.runtime.malloc import tune_malloc  # noqa: E402
 
 SIZE = 1_000_000
+LOOPBACK = "raw TCP loopback, same bytes, nothing else done"
+WIRED = "downpour-dask shards (2, far), direct connections"
+MESSAGES = "downpour-dask shards (2, far), actor messages"
 
 
 class NaiveParameterActor:
@@ -168,38 +174,44 @@ def main() -> None:
             NaiveParameterActor, initial, actor=True, workers=[far], pure=False
         ).result(timeout=60)
 
-        def median_of(fn, *fargs) -> float:
-            runs = [
-                client.submit(fn, *fargs, args.calls, workers=[near], pure=False).result(300)
-                for _ in range(args.repeats)
-            ]
-            return statistics.median(runs)
+        def one(fn, *fargs) -> float:
+            return client.submit(fn, *fargs, args.calls, workers=[near], pure=False).result(300)
 
-        baseline = median_of(time_naive, naive)
+        baseline = statistics.median(one(time_naive, naive) for _ in range(args.repeats))
         host = urlparse(far).hostname
         port = client.run(start_loopback_echo, host, SIZE * 4, args.repeats, workers=[far])[far]
-        loopback = median_of(time_loopback, host, port)
         server = ParameterServer.create(client, initial, 2, optim.sgd(0.01), [far, far])
         portable = server.portable()
-        wired = median_of(time_downpour, portable, True)
-        messages = median_of(time_downpour, portable, False)
-        naive_tuned = median_of(time_naive, naive)
+        rounds: dict[str, list[float]] = {LOOPBACK: [], WIRED: [], MESSAGES: []}
+        for _ in range(args.repeats):  # interleaved: the machine's drift hits every path alike
+            rounds[LOOPBACK].append(one(time_loopback, host, port))
+            rounds[WIRED].append(one(time_downpour, portable, True))
+            rounds[MESSAGES].append(one(time_downpour, portable, False))
+        naive_tuned = statistics.median(one(time_naive, naive) for _ in range(args.repeats))
         server.close()
+    loopback = statistics.median(rounds[LOOPBACK])
     rows = [
-        ("raw TCP loopback, same bytes, nothing else done", loopback),
+        (LOOPBACK, loopback),
         ("naive sync actor, default worker processes", baseline),
-        ("downpour-dask shards (2, far), direct connections", wired),
-        ("downpour-dask shards (2, far), actor messages", messages),
+        (WIRED, statistics.median(rounds[WIRED])),
+        (MESSAGES, statistics.median(rounds[MESSAGES])),
         ("naive sync actor, after downpour-dask tuned them", naive_tuned),
     ]
+    ratios = {  # each round's time over the loopback measured just before it
+        name: [t / lb for t, lb in zip(rounds[name], rounds[LOOPBACK])] for name in rounds
+    }
     print(
         f"\npull + push of {SIZE:,} float32 parameters from another worker, median of "
         f"{args.repeats} x {args.calls} round trips"
     )
-    print(f"{'path':52} {'ms':>8} {'vs naive':>9} {'vs loopback':>12}")
+    print(f"{'path':52} {'ms':>8} {'vs naive':>9} {'vs loopback':>12} {'rounds':>12}")
     for name, seconds in rows:
+        ratio, spread = seconds / loopback, ""
+        if name in ratios:  # the median of the per-round ratios, and their range
+            ratio = statistics.median(ratios[name])
+            spread = f"{min(ratios[name]):.2f}-{max(ratios[name]):.2f}x"
         print(
-            f"{name:52} {seconds * 1e3:8.2f} {seconds / baseline:8.2f}x {seconds / loopback:11.2f}x"
+            f"{name:52} {seconds * 1e3:8.2f} {seconds / baseline:8.2f}x {ratio:11.2f}x {spread:>12}"
         )
     gbps = 2 * SIZE * 4 / loopback / 1e9
     print(f"raw loopback throughput: {gbps:.2f} GB/s (both directions, one connection)")
