@@ -18,7 +18,9 @@ workers) for the cluster runs.  Sandblaster runs with its default portions (10 p
 and with 4 (2 per thread), interleaved with scipy ``--repeats`` times; the "relayed" row runs the
 default through a client made with ``direct_to_workers=False``, so its data blocks travel through
 the scheduler (Dask's default for a scatter, and the placement before) instead of straight to
-the workers.  A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays
+the workers; the "one result at a time" row fetches the finished portions' results one after
+the other (``Portions.FETCHES = 1``, the collection before) instead of concurrently.  A small
+Sandblaster fit runs first, untimed: the first fit on a new cluster pays
 one-off costs (imports and allocations on the workers) that would otherwise land on one row.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
@@ -49,6 +51,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 from downpour_dask import models  # noqa: E402
 from downpour_dask.sandblaster.coordinator import Coordinator  # noqa: E402
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS  # noqa: E402
+from downpour_dask.sandblaster.portions import Portions  # noqa: E402
 
 L2_WEIGHT = 1e-4
 
@@ -69,6 +72,8 @@ class L2ExceptIntercept(L2):
 
 SCIPY = "serial scipy L-BFGS-B (1 thread)"
 DASK_ML = "dask-ml LogisticRegression(lbfgs)"
+RELAYED, SERIAL = "relayed", "one result at a time"
+VARIANTS = ((None, ""), (None, RELAYED), (None, SERIAL), (4, ""))  # (portions, A/B variant)
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -200,6 +205,7 @@ def main() -> None:
             chunk = -(-args.rows // 20)
             results[DASK_ML] = [run_dask_ml(client, X, y, chunk)]
         client.run(lambda: None)
+        fetches = getattr(Portions, "FETCHES", 1)  # code before concurrent fetches: 1
         warm = min(args.rows, 2000)  # the cluster's first fit pays one-off costs: not in a row
         SandblasterLBFGS(model, max_iter=2).fit(X[:warm], y[:warm], client=client)
         original_init = models.LogisticRegression.init
@@ -207,14 +213,18 @@ def main() -> None:
         try:
             for _ in range(args.repeats):  # interleaved: each repeat runs every method once
                 results.setdefault(SCIPY, []).append(run_scipy(model, X, y, x0))
-                for portions, relayed in ((None, False), (None, True), (4, False)):
+                for portions, variant in VARIANTS:
                     label = "SandblasterLBFGS" + (
                         " (default 20 portions)" if portions is None else f" ({portions} portions)"
                     )
-                    label += " relayed" if relayed else ""  # data via the scheduler (A/B)
+                    label += f" {variant}" if variant else ""
+                    Portions.FETCHES = 1 if variant == SERIAL else fetches
                     results.setdefault(label, []).append(
-                        run_sandblaster(relaying if relayed else client, model, X, y, portions)
+                        run_sandblaster(
+                            relaying if variant == RELAYED else client, model, X, y, portions
+                        )
                     )
+                Portions.FETCHES = fetches
         finally:
             models.LogisticRegression.init = original_init
     finals = {
@@ -229,14 +239,14 @@ def main() -> None:
         f"(best final * (1 + {args.rel:g})); {args.repeats} interleaved repeat(s), load "
         f"{os.getloadavg()[0]:.1f}"
     )
-    header = f"{'method':42} {'final objective':>16} {'evals':>6} {'1st eval':>9} {'to target':>10}"
+    header = f"{'method':62} {'final objective':>16} {'evals':>6} {'1st eval':>9} {'to target':>10}"
     print(f"{header} {'vs scipy':>9} {'vs dask-ml':>11}")
     for name, runs in results.items():
         for _, trace, passes in runs:
             hit = time_to(trace, target)
             first = trace[0][0]
             print(
-                f"{name:42} {finals[name]:>16.8f} {passes:>6} {first:>8.2f}s {hit:>9.2f}s "
+                f"{name:62} {finals[name]:>16.8f} {passes:>6} {first:>8.2f}s {hit:>9.2f}s "
                 f"{hit / scipy_time:>8.2f}x {hit / dask_ml:>10.2f}x"
             )
 

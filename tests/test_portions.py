@@ -1,4 +1,5 @@
-"""The coordinator's bookkeeping of portion copies (``Portions._collect``), driven directly.
+"""The coordinator's bookkeeping of portion copies (``Portions._collect``, ``_results``), driven
+directly.
 
 The cluster tests in ``test_sandblaster.py`` show the whole path works; these pin the races a
 killed worker produces, which a cluster run hits only now and then: a copy that finished but whose
@@ -56,13 +57,29 @@ def _add(portions: Portions, future: _FakeFuture, version: int, portion: int, wo
     portions.load[worker] += 1
 
 
+def _take(portions: Portions, future: _FakeFuture, *args) -> bool:
+    """Collect ``future`` as the pass does: its result fetched first."""
+    ((same, result),) = portions._results({future})
+    assert same is future
+    return portions._collect(future, result, *args)
+
+
+def test_results_of_copies_finished_together_are_fetched_at_once_and_stay_paired():
+    results = [PortionResult(p, 3, "done", float(p), 10, "w1") for p in range(6)]
+    futures = {_FakeFuture("finished", r) for r in results}
+    futures |= {_FakeFuture("finished"), _FakeFuture("cancelled")}  # result lost; not finished
+    fetched = _portions([])._results(futures)
+    assert {f for f, _ in fetched} == futures
+    assert all(r is f._result for f, r in fetched)  # None for the lost and the cancelled copy
+
+
 def test_a_finished_copy_whose_result_died_with_its_worker_is_run_again():
     restored: list[int] = []
     portions = _portions(restored)
     lost = _FakeFuture("finished")  # finished, then its worker died before the gather
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo, done, durations = [], {}, []
-    assert portions._collect(lost, 3, todo, done, durations) is False
+    assert _take(portions, lost, 3, todo, done, durations) is False
     assert todo == [7] and not done and restored  # its data block is re-sent, the portion re-run
     assert portions.load["w1"] == 0 and not portions.inflight
 
@@ -74,7 +91,7 @@ def test_a_lost_copy_is_run_again_even_while_an_older_batch_copy_still_runs():
     _add(portions, straggler, version=2, portion=7, worker="w2")
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo: list[int] = []
-    portions._collect(lost, 3, todo, {}, [])
+    _take(portions, lost, 3, todo, {}, [])
     assert todo == [7]  # the old copy's gradient would be discarded: it cannot stand in
 
 
@@ -85,7 +102,7 @@ def test_a_lost_copy_is_not_run_again_while_a_copy_of_the_same_batch_runs():
     _add(portions, backup, version=3, portion=7, worker="w2")
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo: list[int] = []
-    portions._collect(lost, 3, todo, {}, [])
+    _take(portions, lost, 3, todo, {}, [])
     assert todo == []  # the backup will count; a third copy would only duplicate work
 
 
@@ -98,8 +115,8 @@ def test_a_finished_copy_counts_once_and_the_other_is_reported_discarded():
     _add(portions, first, version=3, portion=7, worker="w1")
     _add(portions, second, version=3, portion=7, worker="w2")
     done: dict = {}
-    assert portions._collect(first, 3, [], done, []) is True
-    assert portions._collect(second, 3, [], done, []) is False
+    assert _take(portions, first, 3, [], done, []) is True
+    assert _take(portions, second, 3, [], done, []) is False
     assert done == {7: result} and observer.counted == [result]
     assert observer.events == [
         (
@@ -115,7 +132,7 @@ def test_a_copy_of_an_earlier_batch_is_discarded_not_counted():
     stale = _FakeFuture("finished", PortionResult(4, 2, "stale", 0.0, 0, "w1"))
     _add(portions, stale, version=2, portion=4, worker="w1")
     done: dict = {}
-    assert portions._collect(stale, 3, [], done, []) is False
+    assert _take(portions, stale, 3, [], done, []) is False
     assert not done and not observer.counted
     assert observer.events == [
         ("duplicate_discarded", {"portion": 4, "version": 2, "status": "stale", "worker": "w1"})

@@ -23,7 +23,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -95,6 +95,10 @@ class Portions:
 
     DEPTH = 2  # portions queued per worker thread, so a worker never waits for the driver
     LOCAL_ONLY = True  # a portion runs where its block is while that worker lives
+    #: Finished copies whose results are fetched at once: each fetch is a round trip through the
+    #: scheduler to the worker holding the result, and one at a time they held the driver's loop.
+    FETCHES = 4
+    _fetchers = ThreadPoolExecutor(FETCHES, thread_name_prefix="sandblaster-results")
 
     def __init__(
         self,
@@ -160,8 +164,9 @@ class Portions:
                 finished = set()
             except FUTURES_CANCELLED:  # a dead worker took scattered data with it
                 finished = {f for f in self.inflight if f.done()}
-            for future in finished:
-                if self._collect(future, version, todo, done, durations):
+            finished |= {f for f in self.inflight if f.status == "finished"}  # meanwhile
+            for future, result in self._results(finished):
+                if self._collect(future, result, version, todo, done, durations):
                     last_progress = time.time()
             if time.time() - last_progress > 1.0:  # no progress: did a worker die?
                 self._refresh()
@@ -181,21 +186,39 @@ class Portions:
         )  # fmt: skip
         return sum(r.loss_sum for r in done.values()), sum(r.examples for r in done.values())
 
+    def _result(self, future: Future) -> PortionResult | None:
+        """A finished copy's result; None if it did not finish (failed, cancelled, lost) or its
+        worker died before the result could be fetched."""
+        if future.status != "finished":
+            return None
+        try:
+            return future.result(timeout=self.timeout)
+        except CancelledError:
+            return None
+
+    def _results(self, finished: set[Future]) -> list[tuple[Future, PortionResult | None]]:
+        """The finished copies with their results, fetched concurrently (``FETCHES`` at once)."""
+        futures = list(finished)
+        if len(futures) < 2 or self.FETCHES < 2:
+            return [(f, self._result(f)) for f in futures]
+        return list(zip(futures, self._fetchers.map(self._result, futures)))
+
     def _collect(
-        self, future: Future, version: int, todo: list, done: dict, durations: list
+        self,
+        future: Future,
+        result: PortionResult | None,
+        version: int,
+        todo: list,
+        done: dict,
+        durations: list,
     ) -> bool:
-        """Take in one finished copy; True if it counted (the first copy of its portion)."""
+        """Take in one finished copy and its ``result`` (None: it did not finish); True if it
+        counted (the first copy of its portion)."""
         copy = self.inflight.pop(future)
         self.load[copy.worker] -= 1
         if future.status == "error":
             self._check_shards(seconds=min(5.0, self.timeout))  # a lost shard fails portions
             raise RuntimeError(f"portion {copy.portion} failed: {future.exception(timeout=5)!r}")
-        result: PortionResult | None = None
-        if future.status == "finished":
-            try:
-                result = future.result(timeout=self.timeout)
-            except CancelledError:  # finished, but its worker died before we got the result
-                pass
         if result is None:  # cancelled or lost with its data block: run it again
             self._restore_blocks()
             running = any(
