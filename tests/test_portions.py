@@ -48,13 +48,17 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions.timeout = 5.0
     portions.observer = observer or _Observer()
     portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
+    portions.capacity, portions.freed = {"w1": Portions.DEPTH, "w2": Portions.DEPTH}, {}
     portions._restore_blocks = lambda: restored.append(1)
     return portions
 
 
-def _add(portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str):
-    portions.inflight[future] = PortionCopy(version, portion, worker, time.time())
+def _add(
+    portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str, ago=0.0
+) -> PortionCopy:
+    copy = portions.inflight[future] = PortionCopy(version, portion, worker, time.time() - ago)
     portions.load[worker] += 1
+    return copy
 
 
 def _take(portions: Portions, future: _FakeFuture, *args) -> bool:
@@ -137,3 +141,27 @@ def test_a_copy_of_an_earlier_batch_is_discarded_not_counted():
     assert observer.events == [
         ("duplicate_discarded", {"portion": 4, "version": 2, "status": "stale", "worker": "w1"})
     ]
+
+
+def test_a_copy_queued_behind_another_is_not_a_straggler_until_it_has_run_long():
+    observer = _Observer()
+    portions = _portions([], observer)
+    portions.backup_tasks, submitted = True, []
+    portions._submit = lambda version, pid, worker, backup: submitted.append((pid, worker))
+    running, queued = _FakeFuture("pending"), _FakeFuture("pending")
+    first = _add(portions, running, version=3, portion=0, worker="w1", ago=1.0)
+    second = _add(portions, queued, version=3, portion=1, worker="w1", ago=0.99)
+    copies = {0: [first], 1: [second]}
+    durations = [0.1]  # a portion takes 0.1 s: both have been submitted for far longer
+    portions._backups(3, copies, {}, durations)
+    assert submitted == [(0, "w2")]  # the running one is a straggler; the queued one waits
+    assert portions._running_since(second) is None
+    del portions.inflight[running]  # the first is collected: the second begins to run now
+    portions.freed["w1"] = time.time()
+    portions.load["w1"] -= 1
+    copies = {1: [second]}
+    portions._backups(3, copies, {}, durations)
+    assert submitted == [(0, "w2")]  # its own clock started when the first was collected
+    assert portions._running_since(second) == portions.freed["w1"]
+    (kind, data), *_ = observer.events
+    assert kind == "backup_launched" and data["running"] >= 1.0 and data["portion"] == 0

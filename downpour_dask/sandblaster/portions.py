@@ -122,6 +122,7 @@ class Portions:
         self.delay = dict(delay or {})
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
         self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
+        self.freed: dict[str, float] = {}  # when each worker's last copy was collected
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
         self.where: dict[int, set[str]] = {}
@@ -178,13 +179,13 @@ class Portions:
                     f"{len(done)} of {len(self.batches[batch])} portions done; "
                     f"{self._outstanding(version)}"
                 )
-        self.examples_seen += sum(r.examples for r in done.values())
+        examples = sum(r.examples for r in done.values())
+        self.examples_seen += examples
         self.observer.event(
-            "batch_done",
-            f"batch {batch}, version {version}, {len(done)} portions",
+            "batch_done", f"batch {batch}, version {version}, {len(done)} portions",
             batch=batch, version=version, portions=len(done),
         )  # fmt: skip
-        return sum(r.loss_sum for r in done.values()), sum(r.examples for r in done.values())
+        return sum(r.loss_sum for r in done.values()), examples
 
     def _result(self, future: Future) -> PortionResult | None:
         """A finished copy's result; None if it did not finish (failed, cancelled, lost) or its
@@ -203,19 +204,17 @@ class Portions:
             return [(f, self._result(f)) for f in futures]
         return list(zip(futures, self._fetchers.map(self._result, futures)))
 
-    def _collect(
-        self,
-        future: Future,
-        result: PortionResult | None,
-        version: int,
-        todo: list,
-        done: dict,
-        durations: list,
+    def _collect(  # fmt: skip
+        self, future: Future, result: PortionResult | None, version: int, todo: list,
+        done: dict, durations: list,
     ) -> bool:
         """Take in one finished copy and its ``result`` (None: it did not finish); True if it
         counted (the first copy of its portion)."""
-        copy = self.inflight.pop(future)
+        copy = self.inflight[future]
+        began = self._running_since(copy)
+        del self.inflight[future]
         self.load[copy.worker] -= 1
+        self.freed[copy.worker] = time.time()
         if future.status == "error":
             self._check_shards(seconds=min(5.0, self.timeout))  # a lost shard fails portions
             raise RuntimeError(f"portion {copy.portion} failed: {future.exception(timeout=5)!r}")
@@ -237,10 +236,24 @@ class Portions:
             )  # fmt: skip
             return False
         done[copy.portion] = result
-        durations.append(time.time() - copy.submitted)
+        durations.append(time.time() - (copy.submitted if began is None else began))
         self.where.setdefault(copy.portion, set()).add(result.worker)
         self.observer.portion_counted(result)
         return True
+
+    def _running_since(self, copy: PortionCopy) -> float | None:
+        """When ``copy`` began to run, as far as the driver can tell; None while it waits.
+
+        A worker runs its queued copies (``DEPTH`` per thread) in submission order: a copy with
+        a thread's worth of older copies ahead of it has not begun; one that has, began when it
+        was submitted or when the worker's previous copy was collected, whichever is later.
+        """
+        same = (c for c in self.inflight.values() if c.worker == copy.worker)
+        ahead = sum(1 for c in same if c.submitted < copy.submitted)
+        threads = max(1, self.capacity.get(copy.worker, self.DEPTH) // self.DEPTH)
+        if ahead >= threads:
+            return None
+        return max(copy.submitted, self.freed.get(copy.worker, copy.submitted))
 
     def _outstanding(self, version: int) -> str:
         """The copies of batch ``version`` still running, for an error message: which portion,
@@ -353,16 +366,20 @@ class Portions:
     def _backups(self, version: int, copies: dict, done: dict, durations: list) -> None:
         """Near the end of a batch, re-submit portions running unusually long on idle workers.
 
-        A portion is a straggler once it has run 1.5x the median time of this batch's finished
-        portions; its copy goes to a free slot on another worker.  Whichever copy finishes first
-        counts; the shards discard the other's gradient and the driver its loss.
+        A portion is a straggler once it has run (:meth:`_running_since`) 1.5x the median time
+        of this batch's finished portions; its copy goes to a free slot on another worker.
+        Whichever copy finishes first counts; the shards discard the other's gradient and the
+        driver its loss.
         """
         free = self._free()
         if not free or not durations:
             return
         limit, now = 1.5 * statistics.median(durations) + 0.002, time.time()
         for pid, runs in copies.items():
-            if pid in done or len(runs) > 1 or now - runs[0].submitted < limit or not free:
+            if pid in done or len(runs) > 1 or not free:
+                continue
+            began = self._running_since(runs[0])
+            if began is None or now - began < limit:  # still queued, or not slow yet
                 continue
             others = [w for w in free if w != runs[0].worker]
             if not others:
@@ -371,9 +388,9 @@ class Portions:
             runs.append(self._submit(version, pid, worker, backup=True))
             self.observer.event(
                 "backup_launched",
-                f"portion {pid} (on {runs[0].worker} for {now - runs[0].submitted:.3f}s) "
+                f"portion {pid} (on {runs[0].worker} for {now - began:.3f}s) "
                 f"copied to {worker}",
                 portion=pid, version=version, worker=worker, straggler=runs[0].worker,
-                running=now - runs[0].submitted,
+                running=now - began,
             )  # fmt: skip
             free = self._free()
