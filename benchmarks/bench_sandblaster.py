@@ -7,21 +7,24 @@ N rows plus ``0.5 * L2 * ||w||^2`` on the weights, the intercept unpenalised.  d
 ``C = 1 / (L2 * N)`` and an L2 regulariser that skips the intercept (the last coordinate dask-ml
 appends), so its objective is exactly N times ours; its values are divided by N.
 
-Each method's objective is recorded at every evaluation (scipy, dask-ml) or iteration
-(Sandblaster) against wall time since the method was handed the numpy arrays (data placement on
-the cluster is included).  The target is the best final objective of all runs, re-evaluated
-in float64 on the driver, times ``1 + --rel``; the table reports when each run first reached
-it, and the ratios to scipy's best time and to dask-ml's (below 1: faster).  ``evals`` counts
-full gradient evaluations (distributed passes for Sandblaster, line-search trials included);
-``1st eval`` is when the first objective value was known: mostly data placement (scatter to the
-workers) for the cluster runs.  Sandblaster runs with its default portions (10 per worker thread)
-and with 4 (2 per thread), interleaved with scipy ``--repeats`` times; the "relayed" row runs the
-default through a client made with ``direct_to_workers=False``, so its data blocks travel through
-the scheduler (Dask's default for a scatter, and the placement before) instead of straight to
-the workers; the "one result at a time" row fetches the finished portions' results one after
-the other (``Portions.FETCHES = 1``, the collection before) instead of concurrently.  A small
-Sandblaster fit runs first, untimed: the first fit on a new cluster pays
-one-off costs (imports and allocations on the workers) that would otherwise land on one row.
+Each method's objective is recorded at every evaluation (scipy, dask-ml) or iteration (Sandblaster)
+against wall time since the method was handed the numpy arrays (data placement on the cluster is
+included). The target is the best final objective of all runs, re-evaluated in float64 on the
+driver, times ``1 + --rel``; the table reports when each run first reached it, and the ratios to
+scipy's best time and to dask-ml's (below 1: faster). ``evals`` counts full gradient evaluations
+(distributed passes for Sandblaster, line-search trials included); ``1st eval`` is when the first
+objective value was known: mostly data placement (scatter to the workers) for the cluster runs;
+``passes`` is the time from then to the target, and ``backups`` the number of backup copies
+Sandblaster launched. Sandblaster runs with its default portions (10 per worker thread) and with 4
+(2 per thread), interleaved with scipy ``--repeats`` times; the "relayed" row runs the default
+through a client made with ``direct_to_workers=False``, so its data blocks travel through the
+scheduler (Dask's default for a scatter, and the placement before) instead of straight to the
+workers; the "one result at a time" row fetches the finished portions' results one after the other
+(``Portions.FETCHES = 1``, the collection before) instead of concurrently; the "workers read every
+pass" row asks the scheduler for the workers and where the blocks are at the start of every pass
+(``Portions.REFRESH_EVERY = 0``, as before) instead of at most once a second. A small Sandblaster
+fit runs first, untimed: the first fit on a new cluster pays one-off costs (imports and allocations
+on the workers) that would otherwise land on one row.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
                                            [--repeats 1] [--skip-dask-ml]
@@ -72,8 +75,8 @@ class L2ExceptIntercept(L2):
 
 SCIPY = "serial scipy L-BFGS-B (1 thread)"
 DASK_ML = "dask-ml LogisticRegression(lbfgs)"
-RELAYED, SERIAL = "relayed", "one result at a time"
-VARIANTS = ((None, ""), (None, RELAYED), (None, SERIAL), (4, ""))  # (portions, A/B variant)
+RELAYED, SERIAL, EVERY_PASS = "relayed", "one result at a time", "workers read every pass"
+VARIANTS = ((None, ""), (None, RELAYED), (None, SERIAL), (None, EVERY_PASS), (4, ""))
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -167,8 +170,9 @@ def run_sandblaster(client, model, X, y, portions):
     evals = est.experiment_.evals
     offset = runs[-1].recorder.t0 - start  # argument checks before the run's clock started
     trace = list(zip(evals["time"] + offset, evals["objective"]))
-    passes = int((est.experiment_.events["kind"] == "batch_start").sum())
-    return est.params_, trace, passes
+    kinds = est.experiment_.events["kind"]
+    passes = int((kinds == "batch_start").sum())
+    return est.params_, trace, (passes, int((kinds == "backup_launched").sum()))
 
 
 def time_to(trace, target: float) -> float:
@@ -206,6 +210,7 @@ def main() -> None:
             results[DASK_ML] = [run_dask_ml(client, X, y, chunk)]
         client.run(lambda: None)
         fetches = getattr(Portions, "FETCHES", 1)  # code before concurrent fetches: 1
+        refresh = getattr(Portions, "REFRESH_EVERY", 0.0)  # code before: every pass
         warm = min(args.rows, 2000)  # the cluster's first fit pays one-off costs: not in a row
         SandblasterLBFGS(model, max_iter=2).fit(X[:warm], y[:warm], client=client)
         original_init = models.LogisticRegression.init
@@ -219,12 +224,13 @@ def main() -> None:
                     )
                     label += f" {variant}" if variant else ""
                     Portions.FETCHES = 1 if variant == SERIAL else fetches
+                    Portions.REFRESH_EVERY = 0.0 if variant == EVERY_PASS else refresh
                     results.setdefault(label, []).append(
                         run_sandblaster(
                             relaying if variant == RELAYED else client, model, X, y, portions
                         )
                     )
-                Portions.FETCHES = fetches
+                Portions.FETCHES, Portions.REFRESH_EVERY = fetches, refresh
         finally:
             models.LogisticRegression.init = original_init
     finals = {
@@ -240,14 +246,16 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}"
     )
     header = f"{'method':62} {'final objective':>16} {'evals':>6} {'1st eval':>9} {'to target':>10}"
-    print(f"{header} {'vs scipy':>9} {'vs dask-ml':>11}")
+    print(f"{header} {'passes':>7} {'vs scipy':>9} {'vs dask-ml':>11} {'backups':>8}")
     for name, runs in results.items():
-        for _, trace, passes in runs:
+        for _, trace, evals in runs:
+            evals, backups = evals if isinstance(evals, tuple) else (evals, "-")
             hit = time_to(trace, target)
             first = trace[0][0]
             print(
-                f"{name:62} {finals[name]:>16.8f} {passes:>6} {first:>8.2f}s {hit:>9.2f}s "
-                f"{hit / scipy_time:>8.2f}x {hit / dask_ml:>10.2f}x"
+                f"{name:62} {finals[name]:>16.8f} {evals:>6} {first:>8.2f}s {hit:>9.2f}s "
+                f"{hit - first:>6.2f}s {hit / scipy_time:>8.2f}x {hit / dask_ml:>10.2f}x "
+                f"{backups:>8}"
             )
 
 
