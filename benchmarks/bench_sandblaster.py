@@ -20,11 +20,9 @@ Sandblaster launched. Sandblaster runs with its default portions (10 per worker 
 through a client made with ``direct_to_workers=False``, so its data blocks travel through the
 scheduler (Dask's default for a scatter, and the placement before) instead of straight to the
 workers; the "one result at a time" row fetches the finished portions' results one after the other
-(``Portions.FETCHES = 1``, the collection before) instead of concurrently; the "workers read every
-pass" row asks the scheduler for the workers and where the blocks are at the start of every pass
-(``Portions.REFRESH_EVERY = 0``, as before) instead of at most once a second. A small Sandblaster
-fit runs first, untimed: the first fit on a new cluster pays one-off costs (imports and allocations
-on the workers) that would otherwise land on one row.
+(``Portions.FETCHES = 1``, the collection before) instead of concurrently. A small Sandblaster fit
+runs first, untimed: the first fit on a new cluster pays one-off costs (imports and allocations on
+the workers) that would otherwise land on one row.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
                                            [--repeats 1] [--skip-dask-ml]
@@ -75,8 +73,8 @@ class L2ExceptIntercept(L2):
 
 SCIPY = "serial scipy L-BFGS-B (1 thread)"
 DASK_ML = "dask-ml LogisticRegression(lbfgs)"
-RELAYED, SERIAL, EVERY_PASS = "relayed", "one result at a time", "workers read every pass"
-VARIANTS = ((None, ""), (None, RELAYED), (None, SERIAL), (None, EVERY_PASS), (4, ""))
+RELAYED, SERIAL = "relayed", "one result at a time"
+VARIANTS = ((None, ""), (None, RELAYED), (None, SERIAL), (4, ""))  # (portions, A/B variant)
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -210,7 +208,6 @@ def main() -> None:
             results[DASK_ML] = [run_dask_ml(client, X, y, chunk)]
         client.run(lambda: None)
         fetches = getattr(Portions, "FETCHES", 1)  # code before concurrent fetches: 1
-        refresh = getattr(Portions, "REFRESH_EVERY", 0.0)  # code before: every pass
         warm = min(args.rows, 2000)  # the cluster's first fit pays one-off costs: not in a row
         SandblasterLBFGS(model, max_iter=2).fit(X[:warm], y[:warm], client=client)
         original_init = models.LogisticRegression.init
@@ -224,13 +221,12 @@ def main() -> None:
                     )
                     label += f" {variant}" if variant else ""
                     Portions.FETCHES = 1 if variant == SERIAL else fetches
-                    Portions.REFRESH_EVERY = 0.0 if variant == EVERY_PASS else refresh
                     results.setdefault(label, []).append(
                         run_sandblaster(
                             relaying if variant == RELAYED else client, model, X, y, portions
                         )
                     )
-                Portions.FETCHES, Portions.REFRESH_EVERY = fetches, refresh
+                Portions.FETCHES = fetches
         finally:
             models.LogisticRegression.init = original_init
     finals = {

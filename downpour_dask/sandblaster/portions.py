@@ -98,7 +98,6 @@ class Portions:
     #: Finished copies whose results are fetched at once: each fetch is a round trip through the
     #: scheduler to the worker holding the result, and one at a time they held the driver's loop.
     FETCHES = 4
-    REFRESH_EVERY = 1.0  # seconds between a pass's looks at the workers (stalls look at once)
     _fetchers = ThreadPoolExecutor(FETCHES, thread_name_prefix="sandblaster-results")
 
     def __init__(
@@ -139,8 +138,7 @@ class Portions:
     def evaluate(self, batch: int, prelude: Program) -> tuple[float, int]:
         """One distributed pass over ``batch`` at the point ``xt`` (after ``prelude``)."""
         version = self.server.call_all(SandblasterShard.begin, prelude, timeout=self.timeout)[0]
-        if time.time() - self.refreshed >= self.REFRESH_EVERY:  # two scheduler round trips
-            self._refresh()
+        self._refresh()
         t_start = last_progress = time.time()
         self.observer.event(
             "batch_start", f"batch {batch}, version {version}", batch=batch, version=version
@@ -290,7 +288,6 @@ class Portions:
     def _refresh(self, first: bool = False) -> None:
         """Re-read the live workers (a killed one disappears, its restarted successor appears);
         raise :class:`ShardLostError` if one of them held a shard."""
-        self.refreshed = time.time()
         workers = cluster_workers(self.client)
         if not first:
             for gone in set(self.capacity) - set(workers):
