@@ -143,25 +143,21 @@ def test_a_copy_of_an_earlier_batch_is_discarded_not_counted():
     ]
 
 
-def test_a_copy_queued_behind_another_is_not_a_straggler_until_it_has_run_long():
+def test_a_queued_copy_is_a_straggler_only_when_the_copy_ahead_of_it_is_slow():
     observer = _Observer()
     portions = _portions([], observer)
     portions.backup_tasks, submitted = True, []
     portions._submit = lambda version, pid, worker, backup: submitted.append((pid, worker))
+    durations = [0.1]  # a portion takes 0.1 s; every copy below was submitted 1 s ago
     running, queued = _FakeFuture("pending"), _FakeFuture("pending")
     first = _add(portions, running, version=3, portion=0, worker="w1", ago=1.0)
     second = _add(portions, queued, version=3, portion=1, worker="w1", ago=0.99)
-    copies = {0: [first], 1: [second]}
-    durations = [0.1]  # a portion takes 0.1 s: both have been submitted for far longer
-    portions._backups(3, copies, {}, durations)
-    assert submitted == [(0, "w2")]  # the running one is a straggler; the queued one waits
-    assert portions._running_since(second) is None
-    del portions.inflight[running]  # the first is collected: the second begins to run now
-    portions.freed["w1"] = time.time()
-    portions.load["w1"] -= 1
-    copies = {1: [second]}
-    portions._backups(3, copies, {}, durations)
-    assert submitted == [(0, "w2")]  # its own clock started when the first was collected
-    assert portions._running_since(second) == portions.freed["w1"]
-    (kind, data), *_ = observer.events
-    assert kind == "backup_launched" and data["running"] >= 1.0 and data["portion"] == 0
+    portions.freed["w1"] = time.time() - 0.05  # w1 began its current copy 0.05 s ago
+    portions._backups(3, {0: [first], 1: [second]}, {}, durations)
+    assert submitted == []  # healthy: the queued copy waits its turn, no backup
+    portions.freed["w1"] = time.time() - 0.5  # w1 has now been on its copy for 0.5 s
+    portions._backups(3, {0: [first], 1: [second]}, {}, durations)
+    assert submitted == [(0, "w2"), (1, "w2")]  # slow: the queued copy is as late
+    kinds = [kind for kind, _ in observer.events]
+    assert kinds == ["backup_launched", "backup_launched"]
+    assert all(0.5 <= data["running"] < 1.0 for _, data in observer.events)

@@ -236,24 +236,25 @@ class Portions:
             )  # fmt: skip
             return False
         done[copy.portion] = result
-        durations.append(time.time() - (copy.submitted if began is None else began))
+        durations.append(time.time() - began)
         self.where.setdefault(copy.portion, set()).add(result.worker)
         self.observer.portion_counted(result)
         return True
 
-    def _running_since(self, copy: PortionCopy) -> float | None:
-        """When ``copy`` began to run, as far as the driver can tell; None while it waits.
+    def _running_since(self, copy: PortionCopy) -> float:
+        """Since when ``copy``'s worker has been at it, as far as the driver can tell.
 
-        A worker runs its queued copies (``DEPTH`` per thread) in submission order: a copy with
-        a thread's worth of older copies ahead of it has not begun; one that has, began when it
-        was submitted or when the worker's previous copy was collected, whichever is later.
+        A worker runs its queued copies (``DEPTH`` per thread) in submission order.  Its oldest
+        copy began when it was submitted or when the worker's previous copy was collected,
+        whichever is later; a copy queued behind it is as late as that one (it waits for it),
+        and no later: timed from its own submission it would look like a straggler as soon as
+        the copies ahead of it took their normal time.
         """
-        same = (c for c in self.inflight.values() if c.worker == copy.worker)
-        ahead = sum(1 for c in same if c.submitted < copy.submitted)
-        threads = max(1, self.capacity.get(copy.worker, self.DEPTH) // self.DEPTH)
-        if ahead >= threads:
-            return None
-        return max(copy.submitted, self.freed.get(copy.worker, copy.submitted))
+        oldest = min(
+            (c for c in self.inflight.values() if c.worker == copy.worker),
+            key=lambda c: c.submitted, default=copy,
+        )  # fmt: skip
+        return max(oldest.submitted, self.freed.get(copy.worker, oldest.submitted))
 
     def _outstanding(self, version: int) -> str:
         """The copies of batch ``version`` still running, for an error message: which portion,
@@ -379,7 +380,7 @@ class Portions:
             if pid in done or len(runs) > 1 or not free:
                 continue
             began = self._running_since(runs[0])
-            if began is None or now - began < limit:  # still queued, or not slow yet
+            if now - began < limit:
                 continue
             others = [w for w in free if w != runs[0].worker]
             if not others:
