@@ -48,7 +48,6 @@ from .protocol import (
     is_fenced,
     is_shard_lost,
 )
-from .server import ParameterServer
 from .shard import ParameterServerShard
 from .wire import WireClient, WireError
 
@@ -363,38 +362,3 @@ class DaskShardChannel:
             self.wire.close()
             self.wire = None
 
-
-def open_channels(
-    server: ParameterServer,
-    replica: int,
-    timeout: float,
-    replacements: list[str] | None = None,
-    direct: bool = True,
-    secret: bytes = b"",
-) -> list[DaskShardChannel]:
-    """One channel per shard of ``server`` (a view made by ``portable()`` or the driver's),
-    with the direct connections to shards on other workers opened all at once.
-
-    ``replacements`` names, per shard, the variable where the driver publishes replacements;
-    ``secret`` is the run's wire secret.
-    """
-    server = server.opened()
-    channels = [
-        DaskShardChannel(
-            actor,
-            server.ids[s],
-            hi - lo,
-            replica,
-            timeout,
-            None if replacements is None else replacements[s],
-            direct,
-            secret,
-            server.generations[s],
-        )
-        for s, (actor, (lo, hi)) in enumerate(zip(server.shards, server.ranges))
-    ]
-    sent = time.monotonic()
-    asked = [channel.ask_endpoint() for channel in channels]
-    for channel, call in zip(channels, asked):
-        channel.connect(call, sent)
-    return channels
