@@ -169,9 +169,9 @@ class DaskShardChannel:
             return Done(error=error)
         raise error
 
-    def pull(self, avoid: np.ndarray | None = None) -> Any:
-        if self.local is not None:
-            out = self._buffer(None)
+    def pull(self, avoid: np.ndarray | None = None, into: np.ndarray | None = None) -> Any:
+        if self.local is not None:  # straight into the caller's array if it offers one
+            out = self._buffer(None) if into is None else into
             return self._here(self.local.snapshot_into, out, self.replica, self.session)
         try:
             if self.wire is not None:
@@ -200,12 +200,13 @@ class DaskShardChannel:
         examples: int,
         loss: float,
         avoid: np.ndarray | None = None,
+        into: np.ndarray | None = None,
     ) -> tuple[Any, Any]:
         self._next_seq = seq + 1
         kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
         if self.local is not None:
             pushed = self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
-            return pushed, self.pull()
+            return pushed, self.pull(into=into)
         try:
             if self.wire is not None:
                 call = self.wire.exchange(
