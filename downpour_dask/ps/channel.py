@@ -362,4 +362,3 @@ class DaskShardChannel:
         if self.wire is not None:
             self.wire.close()
             self.wire = None
-
