@@ -49,7 +49,12 @@ from downpour_dask.downpour.replica_loop import ReplicaLoop  # noqa: E402
 FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
 
 #: The speed-ups ``--ab`` switches off for its "before" rows: (class, attribute, before, now).
-BEFORE = [(MLPPart, "overlap", False, True), (ReplicaLoop, "skip_refetched", False, True)]
+BEFORE = [
+    (MLPPart, "overlap", False, True),
+    (ReplicaLoop, "skip_refetched", False, True),
+    (ReplicaLoop, "pull_into", False, True),
+    (ReplicaLoop, "plain_if_refetched", False, True),
+]
 
 
 def switch(before: bool, names: list[str]) -> None:

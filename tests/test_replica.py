@@ -100,10 +100,13 @@ class FakeChannel:
         apply = self._apply(grad, fetched_version, seq, examples, loss)
         return self._hold(apply) if self.hold_pushes else Done(apply())
 
-    def exchange(self, grad, fetched_version, seq, examples, loss, avoid=None):
+    def exchange(self, grad, fetched_version, seq, examples, loss, avoid=None, into=None):
         apply = self._apply(grad, fetched_version, seq, examples, loss)
+        self.into = getattr(self, "into", []) + [into is not None]
 
         def both():
+            if into is not None and self.in_process:  # as DaskShardChannel's local transport
+                return apply(), self.shard_object.snapshot_into(into, self.replica, self.session)
             return apply(), self.shard_object.snapshot(self.replica, self.session)
 
         call = self._hold(both) if self.hold_pushes else Done(both())
@@ -257,26 +260,34 @@ class CountingLoop(ReplicaLoop):
         super()._descend(target, accrued, scratch)
 
 
-@pytest.mark.parametrize(("n_fetch", "n_push"), [(1, 1), (2, 2), (2, 1), (1, 3)])
-def test_in_process_shards_skip_the_local_step_their_exchange_overwrites(n_fetch, n_push):
+@pytest.mark.parametrize(
+    ("n_fetch", "n_push", "local"), [(1, 1, 1), (2, 2, 1), (2, 1, 1), (1, 3, 1), (1, 1, 2)]
+)
+def test_in_process_shards_skip_the_local_step_their_exchange_overwrites(n_fetch, n_push, local):
     """A step whose push exchanges with a shard in the replica's process leaves that shard's
-    slice alone (the fetch installed before the next step overwrites it): one pass over the
-    vector less, and the same training as serial SGD."""
+    slice alone (the fetch, copied straight into the slice, overwrites it before the next
+    step): one pass over the vector less, and the same training as serial SGD.  When that is
+    every slice at every step, the gradient is not scaled by alpha (nothing to divide out)."""
     batches = data()
     shards = shards_for(INITIAL, 2)
     channels = [FakeChannel(shard) for shard in shards]
-    channels[0].in_process = True  # shard 0 in the replica's process, shard 1 remote
+    for channel in channels[:local]:  # shard 0 (or both) in the replica's process, others remote
+        channel.in_process = True
     ranges = [(shard.start, shard.stop) for shard in shards]
     cfg = config(max_steps=len(batches), n_fetch=n_fetch, n_push=n_push)
     loop = CountingLoop(channels, ranges, MODEL, cfg, Sink())
+    assert loop.scale == (1.0 if local == 2 else LR)
     loop.run(Batches(batches))
     expected = serial_sgd(MODEL, INITIAL, batches)
     np.testing.assert_allclose(server_values(shards), expected, rtol=0, atol=2e-6)
     exchanges = sum(
         1 for step in range(1, len(batches) + 1) if step % n_push == step % n_fetch == 0
     )
-    skipped = exchanges * (shards[0].stop - shards[0].start)
+    skipped = exchanges * sum(shard.stop - shard.start for shard in shards[:local])
     assert loop.descended == len(batches) * INITIAL.size - skipped
+    # and their fetches are copied straight into the slices (a remote shard's into a buffer)
+    assert all(channel.into == [True] * exchanges for channel in channels[:local])
+    assert not any(getattr(channels[-1], "into", [])) or local == 2
 
 
 def test_a_fetch_lacking_the_replicas_own_pushes_gets_each_replayed_exactly_once():
@@ -449,3 +460,4 @@ def test_a_model_without_scale_trains_like_serial_sgd():
 )
 def test_gradient_scale(model, alpha, expected):
     assert gradient_scale(model, alpha) == expected
+    assert gradient_scale(model, alpha, refetched=True) == 1.0  # no local step: no scaling

@@ -2,7 +2,7 @@
 
 The loop itself (:class:`~.replica_loop.ReplicaLoop`) knows shards only through channels and
 imports no Dask.  This module puts it on the cluster: it opens a channel to each shard actor
-(:func:`~downpour_dask.ps.channel.open_channels`: in-process, direct connection or actor
+(:func:`~downpour_dask.ps.opening.open_channels`: in-process, direct connection or actor
 messages, and where to find a lost shard's replacement), gives the loop a :class:`WorkerSink`
 that keeps its push rows and fetched copies in this worker's registry (:mod:`.registry`) for the
 driver and logs its metrics on the run's event topic, and leaves the worker's thread pool for
@@ -21,7 +21,7 @@ from distributed import get_worker, secede
 from ..core.protocol import TrainableModel
 from ..data.stream import StreamSpec, make_source
 from ..log import PushRow, plain
-from ..ps.channel import open_channels
+from ..ps.opening import open_channels
 from ..ps.server import ParameterServer
 from ..runtime.malloc import tune_malloc
 from .clocked_loop import ClockedReplicaLoop

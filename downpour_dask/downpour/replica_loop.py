@@ -82,6 +82,10 @@ class ReplicaLoop:
     #: them) before the next step.  False where ``_push`` does not exchange or the install
     #: keeps the local values (the clocked and elastic loops).
     skip_refetched: bool = True
+    #: Whether such an exchange's fetch is copied straight into the slice (not via a buffer).
+    pull_into: bool = True
+    #: Whether gradients stay unscaled when every step's local step is left out (scaling.py).
+    plain_if_refetched: bool = True
 
     def __init__(
         self,
@@ -100,7 +104,9 @@ class ReplicaLoop:
         self.ledger = PushLedger(size)
         # Gradients are computed times ``scale`` and accrued so until pushed; ``rate`` turns them
         # into a local step.
-        self.scale = gradient_scale(model, config.local_learning_rate)
+        every = config.n_fetch == config.n_push == 1 and all(c.in_process for c in channels)
+        plain = every and self.skip_refetched and self.plain_if_refetched
+        self.scale = gradient_scale(model, config.local_learning_rate, plain)
         self.rate = config.local_learning_rate / self.scale
         self.grad_kw = {"scale": self.scale} if self.scale != 1.0 else {}  # none: any model
         self.accrued = self.ledger.buffer()
@@ -262,7 +268,8 @@ class ReplicaLoop:
             self.held[s] = reply.values
         lo, hi = self.ranges[s]
         local, scratch = self.params[lo:hi], self.scratch[lo:hi]
-        local[...] = reply.values
+        if not np.may_share_memory(local, reply.values):  # (fetched into the slice: installed)
+            local[...] = reply.values
         alpha = self.cfg.local_learning_rate
         replayed = self.ledger.replay(s, channel, reply, local, (lo, hi), alpha, scratch)
         if self.accrual_steps:
@@ -319,8 +326,9 @@ class ReplicaLoop:
         for s, channel in enumerate(self.channels):
             lo, hi = self.ranges[s]
             if fetch and (channel.in_process or self.pulls[s] is None):
+                into = self.params[lo:hi] if channel.in_process and self.pull_into else None
                 pushed, self.pulls[s] = channel.exchange(
-                    payloads[s], self.base_versions[s], seq, examples, loss, self.held[s]
+                    payloads[s], self.base_versions[s], seq, examples, loss, self.held[s], into
                 )
                 self.pull_sent[s] = time.monotonic()
             else:

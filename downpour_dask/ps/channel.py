@@ -48,7 +48,6 @@ from .protocol import (
     is_fenced,
     is_shard_lost,
 )
-from .server import ParameterServer
 from .shard import ParameterServerShard
 from .wire import WireClient, WireError
 
@@ -170,9 +169,9 @@ class DaskShardChannel:
             return Done(error=error)
         raise error
 
-    def pull(self, avoid: np.ndarray | None = None) -> Any:
-        if self.local is not None:
-            out = self._buffer(None)
+    def pull(self, avoid: np.ndarray | None = None, into: np.ndarray | None = None) -> Any:
+        if self.local is not None:  # straight into the caller's array if it offers one
+            out = self._buffer(None) if into is None else into
             return self._here(self.local.snapshot_into, out, self.replica, self.session)
         try:
             if self.wire is not None:
@@ -201,12 +200,13 @@ class DaskShardChannel:
         examples: int,
         loss: float,
         avoid: np.ndarray | None = None,
+        into: np.ndarray | None = None,
     ) -> tuple[Any, Any]:
         self._next_seq = seq + 1
         kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
         if self.local is not None:
             pushed = self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
-            return pushed, self.pull()
+            return pushed, self.pull(into=into)
         try:
             if self.wire is not None:
                 call = self.wire.exchange(
@@ -362,39 +362,3 @@ class DaskShardChannel:
         if self.wire is not None:
             self.wire.close()
             self.wire = None
-
-
-def open_channels(
-    server: ParameterServer,
-    replica: int,
-    timeout: float,
-    replacements: list[str] | None = None,
-    direct: bool = True,
-    secret: bytes = b"",
-) -> list[DaskShardChannel]:
-    """One channel per shard of ``server`` (a view made by ``portable()`` or the driver's),
-    with the direct connections to shards on other workers opened all at once.
-
-    ``replacements`` names, per shard, the variable where the driver publishes replacements;
-    ``secret`` is the run's wire secret.
-    """
-    server = server.opened()
-    channels = [
-        DaskShardChannel(
-            actor,
-            server.ids[s],
-            hi - lo,
-            replica,
-            timeout,
-            None if replacements is None else replacements[s],
-            direct,
-            secret,
-            server.generations[s],
-        )
-        for s, (actor, (lo, hi)) in enumerate(zip(server.shards, server.ranges))
-    ]
-    sent = time.monotonic()
-    asked = [channel.ask_endpoint() for channel in channels]
-    for channel, call in zip(channels, asked):
-        channel.connect(call, sent)
-    return channels

@@ -152,8 +152,15 @@ class ShardChannel(Protocol):
     transport: str  # "local", "wire" or "actor"
     in_process: bool  # calls complete as they are made; the shard's values die with this process
 
-    def pull(self, avoid: np.ndarray | None = None) -> Call[PullReply]:
-        """Start fetching the shard's values (never into ``avoid``, a buffer still in use)."""
+    def pull(
+        self, avoid: np.ndarray | None = None, into: np.ndarray | None = None
+    ) -> Call[PullReply]:
+        """Start fetching the shard's values (never into ``avoid``, a buffer still in use).
+
+        A shard in this process copies them straight into ``into`` if given (the reply's
+        ``values`` is then ``into``), saving a copy; other transports ignore it.  The caller
+        must not use ``into`` until it takes the reply.
+        """
         ...
 
     def push(
@@ -170,8 +177,9 @@ class ShardChannel(Protocol):
         examples: int,
         loss: float,
         avoid: np.ndarray | None = None,
+        into: np.ndarray | None = None,
     ) -> tuple[Call[PushReply], Call[PullReply]]:
-        """A push and a pull of its result in one round trip."""
+        """A push and a pull of its result in one round trip (``avoid``, ``into``: :meth:`pull`)."""
         ...
 
     def poll_warmstart(self) -> Call[WarmstartState]:
