@@ -122,9 +122,9 @@ def run_script(code: Path, script: str, script_args: list[str]) -> str:
     ``code``; its standard output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(HERE)])}
     command = [sys.executable, str(HERE / script), *script_args]
-    done = subprocess.run(
-        command, env=env, cwd=code, capture_output=True, text=True, timeout=1800, check=True
-    )
+    done = subprocess.run(command, env=env, cwd=code, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} failed with {code}:\n{done.stdout}\n{done.stderr[-3000:]}")
     return done.stdout
 
 

@@ -19,10 +19,8 @@ Sandblaster launched. Sandblaster runs with its default portions (10 per worker 
 (2 per thread), interleaved with scipy ``--repeats`` times; the "relayed" row runs the default
 through a client made with ``direct_to_workers=False``, so its data blocks travel through the
 scheduler (Dask's default for a scatter, and the placement before) instead of straight to the
-workers; the "one result at a time" row fetches the finished portions' results one after the other
-(``Portions.FETCHES = 1``, the collection before) instead of concurrently. A small Sandblaster fit
-runs first, untimed: the first fit on a new cluster pays one-off costs (imports and allocations on
-the workers) that would otherwise land on one row.
+workers. A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off
+costs (imports and allocations on the workers) that would otherwise land on one row.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
                                            [--repeats 1] [--skip-dask-ml]
@@ -52,7 +50,6 @@ from distributed import Client, LocalCluster  # noqa: E402
 from downpour_dask import models  # noqa: E402
 from downpour_dask.sandblaster.coordinator import Coordinator  # noqa: E402
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS  # noqa: E402
-from downpour_dask.sandblaster.portions import Portions  # noqa: E402
 
 L2_WEIGHT = 1e-4
 
@@ -73,8 +70,8 @@ class L2ExceptIntercept(L2):
 
 SCIPY = "serial scipy L-BFGS-B (1 thread)"
 DASK_ML = "dask-ml LogisticRegression(lbfgs)"
-RELAYED, SERIAL = "relayed", "one result at a time"
-VARIANTS = ((None, ""), (None, RELAYED), (None, SERIAL), (4, ""))  # (portions, A/B variant)
+RELAYED = "relayed"
+VARIANTS = ((None, ""), (None, RELAYED), (4, ""))  # (portions, A/B variant)
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -207,7 +204,6 @@ def main() -> None:
             chunk = -(-args.rows // 20)
             results[DASK_ML] = [run_dask_ml(client, X, y, chunk)]
         client.run(lambda: None)
-        fetches = getattr(Portions, "FETCHES", 1)  # code before concurrent fetches: 1
         warm = min(args.rows, 2000)  # the cluster's first fit pays one-off costs: not in a row
         SandblasterLBFGS(model, max_iter=2).fit(X[:warm], y[:warm], client=client)
         original_init = models.LogisticRegression.init
@@ -220,13 +216,11 @@ def main() -> None:
                         " (default 20 portions)" if portions is None else f" ({portions} portions)"
                     )
                     label += f" {variant}" if variant else ""
-                    Portions.FETCHES = 1 if variant == SERIAL else fetches
                     results.setdefault(label, []).append(
                         run_sandblaster(
                             relaying if variant == RELAYED else client, model, X, y, portions
                         )
                     )
-                Portions.FETCHES = fetches
         finally:
             models.LogisticRegression.init = original_init
     finals = {

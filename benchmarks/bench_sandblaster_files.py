@@ -155,14 +155,15 @@ def run(files, args) -> None:
         f"load {os.getloadavg()[0]:.1f}"
     )
     header = f"{'method':42} {'final objective':>16} {'evals':>6} {'1st eval':>9} {'to target':>10}"
-    print(f"{header} {'vs scipy':>9} {'moved':>9}")
+    print(f"{header} {'vs scipy':>9} {'moved':>9} {'backups':>8}")
     print(f"(scipy's read of the files into memory: {read:.2f}s, counted for both driver reads)")
     for name, (_, trace, evals) in results.items():
+        evals, backups = evals if isinstance(evals, tuple) else (evals, "-")
         hit, first = time_to(trace, target), trace[0][0]
         mb = f"{moved[name] / 2**20:.0f} MiB" if name in moved else "-"
         print(
             f"{name:42} {finals[name]:>16.8f} {evals:>6} {first:>8.2f}s {hit:>9.2f}s "
-            f"{hit / base:>8.2f}x {mb:>9}"
+            f"{hit / base:>8.2f}x {mb:>9} {backups:>8}"
         )
 
 

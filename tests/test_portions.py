@@ -1,4 +1,4 @@
-"""The coordinator's bookkeeping of portion copies (``Portions._collect``, ``_results``), driven
+"""The coordinator's bookkeeping of portion copies (``Portions._collect``, ``_backups``), driven
 directly.
 
 The cluster tests in ``test_sandblaster.py`` show the whole path works; these pin the races a
@@ -63,18 +63,7 @@ def _add(
 
 def _take(portions: Portions, future: _FakeFuture, *args) -> bool:
     """Collect ``future`` as the pass does: its result fetched first."""
-    ((same, result),) = portions._results({future})
-    assert same is future
-    return portions._collect(future, result, *args)
-
-
-def test_results_of_copies_finished_together_are_fetched_at_once_and_stay_paired():
-    results = [PortionResult(p, 3, "done", float(p), 10, "w1") for p in range(6)]
-    futures = {_FakeFuture("finished", r) for r in results}
-    futures |= {_FakeFuture("finished"), _FakeFuture("cancelled")}  # result lost; not finished
-    fetched = _portions([])._results(futures)
-    assert {f for f, _ in fetched} == futures
-    assert all(r is f._result for f, r in fetched)  # None for the lost and the cancelled copy
+    return portions._collect(future, portions._result(future), *args)
 
 
 def test_a_finished_copy_whose_result_died_with_its_worker_is_run_again():

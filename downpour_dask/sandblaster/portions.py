@@ -23,7 +23,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import CancelledError
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -95,10 +95,6 @@ class Portions:
 
     DEPTH = 2  # portions queued per worker thread, so a worker never waits for the driver
     LOCAL_ONLY = True  # a portion runs where its block is while that worker lives
-    #: Finished copies whose results are fetched at once: each fetch is a round trip through the
-    #: scheduler to the worker holding the result, and one at a time they held the driver's loop.
-    FETCHES = 4
-    _fetchers = ThreadPoolExecutor(FETCHES, thread_name_prefix="sandblaster-results")
 
     def __init__(
         self,
@@ -165,9 +161,8 @@ class Portions:
                 finished = set()
             except FUTURES_CANCELLED:  # a dead worker took scattered data with it
                 finished = {f for f in self.inflight if f.done()}
-            finished |= {f for f in self.inflight if f.status == "finished"}  # meanwhile
-            for future, result in self._results(finished):
-                if self._collect(future, result, version, todo, done, durations):
+            for future in finished:
+                if self._collect(future, self._result(future), version, todo, done, durations):
                     last_progress = time.time()
             if time.time() - last_progress > 1.0:  # no progress: did a worker die?
                 self._refresh()
@@ -196,13 +191,6 @@ class Portions:
             return future.result(timeout=self.timeout)
         except CancelledError:
             return None
-
-    def _results(self, finished: set[Future]) -> list[tuple[Future, PortionResult | None]]:
-        """The finished copies with their results, fetched concurrently (``FETCHES`` at once)."""
-        futures = list(finished)
-        if len(futures) < 2 or self.FETCHES < 2:
-            return [(f, self._result(f)) for f in futures]
-        return list(zip(futures, self._fetchers.map(self._result, futures)))
 
     def _collect(  # fmt: skip
         self, future: Future, result: PortionResult | None, version: int, todo: list,
