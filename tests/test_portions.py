@@ -1,5 +1,4 @@
-"""The coordinator's bookkeeping of portion copies (``Portions._collect``, ``_backups``), driven
-directly.
+"""The coordinator's bookkeeping of portion copies (``Portions._collect``), driven directly.
 
 The cluster tests in ``test_sandblaster.py`` show the whole path works; these pin the races a
 killed worker produces, which a cluster run hits only now and then: a copy that finished but whose
@@ -48,22 +47,13 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions.timeout = 5.0
     portions.observer = observer or _Observer()
     portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
-    portions.capacity, portions.freed = {"w1": Portions.DEPTH, "w2": Portions.DEPTH}, {}
     portions._restore_blocks = lambda: restored.append(1)
     return portions
 
 
-def _add(
-    portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str, ago=0.0
-) -> PortionCopy:
-    copy = portions.inflight[future] = PortionCopy(version, portion, worker, time.time() - ago)
+def _add(portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str):
+    portions.inflight[future] = PortionCopy(version, portion, worker, time.time())
     portions.load[worker] += 1
-    return copy
-
-
-def _take(portions: Portions, future: _FakeFuture, *args) -> bool:
-    """Collect ``future`` as the pass does: its result fetched first."""
-    return portions._collect(future, portions._result(future), *args)
 
 
 def test_a_finished_copy_whose_result_died_with_its_worker_is_run_again():
@@ -72,7 +62,7 @@ def test_a_finished_copy_whose_result_died_with_its_worker_is_run_again():
     lost = _FakeFuture("finished")  # finished, then its worker died before the gather
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo, done, durations = [], {}, []
-    assert _take(portions, lost, 3, todo, done, durations) is False
+    assert portions._collect(lost, 3, todo, done, durations) is False
     assert todo == [7] and not done and restored  # its data block is re-sent, the portion re-run
     assert portions.load["w1"] == 0 and not portions.inflight
 
@@ -84,7 +74,7 @@ def test_a_lost_copy_is_run_again_even_while_an_older_batch_copy_still_runs():
     _add(portions, straggler, version=2, portion=7, worker="w2")
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo: list[int] = []
-    _take(portions, lost, 3, todo, {}, [])
+    portions._collect(lost, 3, todo, {}, [])
     assert todo == [7]  # the old copy's gradient would be discarded: it cannot stand in
 
 
@@ -95,7 +85,7 @@ def test_a_lost_copy_is_not_run_again_while_a_copy_of_the_same_batch_runs():
     _add(portions, backup, version=3, portion=7, worker="w2")
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo: list[int] = []
-    _take(portions, lost, 3, todo, {}, [])
+    portions._collect(lost, 3, todo, {}, [])
     assert todo == []  # the backup will count; a third copy would only duplicate work
 
 
@@ -108,8 +98,8 @@ def test_a_finished_copy_counts_once_and_the_other_is_reported_discarded():
     _add(portions, first, version=3, portion=7, worker="w1")
     _add(portions, second, version=3, portion=7, worker="w2")
     done: dict = {}
-    assert _take(portions, first, 3, [], done, []) is True
-    assert _take(portions, second, 3, [], done, []) is False
+    assert portions._collect(first, 3, [], done, []) is True
+    assert portions._collect(second, 3, [], done, []) is False
     assert done == {7: result} and observer.counted == [result]
     assert observer.events == [
         (
@@ -125,28 +115,8 @@ def test_a_copy_of_an_earlier_batch_is_discarded_not_counted():
     stale = _FakeFuture("finished", PortionResult(4, 2, "stale", 0.0, 0, "w1"))
     _add(portions, stale, version=2, portion=4, worker="w1")
     done: dict = {}
-    assert _take(portions, stale, 3, [], done, []) is False
+    assert portions._collect(stale, 3, [], done, []) is False
     assert not done and not observer.counted
     assert observer.events == [
         ("duplicate_discarded", {"portion": 4, "version": 2, "status": "stale", "worker": "w1"})
     ]
-
-
-def test_a_queued_copy_is_a_straggler_only_when_the_copy_ahead_of_it_is_slow():
-    observer = _Observer()
-    portions = _portions([], observer)
-    portions.backup_tasks, submitted = True, []
-    portions._submit = lambda version, pid, worker, backup: submitted.append((pid, worker))
-    durations = [0.1]  # a portion takes 0.1 s; every copy below was submitted 1 s ago
-    running, queued = _FakeFuture("pending"), _FakeFuture("pending")
-    first = _add(portions, running, version=3, portion=0, worker="w1", ago=1.0)
-    second = _add(portions, queued, version=3, portion=1, worker="w1", ago=0.99)
-    portions.freed["w1"] = time.time() - 0.05  # w1 began its current copy 0.05 s ago
-    portions._backups(3, {0: [first], 1: [second]}, {}, durations)
-    assert submitted == []  # healthy: the queued copy waits its turn, no backup
-    portions.freed["w1"] = time.time() - 0.5  # w1 has now been on its copy for 0.5 s
-    portions._backups(3, {0: [first], 1: [second]}, {}, durations)
-    assert submitted == [(0, "w2"), (1, "w2")]  # slow: the queued copy is as late
-    kinds = [kind for kind, _ in observer.events]
-    assert kinds == ["backup_launched", "backup_launched"]
-    assert all(0.5 <= data["running"] < 1.0 for _, data in observer.events)
