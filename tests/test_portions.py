@@ -1,4 +1,5 @@
-"""The coordinator's bookkeeping of portion copies (``Portions._collect``), driven directly.
+"""The coordinator's bookkeeping of portion copies (``Portions._collect``, ``_backups``), driven
+directly.
 
 The cluster tests in ``test_sandblaster.py`` show the whole path works; these pin the races a
 killed worker produces, which a cluster run hits only now and then: a copy that finished but whose
@@ -47,13 +48,17 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions.timeout = 5.0
     portions.observer = observer or _Observer()
     portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
+    portions.capacity, portions.freed = {"w1": Portions.DEPTH, "w2": Portions.DEPTH}, {}
     portions._restore_blocks = lambda: restored.append(1)
     return portions
 
 
-def _add(portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str):
-    portions.inflight[future] = PortionCopy(version, portion, worker, time.time())
+def _add(
+    portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str, ago=0.0
+) -> PortionCopy:
+    copy = portions.inflight[future] = PortionCopy(version, portion, worker, time.time() - ago)
     portions.load[worker] += 1
+    return copy
 
 
 def test_a_finished_copy_whose_result_died_with_its_worker_is_run_again():
@@ -120,3 +125,23 @@ def test_a_copy_of_an_earlier_batch_is_discarded_not_counted():
     assert observer.events == [
         ("duplicate_discarded", {"portion": 4, "version": 2, "status": "stale", "worker": "w1"})
     ]
+
+
+def test_a_queued_copy_is_a_straggler_only_when_the_copy_ahead_of_it_is_slow():
+    observer = _Observer()
+    portions = _portions([], observer)
+    portions.backup_tasks, submitted = True, []
+    portions._submit = lambda version, pid, worker, backup: submitted.append((pid, worker))
+    durations = [0.1]  # a portion takes 0.1 s; every copy below was submitted 1 s ago
+    running, queued = _FakeFuture("pending"), _FakeFuture("pending")
+    first = _add(portions, running, version=3, portion=0, worker="w1", ago=1.0)
+    second = _add(portions, queued, version=3, portion=1, worker="w1", ago=0.99)
+    portions.freed["w1"] = time.time() - 0.05  # w1 began its current copy 0.05 s ago
+    portions._backups(3, {0: [first], 1: [second]}, {}, durations)
+    assert submitted == []  # healthy: the queued copy waits its turn, no backup
+    portions.freed["w1"] = time.time() - 0.5  # w1 has now been on its copy for 0.5 s
+    portions._backups(3, {0: [first], 1: [second]}, {}, durations)
+    assert submitted == [(0, "w2"), (1, "w2")]  # slow: the queued copy is as late
+    kinds = [kind for kind, _ in observer.events]
+    assert kinds == ["backup_launched", "backup_launched"]
+    assert all(0.5 <= data["running"] < 1.0 for _, data in observer.events)

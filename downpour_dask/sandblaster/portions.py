@@ -93,7 +93,7 @@ class Portions:
         leaves out a worker whose shard was lost, which the scheduler may still list.
     """
 
-    DEPTH = 2  # portions queued per worker thread, so a worker never waits for the driver
+    DEPTH = 4  # portions queued per worker thread, so a worker never waits for the driver
     LOCAL_ONLY = True  # a portion runs where its block is while that worker lives
 
     def __init__(
@@ -118,6 +118,7 @@ class Portions:
         self.delay = dict(delay or {})
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
         self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
+        self.freed: dict[str, float] = {}  # when each worker's last copy was collected
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
         self.where: dict[int, set[str]] = {}
@@ -185,8 +186,11 @@ class Portions:
         self, future: Future, version: int, todo: list, done: dict, durations: list
     ) -> bool:
         """Take in one finished copy; True if it counted (the first copy of its portion)."""
-        copy = self.inflight.pop(future)
+        copy = self.inflight[future]
+        began = self._running_since(copy)
+        del self.inflight[future]
         self.load[copy.worker] -= 1
+        self.freed[copy.worker] = time.time()
         if future.status == "error":
             self._check_shards(seconds=min(5.0, self.timeout))  # a lost shard fails portions
             raise RuntimeError(f"portion {copy.portion} failed: {future.exception(timeout=5)!r}")
@@ -214,10 +218,25 @@ class Portions:
             )  # fmt: skip
             return False
         done[copy.portion] = result
-        durations.append(time.time() - copy.submitted)
+        durations.append(time.time() - began)
         self.where.setdefault(copy.portion, set()).add(result.worker)
         self.observer.portion_counted(result)
         return True
+
+    def _running_since(self, copy: PortionCopy) -> float:
+        """Since when ``copy``'s worker has been at it, as far as the driver can tell.
+
+        A worker runs its queued copies (``DEPTH`` per thread) in submission order.  Its oldest
+        copy began when it was submitted or when the worker's previous copy was collected,
+        whichever is later; a copy queued behind it is as late as that one (it waits for it),
+        and no later: timed from its own submission it would look like a straggler as soon as
+        the copies ahead of it took their normal time.
+        """
+        oldest = min(
+            (c for c in self.inflight.values() if c.worker == copy.worker),
+            key=lambda c: c.submitted, default=copy,
+        )  # fmt: skip
+        return max(oldest.submitted, self.freed.get(copy.worker, oldest.submitted))
 
     def _outstanding(self, version: int) -> str:
         """The copies of batch ``version`` still running, for an error message: which portion,
@@ -330,16 +349,18 @@ class Portions:
     def _backups(self, version: int, copies: dict, done: dict, durations: list) -> None:
         """Near the end of a batch, re-submit portions running unusually long on idle workers.
 
-        A portion is a straggler once it has run 1.5x the median time of this batch's finished
-        portions; its copy goes to a free slot on another worker.  Whichever copy finishes first
-        counts; the shards discard the other's gradient and the driver its loss.
+        A portion is a straggler once its worker has been at it (:meth:`_running_since`) 1.5x
+        the median time of this batch's finished portions; its copy goes to a free slot on
+        another worker.  Whichever copy finishes first counts; the shards discard the other's
+        gradient and the driver its loss.
         """
         free = self._free()
         if not free or not durations:
             return
         limit, now = 1.5 * statistics.median(durations) + 0.002, time.time()
         for pid, runs in copies.items():
-            if pid in done or len(runs) > 1 or now - runs[0].submitted < limit or not free:
+            began = self._running_since(runs[0])
+            if pid in done or len(runs) > 1 or now - began < limit or not free:
                 continue
             others = [w for w in free if w != runs[0].worker]
             if not others:
@@ -348,9 +369,9 @@ class Portions:
             runs.append(self._submit(version, pid, worker, backup=True))
             self.observer.event(
                 "backup_launched",
-                f"portion {pid} (on {runs[0].worker} for {now - runs[0].submitted:.3f}s) "
+                f"portion {pid} (on {runs[0].worker} for {now - began:.3f}s) "
                 f"copied to {worker}",
                 portion=pid, version=version, worker=worker, straggler=runs[0].worker,
-                running=now - runs[0].submitted,
+                running=now - began,
             )  # fmt: skip
             free = self._free()
