@@ -609,6 +609,21 @@ def test_max_seconds_sends_one_stop_request():
     assert requested[0].time >= 1.0
 
 
+@pytest.mark.parametrize("score", [_score, None])
+def test_max_seconds_ends_the_fit_on_time_when_evaluations_are_rarer(score):
+    limits = Limits(eval_every=100.0, timeout=5.0, max_seconds=1.0)
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], limits=limits, score=score)
+
+    def on_wait() -> None:
+        if run.server.stop_requests:
+            _finish_all(run)
+
+    run.cluster.on_wait = on_wait
+    run.loop.run()
+    (requested,) = [e for e in run.recorder.events if e.kind == "stop_requested"]
+    assert 1.0 <= requested.time < 1.1  # not at the next evaluation, 100 s in
+
+
 def test_the_warmstart_ends_when_replica_0_has_made_its_pushes_and_releases_the_others():
     run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], score=_score)
 

@@ -76,6 +76,7 @@ class SupervisionLoop:
 
     #: Seconds between progress reports.
     REPORT_EVERY = 0.25
+    SUPERVISE_EVERY = 1.0  # the longest the loop waits between looks, whatever eval_every is
     #: Seconds between collections of the replicas' push-log rows.
     COLLECT_EVERY = 0.5
 
@@ -180,12 +181,17 @@ class SupervisionLoop:
     # -- one tick --------------------------------------------------------------------------------
     def until_next_tick(self) -> float:
         """How long the loop may wait: until the next evaluation is due (so that evaluations
-        keep to ``eval_every`` instead of drifting late) or the next report."""
-        every = self.limits.eval_every
-        interval = min(every, self.REPORT_EVERY) if self.report_to is not None else every
+        keep to ``eval_every`` instead of drifting late), the next report, or ``max_seconds``;
+        and at most :attr:`SUPERVISE_EVERY`, so that checkpoints and workers that joined or
+        left are seen in time however long ``eval_every`` is."""
+        limits, elapsed = self.limits, self.recorder.elapsed()
+        interval = min(limits.eval_every, self.SUPERVISE_EVERY)
+        if self.report_to is not None:
+            interval = min(interval, self.REPORT_EVERY)
         if self.score is not None:
-            due = self._last_evaluation() + every - self.recorder.elapsed()
-            interval = min(interval, due)
+            interval = min(interval, self._last_evaluation() + limits.eval_every - elapsed)
+        if limits.max_seconds is not None and not self.stop_sent:
+            interval = min(interval, limits.max_seconds - elapsed)
         return max(0.002, interval)
 
     def _last_evaluation(self) -> float:
