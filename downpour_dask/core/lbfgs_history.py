@@ -18,6 +18,8 @@ Plain numpy and arithmetic on scalars: no Dask, testable against the dense inver
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .vectors import Command, Program
 
 
@@ -61,7 +63,7 @@ class History:
         pairs = [(new[0], new[0]), *((a, b) for a in new for b in kept)]
         return pairs + self.gradient_dots(extra=new)
 
-    def gradient_dots(self, extra: list[str] = ()) -> list[tuple[str, str]]:
+    def gradient_dots(self, extra: Sequence[str] = ()) -> list[tuple[str, str]]:
         """Inner products of a new ``g`` with every kept vector (and ``extra`` ones)."""
         return [("g", v) for v in [*self._kept_vectors(), *extra]]
 

@@ -359,8 +359,10 @@ class Portions:
             return
         limit, now = 1.5 * statistics.median(durations) + 0.002, time.time()
         for pid, runs in copies.items():
-            began = self._running_since(runs[0])
-            if pid in done or len(runs) > 1 or now - began < limit or not free:
+            if pid in done or len(runs) > 1 or not free:
+                continue
+            began = self._running_since(runs[0])  # a pass over the copies in flight: last
+            if now - began < limit:
                 continue
             others = [w for w in free if w != runs[0].worker]
             if not others:
