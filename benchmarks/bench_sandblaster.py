@@ -15,11 +15,11 @@ scipy's best time and to dask-ml's (below 1: faster). ``evals`` counts full grad
 (distributed passes for Sandblaster, line-search trials included); ``1st eval`` is when the first
 objective value was known: mostly data placement (scatter to the workers) for the cluster runs;
 ``passes`` is the time from then to the target, and ``backups`` the number of backup copies
-Sandblaster launched. Sandblaster runs with its default portions (10 per worker thread) and with 4
-(2 per thread), interleaved with scipy ``--repeats`` times; the "relayed" row runs the default
-through a client made with ``direct_to_workers=False``, so its data blocks travel through the
-scheduler (Dask's default for a scatter, and the placement before) instead of straight to the
-workers. A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off
+Sandblaster launched. Sandblaster runs with its default portions (2 per worker thread, 4 here) and
+with 20 (10 per thread, the default before 2026-11-23), interleaved with scipy ``--repeats`` times;
+the "relayed" row runs the default through a client made with ``direct_to_workers=False``, so its
+data blocks travel through the scheduler (Dask's default for a scatter, and the placement before)
+instead of straight to the workers. A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off
 costs (imports and allocations on the workers) that would otherwise land on one row.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
@@ -48,6 +48,7 @@ from dask_ml.linear_model import LogisticRegression as DaskLogisticRegression  #
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import models  # noqa: E402
+from downpour_dask.sandblaster.blocks import default_portions  # noqa: E402
 from downpour_dask.sandblaster.coordinator import Coordinator  # noqa: E402
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS  # noqa: E402
 
@@ -71,7 +72,7 @@ class L2ExceptIntercept(L2):
 SCIPY = "serial scipy L-BFGS-B (1 thread)"
 DASK_ML = "dask-ml LogisticRegression(lbfgs)"
 RELAYED = "relayed"
-VARIANTS = ((None, ""), (None, RELAYED), (4, ""))  # (portions, A/B variant)
+VARIANTS = ((None, ""), (None, RELAYED), (20, ""))  # (portions, A/B variant)
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -213,7 +214,9 @@ def main() -> None:
                 results.setdefault(SCIPY, []).append(run_scipy(model, X, y, x0))
                 for portions, variant in VARIANTS:
                     label = "SandblasterLBFGS" + (
-                        " (default 20 portions)" if portions is None else f" ({portions} portions)"
+                        f" (default {default_portions(2)} portions)"
+                        if portions is None
+                        else f" ({portions} portions)"
                     )
                     label += f" {variant}" if variant else ""
                     results.setdefault(label, []).append(

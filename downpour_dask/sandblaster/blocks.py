@@ -32,11 +32,14 @@ FILE_KINDS = ("parquet", "npy", "csv")
 _CHUNK_ROWS = 65536  # rows decoded at a time while a block is read
 
 
-#: Portions per worker thread by default.  Coarser portions make each pass cheaper (fewer task
-#: and shard round trips), but bigger blocks scattered from the driver made the first pass
-#: later by more than that (see ``bench_sandblaster.py`` in benchmarks/README.md), so in-memory
-#: data keeps 10; files get one portion per file unless more are asked for.
-PORTIONS_PER_THREAD = 10
+#: Portions per worker thread by default.  Every portion costs a Dask task and a round trip to
+#: each shard on top of its gradient, about as much as the gradient of 50,000 rows of 100
+#: features, so a pass over many small portions is mostly that overhead.  Two per thread keep
+#: a pass close to its compute and still give backup tasks a portion to copy: a straggler's
+#: queued portions are copied to idle workers at the end of the batch (see
+#: ``bench_sandblaster.py`` and ``bench_backup_tasks.py`` in benchmarks/README.md).  Files get
+#: one portion per file unless that makes fewer.
+PORTIONS_PER_THREAD = 2
 
 
 def default_portions(threads: int) -> int:
