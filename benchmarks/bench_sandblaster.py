@@ -19,8 +19,12 @@ Sandblaster launched. Sandblaster runs with its default portions (2 per worker t
 with 20 (10 per thread, the default before 2026-11-23), interleaved with scipy ``--repeats`` times;
 the "relayed" row runs the default through a client made with ``direct_to_workers=False``, so its
 data blocks travel through the scheduler (Dask's default for a scatter, and the placement before)
-instead of straight to the workers. A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off
-costs (imports and allocations on the workers) that would otherwise land on one row.
+instead of straight to the workers.
+A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off costs
+(imports and allocations on the workers) that would otherwise land on one row.  The Sandblaster
+rows take turns in their order, one repeat to the next: the first fit after scipy's run places
+its data later (0.5-1 s against 0.25-0.4 s, in every run; the cause is not known), so with
+``--repeats`` a multiple of 3 each row kind takes that place equally often.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
                                            [--repeats 1] [--skip-dask-ml]
@@ -210,9 +214,10 @@ def main() -> None:
         original_init = models.LogisticRegression.init
         models.LogisticRegression.init = lambda self, rng: x0.copy()  # same start as the others
         try:
-            for _ in range(args.repeats):  # interleaved: each repeat runs every method once
+            for repeat in range(args.repeats):  # interleaved: each repeat runs every method once
                 results.setdefault(SCIPY, []).append(run_scipy(model, X, y, x0))
-                for portions, variant in VARIANTS:
+                turn = repeat % len(VARIANTS)  # rotated: the fit right after scipy's is slower
+                for portions, variant in VARIANTS[turn:] + VARIANTS[:turn]:
                     label = "SandblasterLBFGS" + (
                         f" (default {default_portions(2)} portions)"
                         if portions is None
