@@ -10,6 +10,7 @@ still running.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from distributed.client import FutureCancelledError
 
@@ -50,6 +51,8 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
     portions.capacity, portions.freed = {"w1": Portions.DEPTH, "w2": Portions.DEPTH}, {}
     portions._restore_blocks = lambda: restored.append(1)
+    portions.blocks = [SimpleNamespace(key=f"block-{pid}") for pid in range(10)]
+    portions.nbytes, portions.metrics = {}, {}  # blocks of 0 bytes unless a test says otherwise
     return portions
 
 
@@ -145,3 +148,24 @@ def test_a_queued_copy_is_a_straggler_only_when_the_copy_ahead_of_it_is_slow():
     kinds = [kind for kind, _ in observer.events]
     assert kinds == ["backup_launched", "backup_launched"]
     assert all(0.5 <= data["running"] < 1.0 for _, data in observer.events)
+
+
+def test_a_backup_that_would_move_a_large_block_waits_for_the_move_as_dask_estimates_it():
+    portions = _portions([])
+    portions.backup_tasks, submitted = True, []
+    portions._submit = lambda version, pid, worker, backup: submitted.append((pid, worker))
+    portions.nbytes["block-0"] = 50_000_000  # on w1 only; w2 moves it at 100 MB/s: 0.5 s
+    portions.metrics["w2"] = {"bandwidth": {"total": 100_000_000}}
+    durations = [0.1]
+    copy = _add(portions, _FakeFuture("pending"), version=3, portion=0, worker="w1", ago=1.0)
+
+    def backups_after(running: float) -> list:
+        submitted.clear()
+        portions.freed["w1"] = time.time() - running  # w1 began the copy this long ago
+        portions._backups(3, {0: [copy]}, {}, durations)
+        return list(submitted)
+
+    assert backups_after(0.3) == []  # 3x the median, but copying it means moving 50 MB first
+    assert backups_after(0.8) == [(0, "w2")]  # later than the median and the move together
+    portions.where[0] = {"w1", "w2"}  # w2 holds a replica: nothing to move
+    assert backups_after(0.3) == [(0, "w2")]

@@ -4,17 +4,15 @@
 that :class:`~downpour_dask.core.lbfgs.LBFGS` evaluates through).  It hands portions to worker
 slots as they free up (faster workers take more, data-local portions first), launches backup
 copies of stragglers near the end of a batch on idle workers, re-sends data blocks lost with a
-worker, and counts every portion once.  The tasks themselves are in
-:mod:`downpour_dask.sandblaster.tasks`.
+worker, and counts every portion once (the tasks are in :mod:`~downpour_dask.sandblaster.tasks`).
+What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the tests): events
+with structured data, and each counted portion.
 
 A lost *shard* is not a lost portion: when a shard's worker leaves the cluster, a portion fails,
 or a batch runs out of time while a shard does not answer, the pass raises
 :class:`~downpour_dask.ps.protocol.ShardLostError` naming the shard (the coordinator restores
 it, see :mod:`~downpour_dask.sandblaster.coordinator`) instead of waiting on portions that
 cannot finish.
-
-What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the tests): events
-with structured data, and each counted portion.
 """
 
 from __future__ import annotations
@@ -26,7 +24,9 @@ from collections.abc import Mapping
 from concurrent.futures import CancelledError
 from typing import Any, NamedTuple, Protocol
 
+import dask.config
 import numpy as np
+from dask.utils import parse_bytes
 from distributed import Client, Future, wait
 
 from ..core.models import Model
@@ -122,6 +122,7 @@ class Portions:
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
         self.where: dict[int, set[str]] = {}
+        self.nbytes: dict[str, int] = {}  # block key -> bytes, as the scheduler counts them
         self.examples_seen = 0
         self._refresh(first=True)
 
@@ -279,8 +280,13 @@ class Portions:
                 )
             self._check_shards(workers)
         self.capacity = {w: self.DEPTH * info.get("nthreads", 1) for w, info in workers.items()}
+        self.metrics = {w: info.get("metrics", {}) for w, info in workers.items()}
+        placed = [b for b in self.blocks if b.status == "finished"]
         try:  # where each block is: only a hint for data-local dispatch
-            who = self.client.who_has([b for b in self.blocks if b.status == "finished"])
+            who = self.client.who_has(placed)
+            unknown = [b.key for b in placed if b.key not in self.nbytes]
+            if unknown:  # once per block: sizes do not change
+                self.nbytes.update(self.client.nbytes(unknown, summary=False))
         except FUTURES_CANCELLED:  # a block died meanwhile; _restore_blocks resends it
             return
         homes = self.data.homes  # where a block still being read will be
@@ -322,6 +328,16 @@ class Portions:
         self.load[worker] = self.load.get(worker, 0) + 1
         return copy
 
+    def _moving_seconds(self, pid: int, worker: str) -> float:
+        """Dask's estimate of the time to move portion ``pid``'s block to ``worker`` (0 if it
+        is there): bytes over the worker's measured bandwidth, or before Dask has measured one,
+        ``distributed.scheduler.bandwidth``."""
+        if worker in self.where.get(pid, ()):
+            return 0.0
+        rate = self.metrics.get(worker, {}).get("bandwidth", {}).get("total")
+        rate = rate or parse_bytes(dask.config.get("distributed.scheduler.bandwidth"))
+        return self.nbytes.get(self.blocks[pid].key, 0) / rate
+
     def _free(self) -> list[str]:
         return [w for w in sorted(self.capacity) if self.load.get(w, 0) < self.capacity[w]]
 
@@ -351,8 +367,11 @@ class Portions:
 
         A portion is a straggler once its worker has been at it (:meth:`_running_since`) 1.5x
         the median time of this batch's finished portions; its copy goes to a free slot on
-        another worker.  Whichever copy finishes first counts; the shards discard the other's
-        gradient and the driver its loss.
+        another worker, one holding its block if there is one.  A copy whose block would have
+        to move waits that much longer: the block's bytes over Dask's bandwidth estimate (as
+        the scheduler weighs a transfer), so ordinary jitter does not copy a large block.
+        Whichever copy finishes first counts; the shards discard the other's gradient and the
+        driver its loss.
         """
         free = self._free()
         if not free or not durations:
@@ -368,6 +387,8 @@ class Portions:
             if not others:
                 continue
             worker = next((w for w in others if w in self.where.get(pid, ())), others[0])
+            if now - began < limit + self._moving_seconds(pid, worker):
+                continue
             runs.append(self._submit(version, pid, worker, backup=True))
             self.observer.event(
                 "backup_launched",
