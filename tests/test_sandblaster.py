@@ -334,6 +334,30 @@ def test_backup_tasks_beat_a_straggler_and_the_gradient_stays_exact(client, digi
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_straggler_outliving_its_fit_does_not_call_the_released_shards(digits_binary, capfd):
+    """A straggler's copies still sleep when its fit ends (backups finished the batch); once
+    they wake they must stop, not call shards that are gone: Dask would log a KeyError
+    traceback on the worker for every such call."""
+    (X, y), _ = digits_binary
+    with (  # its own cluster: the workers write to this test's captured stderr
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        slow = sorted(cluster_workers(client))[1]
+        est = SandblasterLBFGS(
+            models.LogisticRegression(64, l2=1e-2), portions_per_batch=4, max_iter=2,
+            random_state=0,
+        ).fit(X, y, client=client, portion_delay={slow: 0.5})  # fmt: skip
+        assert "backup_launched" in set(est.experiment_.events["kind"])
+        _wait_idle(client)  # the straggler's copies woke up and finished
+    err = capfd.readouterr().err
+    assert "KeyError: 'sandblastershard" not in err, err[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_worker_killed_mid_batch_loses_nothing(digits_binary):
     (X, y), _ = digits_binary

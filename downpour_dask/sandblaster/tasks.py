@@ -35,13 +35,19 @@ class _RunEnded(Exception):
     """The fit of this portion ended; its shards are gone."""
 
 
+def _check_running(token: str) -> None:
+    """Raise :class:`_RunEnded` if the fit ``token`` ended: its shards are released, and a call
+    into a released actor is never answered (Dask logs the worker's KeyError instead)."""
+    if token in _ENDED:
+        raise _RunEnded(token)
+
+
 def _reply(call: Any, token: str, timeout: float) -> Any:
     """The result of an actor call, waited for in short slices so that a straggler of a fit
     that ended stops at once: a call into a released actor may never be answered."""
     deadline = time.monotonic() + timeout
     while True:
-        if token in _ENDED:
-            raise _RunEnded(token)
+        _check_running(token)
         try:
             return call.result(timeout=max(0.01, min(0.1, deadline - time.monotonic())))
         except TimeoutError:
@@ -70,6 +76,7 @@ def _params_for(
             return hit[1]
         if hit is not None and hit[0] > version:
             return None
+        _check_running(token)
         calls = [shard.fetch(version) for shard in server.shards]
         pieces = [_reply(call, token, timeout) for call in calls]
         if any(p is None for p in pieces):
@@ -109,6 +116,7 @@ def run_portion(
     if delay and delay.get(address):
         time.sleep(delay[address])
     try:
+        _check_running(token)  # a straggler (or a delayed copy) of a fit that ended
         if backup and not _reply(server.shards[0].wanted(version, portion), token, timeout):
             return PortionResult(portion, version, "skipped", 0.0, 0, address)
         params = _params_for(server, token, version, timeout)
@@ -120,11 +128,12 @@ def run_portion(
     X, y = (np.require(a, requirements=["C", "A"]) for a in block)
     loss, grad = model.loss_and_grad(params, X, y)
     n = len(X)
-    calls = [
-        shard.accumulate(version, portion, grad[lo:hi], n)
-        for shard, (lo, hi) in zip(server.shards, server.ranges)
-    ]
     try:
+        _check_running(token)
+        calls = [
+            shard.accumulate(version, portion, grad[lo:hi], n)
+            for shard, (lo, hi) in zip(server.shards, server.ranges)
+        ]
         for call in calls:  # the driver may count this portion only once every shard has it
             _reply(call, token, timeout)
     except _RunEnded:
