@@ -1,13 +1,12 @@
 """Sandblaster on data in files: the workers read their own rows once and keep them all fit."""
 
-import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
 import scipy.optimize
 
 from downpour_dask import datasets, models
-from downpour_dask.sandblaster.blocks import FileBlocks, read_block
+from downpour_dask.sandblaster.blocks import ShardBlocks, read_block
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
 from downpour_dask.sandblaster.portions import Portions
 
@@ -77,7 +76,7 @@ def test_files_reach_scipys_optimum_with_each_block_read_once_and_no_rows_sent(
 
 def test_file_portions_cut_files_into_row_ranges_covering_every_row_once(digits_files):
     files, X, y = digits_files
-    blocks = FileBlocks(files, n_classes=2)
+    blocks = ShardBlocks(files, n_classes=2)
     (batch,) = blocks.portions(blocks.n_rows, 7, None)  # 7 wanted over 3 files: 3 per file
     assert batch == list(range(9))
     read = [read_block(blocks.shards[pid], files.schema, 2) for pid in batch]
@@ -91,10 +90,6 @@ def test_bad_file_data_is_refused_before_any_cluster_work(digits_files):
     est = SandblasterLBFGS(models.LogisticRegression(64), batch_size=100)
     with pytest.raises(ValueError, match="batch_size must be None when data is files"):
         est.fit(files, client=object())  # never used: the checks come first
-    frame = dd.from_pandas(pd.DataFrame(X[:, :4], columns=list("abcd")).assign(label=y), 2)
-    collection = datasets.from_dask(frame, label="label")
-    with pytest.raises(TypeError, match=r"data is a \w+ .*gather it whole"):
-        SandblasterLBFGS(models.LogisticRegression(4)).fit(collection, client=object())
     with pytest.raises(TypeError, match=r"eval_data is a ShardedDataset .*gather it whole"):
         SandblasterLBFGS(models.LogisticRegression(64)).fit(X, y, eval_data=files, client=object())
 

@@ -8,8 +8,9 @@ At fit, :func:`place_replicas` decides each replica's worker and the data its ta
   readable from every worker);
 - Dask collections: a persisted copy of the collection is made, ``who_has`` tells which worker
   holds each partition, and :func:`~downpour_dask.data.assignment.assign_partitions` pins
-  replicas next to their partitions.  The partition futures are task arguments, so Dask hands
-  each replica its partitions from the worker's own memory.
+  replicas next to their partitions (:func:`persist_partitions`, which Sandblaster uses too).
+  The partition futures are task arguments, so Dask hands each replica its partitions from the
+  worker's own memory.
 
 Replicas receive shard descriptors (and partition futures), never data through the client.  The
 caller's dataset and collection are left as they are: what was placed is described by the
@@ -148,6 +149,43 @@ def _holder(holders: dict, future: Future) -> str:
     return sorted(found)[0]
 
 
+@dataclass
+class PersistedPartitions:
+    """A Dask collection persisted on the cluster by :func:`persist_partitions`.
+
+    Attributes
+    ----------
+    dataset : DaskDataset
+        The persisted copy, its non-empty partitions as shards (``shard.part`` indexes
+        ``parts``).
+    parts : list
+        Every partition: a future (DataFrame) or an ``(X, y)`` future pair (arrays).  Holding
+        them keeps the persisted copy alive.
+    holders : dict of int to str
+        The worker holding each non-empty partition's rows, by partition index.
+    """
+
+    dataset: DaskDataset
+    parts: list
+    holders: dict[int, str]
+
+
+def persist_partitions(client: Client, ds: DaskDataset, timeout: float) -> PersistedPartitions:
+    """Persist a copy of ``ds``'s collection and learn each partition's rows and worker.
+
+    The collection is computed on the workers (a no-op for one the caller persisted already);
+    only the partitions' lengths and locations come back to the driver.  ``ds`` and its
+    collection are left as they are.
+    """
+    collection, parts, names = _persist(client, ds, timeout)
+    heavy = parts if ds.kind == "frame" else [x for x, _ in parts]  # where the rows are
+    lengths = client.gather(client.map(len, heavy, pure=False))
+    placed = ds.with_partitions(collection, [int(n) for n in lengths], names)
+    who_has = client.who_has(heavy)
+    holders = {s.part: _holder(who_has, heavy[s.part]) for s in placed.shards}
+    return PersistedPartitions(placed, parts, holders)
+
+
 def _place_dask(
     client: Client,
     ds: DaskDataset,
@@ -156,14 +194,10 @@ def _place_dask(
     n_classes: int | None,
     timeout: float,
 ) -> PlacedData:
-    collection, parts, names = _persist(client, ds, timeout)
-    heavy = parts if ds.kind == "frame" else [x for x, _ in parts]  # where the rows are
-    lengths = client.gather(client.map(len, heavy, pure=False))
-    placed = ds.with_partitions(collection, [int(n) for n in lengths], names)
-    who_has = client.who_has(heavy)
-    holders = {s.part: _holder(who_has, heavy[s.part]) for s in placed.shards}
+    persisted = persist_partitions(client, ds, timeout)
+    placed, parts = persisted.dataset, persisted.parts
     replicas = []
-    for share in assign_partitions(placed.shards, holders, n_replicas):
+    for share in assign_partitions(placed.shards, persisted.holders, n_replicas):
         spec = replica_spec(placed, share.shards, batch_size, n_classes)
         rows = sum(s.rows for s in share.shards)
         replicas.append(Placement(share.worker, spec, [parts[p] for p in share.parts], rows))

@@ -6,17 +6,21 @@ pass over the portion runs where its block is and moves no data.
 
 :class:`ArrayBlocks` is in-memory training data: its blocks are scattered from the driver, whose
 copy is also the backup from which a block lost with its worker is scattered again.
-:class:`FileBlocks` is training data in files (a
-:class:`~downpour_dask.data.shards.ShardedDataset` of parquet, ``.npy`` or CSV files): a task
-on each worker reads that worker's portions (:func:`read_block`), so the rows go from disk to
-the worker that computes on them, never through the driver, and a block lost with its worker is
-simply read again elsewhere.
+:class:`ShardBlocks` is training data that is not in the driver: files (a
+:class:`~downpour_dask.data.shards.ShardedDataset` of parquet, ``.npy`` or CSV files), or a
+Dask DataFrame or Arrays persisted on the cluster
+(:func:`~downpour_dask.runtime.placement.persist_partitions`).  A task on each worker reads
+that worker's portions (:func:`read_block`): the rows go from disk, or from the partition in the
+same worker's memory, to the worker that computes on them, never through the driver; a block
+lost with its worker is simply read again elsewhere (Dask recomputes a lost partition).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from distributed import Client, Future
@@ -27,7 +31,7 @@ from ..data.schema import Schema, Shard
 from ..data.shards import ShardedDataset
 from ..runtime.cluster import cluster_workers, send_to_workers
 
-#: Dataset kinds whose shards a worker reads itself (Dask collections are refused by ``fit``).
+#: Dataset kinds whose shards a worker reads itself from files.
 FILE_KINDS = ("parquet", "npy", "csv")
 _CHUNK_ROWS = 65536  # rows decoded at a time while a block is read
 
@@ -38,7 +42,7 @@ _CHUNK_ROWS = 65536  # rows decoded at a time while a block is read
 #: a pass close to its compute and still give backup tasks a portion to copy: a straggler's
 #: queued portions are copied to idle workers at the end of the batch (see
 #: ``bench_sandblaster.py`` and ``bench_backup_tasks.py`` in benchmarks/README.md).  Files get
-#: one portion per file unless that makes fewer.
+#: one portion per file (or Dask partition) unless that makes fewer.
 PORTIONS_PER_THREAD = 2
 
 
@@ -95,30 +99,44 @@ class ArrayBlocks:
         return send_to_workers(client, [(X[rows], y[rows])], timeout=timeout)[0]
 
 
-class FileBlocks:
-    """Training rows in files, read by the workers themselves: one block per portion.
+class ShardBlocks:
+    """Training rows in files or Dask partitions, read by the workers themselves: one block per
+    portion.
 
-    Every pass is over all the rows (full batch).  A portion is one file (or its part of a
-    file): with ``per_batch`` portions wanted and fewer files, each file is cut into equal row
-    ranges.  The blocks are spread over the workers so that each holds about as many rows, and
-    stay there for the whole fit.
+    Every pass is over all the rows (full batch).  A portion is one file or partition (or its
+    part of one): with ``per_batch`` portions wanted and fewer shards, each is cut into equal
+    row ranges.  A partition's portions are read on the worker holding the partition, so no row
+    moves; file portions are spread over the workers so that each holds about as many rows.
+    The blocks stay where they are read for the whole fit.
 
     Parameters
     ----------
     dataset : ShardedDataset
-        Files (``dataset.kind`` in :data:`FILE_KINDS`), already checked against the model.
+        Files (``dataset.kind`` in :data:`FILE_KINDS`), already checked against the model, or a
+        persisted Dask collection's dataset (``PersistedPartitions.dataset``).
     n_classes : int or None
         The classifier's number of classes (labels are checked to be in ``0..n_classes-1``
         while reading); None for regression targets.
+    parts : sequence, optional
+        Dask data: every partition (``PersistedPartitions.parts``), indexed by ``shard.part``.
+    holders : mapping of int to str, optional
+        Dask data: the worker holding each partition (``PersistedPartitions.holders``).
     """
 
-    def __init__(self, dataset: ShardedDataset, n_classes: int | None):
-        if dataset.kind not in FILE_KINDS:
+    def __init__(
+        self,
+        dataset: ShardedDataset,
+        n_classes: int | None,
+        parts: Sequence[Any] = (),
+        holders: Mapping[int, str] | None = None,
+    ):
+        if dataset.kind not in FILE_KINDS and not parts:
             raise TypeError(
-                f"SandblasterLBFGS reads files on the workers ({', '.join(FILE_KINDS)}), not a "
-                f"{dataset.kind!r} dataset"
+                f"SandblasterLBFGS reads files on the workers ({', '.join(FILE_KINDS)}) or "
+                f"persisted Dask partitions, not a {dataset.kind!r} dataset without them"
             )
         self.dataset, self.n_classes = dataset, n_classes
+        self.parts, self.holders = list(parts), dict(holders or {})
         self.shards: list[Shard] = []
         self.homes: dict[int, str] = {}  # the worker each portion's rows are first read on
 
@@ -128,15 +146,17 @@ class FileBlocks:
         return self.dataset.n_rows
 
     def portions(self, size: int, per_batch: int, order: np.ndarray | None) -> list[list]:
-        """One batch of every row: a portion per file, or per equal row range of a file when
-        ``per_batch`` is more than the number of files.  The rows of portion ``i`` are ``i``."""
+        """One batch of every row: a portion per shard, or per equal row range of a shard when
+        ``per_batch`` is more than the number of shards.  The rows of portion ``i`` are ``i``."""
         if size != self.n_rows or order is not None:
-            raise ValueError("data in files is read in full batches: batch_size must be None")
-        files = self.dataset.shards
-        cuts = max(1, -(-per_batch // len(files)))
+            raise ValueError(
+                "data read on the workers is read in full batches: batch_size must be None"
+            )
+        whole = self.dataset.shards
+        cuts = max(1, -(-per_batch // len(whole)))
         self.shards = [
             dataclasses.replace(shard, start=shard.start + a, stop=shard.start + b)
-            for shard in files
+            for shard in whole
             for a, b in split_range(shard.rows, min(cuts, shard.rows))
         ]
         return [list(range(len(self.shards)))]
@@ -144,33 +164,61 @@ class FileBlocks:
     def place(
         self, client: Client, rows: list, workers: list[str] | None, timeout: float
     ) -> list[Future]:
-        """Start a task reading each portion's rows on a worker, spreading the rows evenly (the
-        largest portions first, each to the worker with the fewest rows so far)."""
+        """Start a task reading each portion's rows on a worker: a partition's on the worker
+        holding it (if among ``workers``), files spread so that the rows are even (the largest
+        portions first, each to the worker with the fewest rows so far)."""
         pool = sorted(workers or cluster_workers(client))
         held = dict.fromkeys(pool, 0)
-        for pid in sorted(rows, key=lambda p: -self.shards[p].rows):
+        local = [p for p in rows if self.holders.get(self.shards[p].part) in held]
+        for pid in local:
+            self.homes[pid] = self.holders[self.shards[pid].part]
+            held[self.homes[pid]] += self.shards[pid].rows
+        for pid in sorted(set(rows) - set(local), key=lambda p: -self.shards[p].rows):
             worker = min(pool, key=lambda w: held[w])
             self.homes[pid] = worker
             held[worker] += self.shards[pid].rows
         return [self._read(client, pid, [self.homes[pid]]) for pid in rows]
 
     def replace(self, client: Client, rows: int, timeout: float) -> Future:
-        """Read the rows of portion ``rows`` again, on any worker (its block was lost)."""
+        """Read the rows of portion ``rows`` again, on any worker (its block was lost).
+
+        Raises
+        ------
+        RuntimeError
+            If its Dask partition is gone for good: Dask recomputes a lost partition from the
+            collection's graph, but one made of scattered data has no graph to recompute.
+        """
+        shard = self.shards[rows]
+        if shard.part is not None:
+            part = self.parts[shard.part]  # a future, or an (X, y) pair of them
+            futures = part if isinstance(part, tuple) else (part,)
+            if any(f.status in ("cancelled", "error") for f in futures):
+                raise RuntimeError(
+                    f"the rows of {shard.where()} were lost with their worker, and Dask cannot "
+                    f"recompute them (a collection made of scattered data has no graph to "
+                    f"recompute): build the collection from a graph (files, dask.array "
+                    f"functions, from_array) or pass the data in memory"
+                )
         return self._read(client, rows, None)
 
     def _read(self, client: Client, pid: int, workers: list[str] | None) -> Future:
+        shard = self.shards[pid]
+        part = None if shard.part is None else self.parts[shard.part]
         return client.submit(
-            read_block, self.shards[pid], self.dataset.schema, self.n_classes,
-            workers=workers, allow_other_workers=True, pure=False,
+            read_block, shard, self.dataset.schema, self.n_classes, part,
+            workers=workers, allow_other_workers=workers is not None, pure=False,
             key=f"sandblaster-block-{pid}-{uuid.uuid4().hex[:8]}",
         )  # fmt: skip
 
 
 def read_block(
-    shard: Shard, schema: Schema, n_classes: int | None
+    shard: Shard, schema: Schema, n_classes: int | None, part: Any = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Dask task: the rows of ``shard`` as a C-contiguous float32 ``X`` and the targets (int64
     labels for a classifier, float32 otherwise), checked as a replica's stream checks them.
+
+    ``part`` is the Dask partition a ``frame`` or ``array`` shard is in (a pandas DataFrame or
+    an ``(X, y)`` pair of arrays); None for files.
 
     Raises
     ------
@@ -184,7 +232,7 @@ def read_block(
     )
     xbuf = np.empty((min(_CHUNK_ROWS, shard.rows), schema.n_features), np.float32)
     row = 0
-    for Xc, yc in read_chunks(shard, schema, IN_ORDER, xbuf, n_classes):
+    for Xc, yc in read_chunks(shard, schema, IN_ORDER, xbuf, n_classes, part):
         X[row : row + len(Xc)] = Xc
         y[row : row + len(Xc)] = yc
         row += len(Xc)

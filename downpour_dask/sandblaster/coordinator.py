@@ -47,7 +47,7 @@ from ..log import Experiment, Progress, PushRow
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers, send_to_workers
-from .blocks import ArrayBlocks, FileBlocks, default_portions
+from .blocks import ArrayBlocks, ShardBlocks, default_portions
 from .portions import Portions
 from .shard import SandblasterShard
 from .tasks import PortionResult, evaluate_task, forget_run
@@ -65,7 +65,7 @@ class Coordinator:
     est : SandblasterLBFGS
         The estimator, whose (already checked) arguments the fit runs with.
     client : distributed.Client
-    data : ArrayBlocks or FileBlocks
+    data : ArrayBlocks or ShardBlocks
         The training rows, checked by the model.
     evaluation : (X, y) or None
         Evaluation data, scored every ``est.eval_every_iter`` iterations.
@@ -93,7 +93,7 @@ class Coordinator:
         self,
         est: ParamServerEstimator,
         client: Client,
-        data: ArrayBlocks | FileBlocks,
+        data: ArrayBlocks | ShardBlocks,
         evaluation: tuple[np.ndarray, np.ndarray] | None,
         delay: dict[str, float],
         callback: Callable[[Progress], None] | None = None,

@@ -26,7 +26,8 @@ from ..data.shards import ShardedDataset
 from ..inputs import evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
-from .blocks import FILE_KINDS, ArrayBlocks, FileBlocks
+from ..runtime.placement import persist_partitions
+from .blocks import FILE_KINDS, ArrayBlocks, ShardBlocks
 from .coordinator import Coordinator
 
 
@@ -205,6 +206,19 @@ class SandblasterLBFGS(ParamServerEstimator):
         """Raise if ``model`` has fewer parameters than ``n_shards``."""
         check_int("n_shards", self.n_shards, 1, model.n_params)
 
+    def _blocks(
+        self, client: Client, model: TrainableModel, rows: Any
+    ) -> ArrayBlocks | ShardBlocks:
+        """Where the checked training ``rows`` come from: the driver's arrays, files, or a Dask
+        collection persisted on the cluster (its partitions then stay where they are)."""
+        if not isinstance(rows, ShardedDataset):
+            return ArrayBlocks(*rows)
+        n_classes = getattr(model, "n_classes", None) if model.is_classifier else None
+        if rows.kind in FILE_KINDS:
+            return ShardBlocks(rows, n_classes)
+        persisted = persist_partitions(client, rows, self.timeout)
+        return ShardBlocks(persisted.dataset, n_classes, persisted.parts, persisted.holders)
+
     def fit(
         self,
         data: Dataset | tuple | np.ndarray,
@@ -219,15 +233,19 @@ class SandblasterLBFGS(ParamServerEstimator):
 
         Parameters
         ----------
-        data : Dataset, (X, y) tuple, X, or ShardedDataset of files
-            Training data in memory; with ``X``, pass the targets as ``y``.  Or files
-            (:func:`~downpour_dask.datasets.from_parquet`, ``from_npy``, ``from_csv``): each
-            worker then reads its share of the rows itself, once, and keeps it for the whole
-            fit (full batch only: ``batch_size`` must be None).  A Dask collection is refused
-            rather than gathered into the driver: compute it if it fits in memory.
+        data : Dataset, (X, y) tuple, X, ShardedDataset of files, or Dask collection
+            Training data in memory; with ``X``, pass the targets as ``y``.  Or data that
+            stays on the cluster (full batch only: ``batch_size`` must be None): files
+            (:func:`~downpour_dask.datasets.from_parquet`, ``from_npy``, ``from_csv``), each
+            worker then reading its share of the rows itself, once, for the whole fit; or a
+            Dask Array ``X`` with a Dask Array or Series ``y``, or
+            :func:`~downpour_dask.datasets.from_dask` of a DataFrame.  A Dask collection is
+            persisted (a no-op if it is already) and each partition is read into a float32
+            block on the worker that holds it: no row goes through the driver or between
+            workers, and the worker keeps both the partition and its block for the fit.
         eval_data : Dataset or (X, y), optional
             Scored every ``eval_every_iter`` iterations, on a worker (``experiment_.evals``);
-            in memory, like ``data``.
+            in memory, whatever ``data`` is.
         client : distributed.Client, optional
             The cluster; by default an embedded local cluster is started and closed.
         callback : callable, optional
@@ -239,31 +257,30 @@ class SandblasterLBFGS(ParamServerEstimator):
             sleeps this long first, making the worker a straggler.
         """
         self._check_arguments(callback)
+        if is_distributed(eval_data):
+            raise TypeError(
+                f"eval_data is a {type(eval_data).__name__} "
+                f"({getattr(eval_data, 'kind', 'Dask')}), but {type(self).__name__} scores "
+                f"in-memory arrays and would have to gather it whole into the driver; for data "
+                f"that fits in memory, pass eval_data.to_dataset() (or compute the collection)"
+            )
         files = isinstance(data, ShardedDataset) and data.kind in FILE_KINDS
-        for what, value in (("data", data), ("eval_data", eval_data)):
-            if is_distributed(value) and not (files and what == "data"):
-                raise TypeError(
-                    f"{what} is a {type(value).__name__} ({getattr(value, 'kind', 'Dask')}), "
-                    f"but {type(self).__name__} takes in-memory arrays"
-                    + (" or files (datasets.from_parquet, from_npy, from_csv)" * (what == "data"))
-                    + f" and would have to gather it whole into the driver; for data that fits "
-                    f"in memory, pass {what}.to_dataset() (or compute the collection)"
-                )
-        if files and self.batch_size is not None:
+        if is_distributed(data) and self.batch_size is not None:
             raise ValueError(
-                f"batch_size must be None when data is files: every pass reads all "
-                f"{data.n_rows} rows where the workers keep them (full batch), got "
+                f"batch_size must be None when data is {'files' if files else 'Dask data'}: "
+                f"every pass reads all the rows where the workers keep them (full batch), got "
                 f"batch_size={self.batch_size}"
             )
-        model, rows = prepare_fit(self, data, y)  # files: the checked ShardedDataset
-        if files:
-            n_classes = getattr(model, "n_classes", None) if model.is_classifier else None
-            blocks: ArrayBlocks | FileBlocks = FileBlocks(rows, n_classes)
-        else:
-            blocks = ArrayBlocks(*rows)
-        evaluation = evaluation_data(self, model, eval_data)
+        model = rows = evaluation = None
+        if files or not is_distributed(data):  # every check before any cluster work
+            model, rows = prepare_fit(self, data, y)
+            evaluation = evaluation_data(self, model, eval_data)
         callback, delay = self._callback(callback), dict(portion_delay or {})
         with cluster_client(client, self.security, announce=self.verbose >= 1) as active:
+            if model is None:  # Dask collections: their labels are read on the cluster
+                model, rows = prepare_fit(self, data, y, active)
+                evaluation = evaluation_data(self, model, eval_data)
+            blocks = self._blocks(active, model, rows)
             run = Coordinator(
                 self, active, blocks, evaluation, delay, callback, model, self._initial_params()
             )

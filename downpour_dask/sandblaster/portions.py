@@ -35,7 +35,7 @@ from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
-from .blocks import ArrayBlocks, FileBlocks
+from .blocks import ArrayBlocks, ShardBlocks
 from .shard import SandblasterShard
 from .tasks import PortionResult, run_portion
 
@@ -69,7 +69,7 @@ class Portions:
     client : distributed.Client
     server : ParameterServer
         The :class:`~downpour_dask.sandblaster.shard.SandblasterShard` actors.
-    data : ArrayBlocks or FileBlocks
+    data : ArrayBlocks or ShardBlocks
         The training rows: each portion's rows become a block on one worker, placed again if
         that worker dies.
     batches : list of list of int
@@ -100,7 +100,7 @@ class Portions:
         self,
         client: Client,
         server: ParameterServer,
-        data: ArrayBlocks | FileBlocks,
+        data: ArrayBlocks | ShardBlocks,
         batches: list[list[int]],
         rows: list,
         model: Model,
@@ -304,7 +304,7 @@ class Portions:
 
         Scattered data cannot be recomputed by Dask, and its Active Memory Manager removes extra
         replicas, so the driver (which holds the training data anyway) is the backup copy.  A
-        block read from files is read again, unless Dask is reading it (again) already.
+        block read from a file or Dask partition is read again, unless Dask is reading it.
         """
         for pid, block in enumerate(self.blocks):
             reading = block.status == "pending" and pid in self.data.homes

@@ -1,0 +1,191 @@
+"""Sandblaster on Dask collections: each partition is read where it is, and never gathered."""
+
+import os
+import signal
+import threading
+import time
+
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from distributed import Client, LocalCluster
+
+from downpour_dask import datasets, models
+from downpour_dask.runtime.cluster import cluster_workers
+from downpour_dask.sandblaster.estimator import SandblasterLBFGS
+
+
+@pytest.fixture(scope="module")
+def digits_signed():
+    """The digits training set with labels -1 (digit < 5) and 1: not the codes 0..K-1."""
+    train, _ = datasets.load("digits")
+    return train.X.astype(np.float32), np.where(train.y >= 5, 1, -1)
+
+
+def _transferred(client: Client) -> set[str]:
+    """Every key a worker has fetched from another worker so far."""
+
+    def keys(dask_worker) -> list[str]:
+        return [str(k) for entry in dask_worker.transfer_incoming_log for k in entry["keys"]]
+
+    return {key for found in client.run(keys).values() for key in found}
+
+
+def _recording(client, monkeypatch) -> list:
+    """Record what the client scatters."""
+    scattered, scatter = [], client.scatter
+
+    def count_scatter(data, *args, **kwargs):
+        scattered.append(data)
+        return scatter(data, *args, **kwargs)
+
+    monkeypatch.setattr(client, "scatter", count_scatter)
+    return scattered
+
+
+@pytest.mark.timeout(120)
+def test_a_dask_array_fit_matches_the_in_memory_fit_and_no_feature_row_moves(
+    client, digits_signed, monkeypatch
+):
+    X, y = digits_signed
+    model = models.LogisticRegression(64, l2=3e-2)
+    settings = dict(max_iter=100, tol=1e-8, backup_tasks=False, random_state=0)
+    ref = SandblasterLBFGS(model, portions_per_batch=4, **settings).fit(X, y, client=client)
+    Xd = da.from_array(X, chunks=(300, 64))  # more partitions than the 4 portions wanted
+    yd = da.from_array(y, chunks=300)
+    n_parts = len(Xd.chunks[0])
+    assert n_parts > 4
+    Xd, yd = client.persist([Xd, yd])  # the user's data already on the cluster
+    before = _transferred(client)
+    scattered = _recording(client, monkeypatch)
+    est = SandblasterLBFGS(model, portions_per_batch=4, **settings).fit(Xd, yd, client=client)
+    assert scattered == []  # nothing went through the driver
+    moved = [k for k in _transferred(client) - before if Xd.name in k or "sandblaster-block" in k]
+    assert moved == []  # every block was read on the worker holding its features
+    assert est.classes_.tolist() == [-1, 1] and est.n_features_in_ == 64
+    assert est.objective_ == pytest.approx(ref.objective_, rel=1e-5)
+    np.testing.assert_allclose(est.params_, ref.params_, atol=1e-3)
+    pushes = est.experiment_.pushes
+    assert (pushes.groupby("version")["examples"].sum() == len(X)).all()
+    assert (pushes.groupby("version").size() == n_parts).all()  # a portion per partition
+    assert est.score(X, y) == pytest.approx(ref.score(X, y))
+
+
+@pytest.mark.timeout(120)
+def test_a_dask_dataframe_fit_knows_its_feature_names_and_covers_every_row(client, digits_signed):
+    X, y = digits_signed
+    columns = [f"pixel{j}" for j in range(64)]
+    frame = dd.from_pandas(pd.DataFrame(X, columns=columns).assign(digit=y), npartitions=3)
+    est = SandblasterLBFGS(
+        models.LogisticRegression(64, l2=3e-2), portions_per_batch=6, max_iter=20,
+        random_state=0,
+    ).fit(datasets.from_dask(frame, label="digit"), client=client)  # fmt: skip
+    assert est.feature_names_in_.tolist() == columns
+    pushes = est.experiment_.pushes
+    assert (pushes.groupby("version")["examples"].sum() == len(X)).all()
+    assert (pushes.groupby("version").size() == 6).all()  # 6 wanted over 3 partitions: cut in 2
+    assert est.score(pd.DataFrame(X, columns=columns), y) > 0.85
+
+
+def test_bad_dask_data_is_refused_before_any_cluster_work(digits_signed):
+    X, y = digits_signed
+    Xd, yd = da.from_array(X, chunks=(300, 64)), da.from_array(y, chunks=300)
+    est = SandblasterLBFGS(models.LogisticRegression(64), batch_size=100)
+    with pytest.raises(ValueError, match="batch_size must be None when data is Dask data"):
+        est.fit(Xd, yd, client=object())  # never used: the checks come first
+    with pytest.raises(TypeError, match=r"eval_data is a Array .*gather it whole"):
+        SandblasterLBFGS(models.LogisticRegression(64)).fit(Xd, yd, eval_data=Xd, client=object())
+
+
+def _running(dask_worker) -> list[str]:
+    return [str(key) for key in dask_worker.active_threads.values()]
+
+
+def _fit_killing(client: Client, victim: str, est: SandblasterLBFGS, Xd, yd) -> dict:
+    """Fit in a thread and SIGKILL ``victim`` once a portion runs there; ``{"est"}`` or
+    ``{"error"}``."""
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    delay = {w: 0.25 for w in cluster_workers(client)}  # the kill lands inside the batch
+    done = {}
+
+    def run_fit() -> None:
+        try:
+            done["est"] = est.fit(Xd, yd, client=client, portion_delay=delay)
+        except Exception as err:  # shown by the assertions, not lost in a thread
+            done["error"] = err
+
+    fit = threading.Thread(target=run_fit)
+    fit.start()
+    deadline = time.monotonic() + 90  # kill once a portion runs there: inside the batch
+    while not any("portion" in key for key in client.run(_running, workers=[victim])[victim]):
+        assert fit.is_alive() and time.monotonic() < deadline, done.get("error")
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    fit.join(timeout=150)
+    assert not fit.is_alive()
+    assert victim not in cluster_workers(client)  # the kill hit: the fit outlived the worker
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_killing_the_worker_holding_the_partitions_mid_batch_loses_nothing(digits_signed):
+    X, y = digits_signed
+    model = models.LogisticRegression(64, l2=1e-2)
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(3, timeout=60)
+        victim = sorted(cluster_workers(client))[2]  # shards go to the other two workers
+        Xd, yd = da.from_array(X, chunks=(150, 64)), da.from_array(y, chunks=150)
+        # every partition on the victim, recomputable elsewhere once it is gone
+        Xd, yd = client.persist([Xd, yd], workers=[victim], allow_other_workers=True)
+        n_parts = len(Xd.chunks[0])
+        est = SandblasterLBFGS(  # no backups: only the victim runs portions until it dies
+            model, portions_per_batch=n_parts, max_iter=0, backup_tasks=False, random_state=0
+        )
+        done = _fit_killing(client, victim, est, Xd, yd)
+        assert "est" in done, done.get("error")
+    params = model.init(np.random.default_rng(0))
+    codes = (y > 0).astype(np.int64)
+    loss, grad = model.loss_and_grad(params.astype(np.float64), X.astype(np.float64), codes)
+    np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
+    assert est.objective_ == pytest.approx(loss, rel=1e-6)
+    pushes = est.experiment_.pushes
+    # every row counted once: Dask recomputed the lost partitions and blocks and re-ran the
+    # killed portion, and the shards count a portion once however many copies of it run
+    assert pushes["examples"].sum() == len(X) and len(pushes) == n_parts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_losing_scattered_partitions_ends_the_fit_with_an_error_naming_them(digits_signed):
+    X, y = digits_signed
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(3, timeout=60)
+        victim = sorted(cluster_workers(client))[2]
+        rows = np.array_split(np.arange(len(X)), 6)
+        xs = client.scatter([X[r] for r in rows], workers=[victim])  # no graph: not recomputable
+        ys = client.scatter([y[r] for r in rows], workers=[victim])
+        Xd = da.concatenate([da.from_delayed(f, (len(r), 64), X.dtype) for f, r in zip(xs, rows)])
+        yd = da.concatenate([da.from_delayed(f, (len(r),), y.dtype) for f, r in zip(ys, rows)])
+        est = SandblasterLBFGS(
+            models.LogisticRegression(64), portions_per_batch=6, max_iter=0, backup_tasks=False,
+            random_state=0, timeout=120,
+        )  # fmt: skip
+        done = _fit_killing(client, victim, est, Xd, yd)
+    # an error naming the lost rows, not a fit waiting out its timeout re-reading them
+    assert "error" in done, "the fit finished without the rows it lost"
+    assert isinstance(done["error"], RuntimeError)
+    assert "were lost with their worker, and Dask cannot recompute them" in str(done["error"])
+    assert f"Dask Array {Xd.name}" in str(done["error"])
