@@ -19,12 +19,15 @@ Sandblaster launched. Sandblaster runs with its default portions (2 per worker t
 with 20 (10 per thread, the default before 2026-11-23), interleaved with scipy ``--repeats`` times;
 the "relayed" row runs the default through a client made with ``direct_to_workers=False``, so its
 data blocks travel through the scheduler (Dask's default for a scatter, and the placement before)
-instead of straight to the workers.
+instead of straight to the workers. The "Dask Array on cluster" row starts with the data already
+in the workers' memory, as a user who loaded it with Dask has it: 4 row blocks scattered
+round-robin before the clock starts, passed to ``fit`` as Dask Arrays (each block is then read
+into a portion on its own worker); it is the cluster's counterpart of scipy's data in memory.
 A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off costs
 (imports and allocations on the workers) that would otherwise land on one row.  The Sandblaster
 rows take turns in their order, one repeat to the next: the first fit after scipy's run places
 its data later (0.5-1 s against 0.25-0.4 s, in every run; the cause is not known), so with
-``--repeats`` a multiple of 3 each row kind takes that place equally often.
+``--repeats`` a multiple of 4 each row kind takes that place equally often.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
                                            [--repeats 1] [--skip-dask-ml]
@@ -76,7 +79,8 @@ class L2ExceptIntercept(L2):
 SCIPY = "serial scipy L-BFGS-B (1 thread)"
 DASK_ML = "dask-ml LogisticRegression(lbfgs)"
 RELAYED = "relayed"
-VARIANTS = ((None, ""), (None, RELAYED), (20, ""))  # (portions, A/B variant)
+ON_CLUSTER = "Dask Array on cluster"
+VARIANTS = ((None, ""), (None, RELAYED), (20, ""), (None, ON_CLUSTER))  # (portions, variant)
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -151,6 +155,26 @@ def run_dask_ml(client, X, y, chunk_rows):
     return params, trace, len(trace)
 
 
+def on_cluster(client, X, y, parts: int) -> tuple:
+    """``(X, y)`` as Dask Arrays of ``parts`` row blocks already in the workers' memory, spread
+    evenly (scattered round-robin, as data loaded with Dask would be), before any clock."""
+    workers = sorted(client.scheduler_info()["workers"])
+    cuts = np.linspace(0, len(X), parts + 1).astype(int).tolist()
+    bounds = list(zip(cuts[:-1], cuts[1:]))
+    xs, ys = [], []
+    for i, (lo, hi) in enumerate(bounds):
+        where = [workers[i % len(workers)]]
+        xs.append(client.scatter(X[lo:hi], workers=where, hash=False))
+        ys.append(client.scatter(y[lo:hi], workers=where, hash=False))
+    Xd = da.concatenate(
+        [da.from_delayed(f, (hi - lo, X.shape[1]), X.dtype) for f, (lo, hi) in zip(xs, bounds)]
+    )
+    yd = da.concatenate(
+        [da.from_delayed(f, (hi - lo,), y.dtype) for f, (lo, hi) in zip(ys, bounds)]
+    )
+    return Xd, yd
+
+
 def run_sandblaster(client, model, X, y, portions):
     runs = []
     original = Coordinator.execute
@@ -168,7 +192,7 @@ def run_sandblaster(client, model, X, y, portions):
     finally:
         Coordinator.execute = original
     evals = est.experiment_.evals
-    offset = runs[-1].recorder.t0 - start  # argument checks before the run's clock started
+    offset = runs[-1].recorder.t0 - start  # checks (and persisting) before the run's clock
     trace = list(zip(evals["time"] + offset, evals["objective"]))
     kinds = est.experiment_.events["kind"]
     passes = int((kinds == "batch_start").sum())
@@ -224,11 +248,17 @@ def main() -> None:
                         else f" ({portions} portions)"
                     )
                     label += f" {variant}" if variant else ""
+                    data = (
+                        on_cluster(client, X, y, default_portions(2))
+                        if variant == ON_CLUSTER
+                        else (X, y)
+                    )
                     results.setdefault(label, []).append(
                         run_sandblaster(
-                            relaying if variant == RELAYED else client, model, X, y, portions
+                            relaying if variant == RELAYED else client, model, *data, portions
                         )
                     )
+                    del data
         finally:
             models.LogisticRegression.init = original_init
     finals = {
