@@ -13,7 +13,9 @@ import pytest
 from distributed import Client, LocalCluster
 
 from downpour_dask import datasets, models
+from downpour_dask.data.schema import Schema, Shard, ShardDataError
 from downpour_dask.runtime.cluster import cluster_workers
+from downpour_dask.sandblaster.blocks import read_block
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
 
 
@@ -71,6 +73,26 @@ def test_a_dask_array_fit_matches_the_in_memory_fit_and_no_feature_row_moves(
     assert (pushes.groupby("version")["examples"].sum() == len(X)).all()
     assert (pushes.groupby("version").size() == n_parts).all()  # a portion per partition
     assert est.score(X, y) == pytest.approx(ref.score(X, y))
+
+
+def test_an_array_block_is_a_view_of_float32_rows_and_checked_like_a_file():
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((100, 3)).astype(np.float32), rng.integers(0, 2, 100)
+    shard = Shard("array", "block 0 of Dask Array x", 10, 60, part=0)
+    schema = Schema("array", 3, "float32", "int64")
+    Xb, yb = read_block(shard, schema, 2, (X, y))
+    assert np.shares_memory(Xb, X)  # the worker holds the rows once, not twice
+    np.testing.assert_array_equal(Xb, X[10:60])
+    np.testing.assert_array_equal(yb, y[10:60])
+    X64 = X.astype(np.float64)  # other dtypes: one converted copy
+    Xc, _ = read_block(shard, schema, 2, (X64, y))
+    assert Xc.dtype == np.float32 and Xc.flags.c_contiguous and not np.shares_memory(Xc, X64)
+    np.testing.assert_array_equal(Xc, X[10:60])
+    X64[42, 1] = np.nan
+    with pytest.raises(ShardDataError, match=r"block 0 of Dask Array x \(rows 10-60\).*row 42"):
+        read_block(shard, schema, 2, (X64, y))
+    with pytest.raises(ShardDataError, match=r"labels \[7\] are outside .* 0..1"):
+        read_block(shard, schema, 2, (X, np.where(np.arange(100) == 20, 7, y)))
 
 
 @pytest.mark.timeout(120)

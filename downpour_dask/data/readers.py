@@ -223,6 +223,28 @@ def _partition_chunks(shard: Shard, schema: Schema, rng, xbuf: np.ndarray, part:
         yield X, yb, where, lo
 
 
+def read_array_rows(
+    shard: Shard, part: Any, n_classes: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of an ``array`` shard of the Dask partition ``part = (X, y)``, whole and checked
+    as :func:`read_chunks` checks them: float32 ``X`` and the training targets.
+
+    ``X`` is a view of the partition's rows when they are C-contiguous float32 already (no
+    copy, no second copy in memory), else one converted copy.
+    """
+    where = shard.where()
+    try:
+        features, labels = part
+        if len(features) < shard.stop:
+            raise ValueError(f"the partition has only {len(features)} rows")
+        with np.errstate(over="ignore", invalid="ignore"):
+            X = np.ascontiguousarray(features[shard.start : shard.stop], dtype=np.float32)
+        y = np.asarray(labels[shard.start : shard.stop])
+    except Exception as err:
+        raise read_error(err, where) from err
+    return X, _check_chunk(X, y, where, shard.start, n_classes)
+
+
 _READERS = {"parquet": _parquet_chunks, "csv": _csv_chunks, "npy": _npy_chunks}
 
 

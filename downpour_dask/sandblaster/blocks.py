@@ -26,7 +26,7 @@ import numpy as np
 from distributed import Client, Future
 
 from ..core.params import split_range
-from ..data.readers import IN_ORDER, read_chunks
+from ..data.readers import IN_ORDER, read_array_rows, read_chunks
 from ..data.schema import Schema, Shard
 from ..data.shards import ShardedDataset
 from ..runtime.cluster import cluster_workers, send_to_workers
@@ -218,13 +218,16 @@ def read_block(
     labels for a classifier, float32 otherwise), checked as a replica's stream checks them.
 
     ``part`` is the Dask partition a ``frame`` or ``array`` shard is in (a pandas DataFrame or
-    an ``(X, y)`` pair of arrays); None for files.
+    an ``(X, y)`` pair of arrays); None for files.  An ``array`` shard's ``X`` is a view of its
+    partition when that is C-contiguous float32 already.
 
     Raises
     ------
     ShardReadError, ShardDataError
         An unreadable file, or bad values, naming the file and the row group or rows.
     """
+    if shard.kind == "array":  # rows in memory already: a view of them when they are float32
+        return read_array_rows(shard, part, n_classes)
     X = np.empty((shard.rows, schema.n_features), np.float32)
     y = np.empty(
         (shard.rows, *((schema.y_width,) if schema.y_width else ())),
