@@ -51,7 +51,7 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
     portions.capacity, portions.freed = {"w1": Portions.DEPTH, "w2": Portions.DEPTH}, {}
     portions._restore_blocks = lambda: restored.append(1)
-    portions.blocks = [SimpleNamespace(key=f"block-{pid}") for pid in range(10)]
+    portions.blocks = [SimpleNamespace(key=f"block-{pid}", status="pending") for pid in range(10)]
     portions.nbytes, portions.metrics = {}, {}  # blocks of 0 bytes unless a test says otherwise
     return portions
 
@@ -169,3 +169,25 @@ def test_a_backup_that_would_move_a_large_block_waits_for_the_move_as_dask_estim
     assert backups_after(0.8) == [(0, "w2")]  # later than the median and the move together
     portions.where[0] = {"w1", "w2"}  # w2 holds a replica: nothing to move
     assert backups_after(0.3) == [(0, "w2")]
+
+
+def test_a_block_read_after_the_last_refresh_is_sized_before_a_backup_would_move_it():
+    """A worker reads its block while the pass starts: the refresh before the pass saw it still
+    pending, so its size comes from the scheduler when a backup would first move it."""
+    portions = _portions([])
+    portions.backup_tasks, submitted, asked = True, [], []
+    portions._submit = lambda version, pid, worker, backup: submitted.append((pid, worker))
+
+    def nbytes(keys, summary):
+        asked.append(list(keys))
+        return dict.fromkeys(keys, 50_000_000)
+
+    portions.client = SimpleNamespace(nbytes=nbytes)
+    portions.blocks[0].status = "finished"  # read since the refresh: not in portions.nbytes
+    portions.metrics["w2"] = {"bandwidth": {"total": 100_000_000}}  # moving it takes 0.5 s
+    copy = _add(portions, _FakeFuture("pending"), version=3, portion=0, worker="w1", ago=1.0)
+    portions.freed["w1"] = time.time() - 0.3  # 3x the median of 0.1 s
+    for _ in range(2):
+        portions._backups(3, {0: [copy]}, {}, [0.1])
+    assert submitted == []  # not worth moving 50 MB yet
+    assert asked == [["block-0"]]  # asked once, then known

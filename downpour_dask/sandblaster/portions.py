@@ -8,11 +8,10 @@ worker, and counts every portion once (the tasks are in :mod:`~downpour_dask.san
 What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the tests): events
 with structured data, and each counted portion.
 
-A lost *shard* is not a lost portion: when a shard's worker leaves the cluster, a portion fails,
-or a batch runs out of time while a shard does not answer, the pass raises
-:class:`~downpour_dask.ps.protocol.ShardLostError` naming the shard (the coordinator restores
-it, see :mod:`~downpour_dask.sandblaster.coordinator`) instead of waiting on portions that
-cannot finish.
+A lost *shard* is not a lost portion: when a shard's worker leaves, a portion fails, or a batch
+runs out of time while a shard does not answer, the pass raises
+:class:`~downpour_dask.ps.protocol.ShardLostError` naming the shard (the coordinator restores it)
+instead of waiting on portions that cannot finish.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ class Portions:
     server : ParameterServer
         The :class:`~downpour_dask.sandblaster.shard.SandblasterShard` actors.
     data : ArrayBlocks or ShardBlocks
-        The training rows: each portion's rows become a block on one worker, placed again if
-        that worker dies.
+        The training rows: each portion's a block on one worker, placed again if it dies.
     batches : list of list of int
         The portion ids of every batch.
     rows : list
@@ -242,12 +240,11 @@ class Portions:
     def _outstanding(self, version: int) -> str:
         """The copies of batch ``version`` still running, for an error message: which portion,
         on which worker, for how long, and in which state Dask has the task."""
-        now = time.time()
+        now, copies = time.time(), self.inflight.items()
         running = [
             f"portion {c.portion} on {c.worker} for {now - c.submitted:.1f} s ({f.status})"
-            for f, c in self.inflight.items()
-            if c.version == version
-        ]
+            for f, c in copies if c.version == version
+        ]  # fmt: skip
         return "still running: " + ("; ".join(running) if running else "nothing")
 
     def _check_shards(self, workers: Mapping[str, Any] | None = None, seconds: float = 0.0) -> None:
@@ -336,7 +333,10 @@ class Portions:
             return 0.0
         rate = self.metrics.get(worker, {}).get("bandwidth", {}).get("total")
         rate = rate or parse_bytes(dask.config.get("distributed.scheduler.bandwidth"))
-        return self.nbytes.get(self.blocks[pid].key, 0) / rate
+        block = self.blocks[pid]
+        if block.key not in self.nbytes and block.status == "finished":  # read since _refresh
+            self.nbytes.update(self.client.nbytes([block.key], summary=False))
+        return self.nbytes.get(block.key, 0) / rate
 
     def _free(self) -> list[str]:
         return [w for w in sorted(self.capacity) if self.load.get(w, 0) < self.capacity[w]]
