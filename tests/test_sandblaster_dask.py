@@ -88,6 +88,13 @@ def test_an_array_block_is_a_view_of_float32_rows_and_checked_like_a_file():
     Xc, _ = read_block(shard, schema, 2, (X64, y))
     assert Xc.dtype == np.float32 and Xc.flags.c_contiguous and not np.shares_memory(Xc, X64)
     np.testing.assert_array_equal(Xc, X[10:60])
+    raw = np.zeros(X.nbytes + 2, np.uint8)  # float32 rows 2 bytes off alignment, as unpickled
+    odd = raw[2:].view(np.float32).reshape(X.shape)
+    odd[:] = X
+    assert not odd.flags.aligned
+    Xa, _ = read_block(shard, schema, 2, (odd, y))
+    assert Xa.flags.aligned and not np.shares_memory(Xa, odd)  # copied: aligned rows are faster
+    np.testing.assert_array_equal(Xa, X[10:60])
     X64[42, 1] = np.nan
     with pytest.raises(ShardDataError, match=r"block 0 of Dask Array x \(rows 10-60\).*row 42"):
         read_block(shard, schema, 2, (X64, y))

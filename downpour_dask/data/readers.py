@@ -229,8 +229,9 @@ def read_array_rows(
     """The rows of an ``array`` shard of the Dask partition ``part = (X, y)``, whole and checked
     as :func:`read_chunks` checks them: float32 ``X`` and the training targets.
 
-    ``X`` is a view of the partition's rows when they are C-contiguous float32 already (no
-    copy, no second copy in memory), else one converted copy.
+    ``X`` is a view of the partition's rows when they are aligned, C-contiguous float32
+    already (no second copy in memory), else one converted copy: rows unpickled at an odd
+    offset (Dask's scatter can leave them so) would make every gradient over them slower.
     """
     where = shard.where()
     try:
@@ -238,7 +239,7 @@ def read_array_rows(
         if len(features) < shard.stop:
             raise ValueError(f"the partition has only {len(features)} rows")
         with np.errstate(over="ignore", invalid="ignore"):
-            X = np.ascontiguousarray(features[shard.start : shard.stop], dtype=np.float32)
+            X = np.require(features[shard.start : shard.stop], np.float32, ["C", "A"])
         y = np.asarray(labels[shard.start : shard.stop])
     except Exception as err:
         raise read_error(err, where) from err
