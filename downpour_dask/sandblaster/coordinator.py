@@ -47,6 +47,7 @@ from ..log import Experiment, Progress, PushRow
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers, send_to_workers
+from ..runtime.malloc import tune_malloc
 from .blocks import ArrayBlocks, ShardBlocks, default_portions
 from .portions import Portions
 from .shard import SandblasterShard
@@ -235,6 +236,8 @@ class Coordinator:
         self.token = uuid.uuid4().hex[:12]
         self.tokens.append(self.token)
         self._offset = max(0, self.done_iter)
+        # before the data blocks arrive (see runtime/malloc.py); a worker leaving is no matter
+        client.run(tune_malloc, workers=self.survivors(), on_error="ignore")
         self.portions = Portions(
             client, self.server, self.data, ids, flat, data_model, self,
             token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
