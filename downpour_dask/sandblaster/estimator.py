@@ -241,8 +241,9 @@ class SandblasterLBFGS(ParamServerEstimator):
             Dask Array ``X`` with a Dask Array or Series ``y``, or
             :func:`~downpour_dask.datasets.from_dask` of a DataFrame.  A Dask collection is
             persisted (a no-op if it is already) and each partition is read into a float32
-            block on the worker that holds it: no row goes through the driver or between
-            workers, and the worker keeps both the partition and its block for the fit.
+            block on the worker that holds it: no feature row goes through the driver or
+            between workers.  A block is a view of its partition when the rows are aligned
+            float32 already, else a copy the worker holds beside the partition for the fit.
         eval_data : Dataset or (X, y), optional
             Scored every ``eval_every_iter`` iterations, on a worker (``experiment_.evals``);
             in memory, whatever ``data`` is.
