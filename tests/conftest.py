@@ -7,7 +7,12 @@ are marked ``@pytest.mark.slow`` so that ``pytest -m "not slow"`` is a quick inn
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
@@ -45,6 +50,40 @@ def three_workers():
 def _running_on_workers(dask_worker) -> list[str]:
     """Tasks (and actor calls) running in a worker's threads right now."""
     return [str(key) for key in dask_worker.active_threads.values()]
+
+
+def _kill_during_fit(client: Client, victim: str, fit: Callable[[], Any]) -> dict:
+    """Run ``fit`` in a thread and SIGKILL the worker ``victim`` once a portion runs there, so
+    the kill lands inside a batch; wait for the fit.  Returns ``{"est": ...}`` (what ``fit``
+    returned) or ``{"error": ...}`` (what it raised)."""
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    done: dict = {}
+
+    def run_fit() -> None:
+        try:
+            done["est"] = fit()
+        except Exception as err:  # shown by the caller's assertions, not lost in a thread
+            done["error"] = err
+
+    thread = threading.Thread(target=run_fit)
+    thread.start()
+    deadline = time.monotonic() + 90
+    while not any(
+        "portion" in key for key in client.run(_running_on_workers, workers=[victim])[victim]
+    ):
+        assert thread.is_alive() and time.monotonic() < deadline, done.get("error")
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=150)
+    assert not thread.is_alive(), "the fit did not end after the kill"
+    return done
+
+
+@pytest.fixture
+def kill_during_fit() -> Callable[[Client, str, Callable[[], Any]], dict]:
+    """``kill_during_fit(client, victim, fit)``: run ``fit`` and SIGKILL ``victim`` inside a
+    batch (a test using it is a slow one)."""
+    return _kill_during_fit
 
 
 @pytest.fixture(autouse=True)

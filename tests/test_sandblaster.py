@@ -2,7 +2,6 @@
 
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -359,38 +358,18 @@ def test_a_straggler_outliving_its_fit_does_not_call_the_released_shards(digits_
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_worker_killed_mid_batch_loses_nothing(digits_binary):
+def test_a_worker_killed_mid_batch_loses_nothing(digits_binary, three_workers, kill_during_fit):
     (X, y), _ = digits_binary
     model = models.LogisticRegression(64, l2=1e-2)
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(3, timeout=60)
-        workers = sorted(cluster_workers(client))
-        victim = workers[2]  # shards go to workers[0] and workers[1]
-        pid = client.run(os.getpid, workers=[victim])[victim]
-        est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)
-        delay = {w: 0.25 for w in workers}  # a batch takes ~2 s: the kill lands inside it
-        done = {}
-
-        def run_fit() -> None:
-            try:
-                done["est"] = est.fit(X, y, client=client, portion_delay=delay)
-            except Exception as err:  # shown by the assertion below, not lost in a thread
-                done["error"] = err
-
-        fit = threading.Thread(target=run_fit)
-        fit.start()
-        deadline = time.monotonic() + 90  # kill once a portion runs there: inside the batch
-        while not any("portion" in key for key in client.run(_running, workers=[victim])[victim]):
-            assert fit.is_alive() and time.monotonic() < deadline, done.get("error")
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
-        fit.join(timeout=120)
-        assert not fit.is_alive() and "est" in done, done.get("error")
+    client = three_workers
+    workers = sorted(cluster_workers(client))
+    victim = workers[2]  # shards go to workers[0] and workers[1]
+    est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)
+    delay = {w: 0.25 for w in workers}  # a batch takes ~2 s: the kill lands inside it
+    done = kill_during_fit(
+        client, victim, lambda: est.fit(X, y, client=client, portion_delay=delay)
+    )
+    assert "est" in done, done.get("error")
     params = model.init(np.random.default_rng(0))
     np.testing.assert_array_equal(est.params_, params)
     loss, grad = serial_objective(model, params, X, y)

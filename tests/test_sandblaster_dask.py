@@ -1,16 +1,11 @@
 """Sandblaster on Dask collections: each partition is read where it is, and never gathered."""
 
-import os
-import signal
-import threading
-import time
-
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from downpour_dask import datasets, models
 from downpour_dask.data.schema import Schema, Shard, ShardDataError
@@ -128,58 +123,32 @@ def test_bad_dask_data_is_refused_before_any_cluster_work(digits_signed):
         SandblasterLBFGS(models.LogisticRegression(64)).fit(Xd, yd, eval_data=Xd, client=object())
 
 
-def _running(dask_worker) -> list[str]:
-    return [str(key) for key in dask_worker.active_threads.values()]
-
-
-def _fit_killing(client: Client, victim: str, est: SandblasterLBFGS, Xd, yd) -> dict:
-    """Fit in a thread and SIGKILL ``victim`` once a portion runs there; ``{"est"}`` or
-    ``{"error"}``."""
-    pid = client.run(os.getpid, workers=[victim])[victim]
-    delay = {w: 0.25 for w in cluster_workers(client)}  # the kill lands inside the batch
-    done = {}
-
-    def run_fit() -> None:
-        try:
-            done["est"] = est.fit(Xd, yd, client=client, portion_delay=delay)
-        except Exception as err:  # shown by the assertions, not lost in a thread
-            done["error"] = err
-
-    fit = threading.Thread(target=run_fit)
-    fit.start()
-    deadline = time.monotonic() + 90  # kill once a portion runs there: inside the batch
-    while not any("portion" in key for key in client.run(_running, workers=[victim])[victim]):
-        assert fit.is_alive() and time.monotonic() < deadline, done.get("error")
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    fit.join(timeout=150)
-    assert not fit.is_alive()
-    assert victim not in cluster_workers(client)  # the kill hit: the fit outlived the worker
-    return done
+def _fit_slowly(est: SandblasterLBFGS, client: Client, Xd, yd) -> SandblasterLBFGS:
+    """Fit with every portion sleeping 0.25 s first, so that a kill lands inside the batch."""
+    return est.fit(
+        Xd, yd, client=client, portion_delay=dict.fromkeys(cluster_workers(client), 0.25)
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_killing_the_worker_holding_the_partitions_mid_batch_loses_nothing(digits_signed):
+def test_killing_the_worker_holding_the_partitions_mid_batch_loses_nothing(
+    digits_signed, three_workers, kill_during_fit
+):
     X, y = digits_signed
     model = models.LogisticRegression(64, l2=1e-2)
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(3, timeout=60)
-        victim = sorted(cluster_workers(client))[2]  # shards go to the other two workers
-        Xd, yd = da.from_array(X, chunks=(150, 64)), da.from_array(y, chunks=150)
-        # every partition on the victim, recomputable elsewhere once it is gone
-        Xd, yd = client.persist([Xd, yd], workers=[victim], allow_other_workers=True)
-        n_parts = len(Xd.chunks[0])
-        est = SandblasterLBFGS(  # no backups: only the victim runs portions until it dies
-            model, portions_per_batch=n_parts, max_iter=0, backup_tasks=False, random_state=0
-        )
-        done = _fit_killing(client, victim, est, Xd, yd)
-        assert "est" in done, done.get("error")
+    client = three_workers
+    victim = sorted(cluster_workers(client))[2]  # shards go to the other two workers
+    Xd, yd = da.from_array(X, chunks=(150, 64)), da.from_array(y, chunks=150)
+    # every partition on the victim, recomputable elsewhere once it is gone
+    Xd, yd = client.persist([Xd, yd], workers=[victim], allow_other_workers=True)
+    n_parts = len(Xd.chunks[0])
+    est = SandblasterLBFGS(  # no backups: only the victim runs portions until it dies
+        model, portions_per_batch=n_parts, max_iter=0, backup_tasks=False, random_state=0
+    )
+    done = kill_during_fit(client, victim, lambda: _fit_slowly(est, client, Xd, yd))
+    assert victim not in cluster_workers(client)  # the kill hit: the fit outlived the worker
+    assert "est" in done, done.get("error")
     params = model.init(np.random.default_rng(0))
     codes = (y > 0).astype(np.int64)
     loss, grad = model.loss_and_grad(params.astype(np.float64), X.astype(np.float64), codes)
@@ -193,26 +162,22 @@ def test_killing_the_worker_holding_the_partitions_mid_batch_loses_nothing(digit
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_losing_scattered_partitions_ends_the_fit_with_an_error_naming_them(digits_signed):
+def test_losing_scattered_partitions_ends_the_fit_with_an_error_naming_them(
+    digits_signed, three_workers, kill_during_fit
+):
     X, y = digits_signed
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(3, timeout=60)
-        victim = sorted(cluster_workers(client))[2]
-        rows = np.array_split(np.arange(len(X)), 6)
-        xs = client.scatter([X[r] for r in rows], workers=[victim])  # no graph: not recomputable
-        ys = client.scatter([y[r] for r in rows], workers=[victim])
-        Xd = da.concatenate([da.from_delayed(f, (len(r), 64), X.dtype) for f, r in zip(xs, rows)])
-        yd = da.concatenate([da.from_delayed(f, (len(r),), y.dtype) for f, r in zip(ys, rows)])
-        est = SandblasterLBFGS(
-            models.LogisticRegression(64), portions_per_batch=6, max_iter=0, backup_tasks=False,
-            random_state=0, timeout=120,
-        )  # fmt: skip
-        done = _fit_killing(client, victim, est, Xd, yd)
+    client = three_workers
+    victim = sorted(cluster_workers(client))[2]
+    rows = np.array_split(np.arange(len(X)), 6)
+    xs = client.scatter([X[r] for r in rows], workers=[victim])  # no graph: not recomputable
+    ys = client.scatter([y[r] for r in rows], workers=[victim])
+    Xd = da.concatenate([da.from_delayed(f, (len(r), 64), X.dtype) for f, r in zip(xs, rows)])
+    yd = da.concatenate([da.from_delayed(f, (len(r),), y.dtype) for f, r in zip(ys, rows)])
+    est = SandblasterLBFGS(
+        models.LogisticRegression(64), portions_per_batch=6, max_iter=0, backup_tasks=False,
+        random_state=0, timeout=120,
+    )  # fmt: skip
+    done = kill_during_fit(client, victim, lambda: _fit_slowly(est, client, Xd, yd))
     # an error naming the lost rows, not a fit waiting out its timeout re-reading them
     assert "error" in done, "the fit finished without the rows it lost"
     assert isinstance(done["error"], RuntimeError)
