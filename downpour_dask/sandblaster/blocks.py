@@ -101,7 +101,9 @@ class ArrayBlocks:
         sent = send_to_workers(client, [(X[rows], y[rows])], timeout=timeout)
         return self._align(client, sent, [None])[0]
 
-    def _align(self, client: Client, sent: list[Future], pids: Any) -> list[Future]:
+    def _align(
+        self, client: Client, sent: list[Future], pids: Sequence[int | None]
+    ) -> list[Future]:
         """A task per scattered block, on its worker, giving its rows aligned; the scattered
         copy is released once that is done (nothing else holds it)."""
         who = client.who_has(sent)
