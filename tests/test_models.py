@@ -11,6 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
+from downpour_dask.core import dense
 from downpour_dask.core import model as model_module
 from downpour_dask.core import models as core_models
 from downpour_dask.core.models import (
@@ -235,6 +236,31 @@ def test_logistic_predict_proba_and_accuracy_by_hand():
     assert proba.shape == (3, 2)
     assert proba[0, 1] == pytest.approx(0.8175744761936437, rel=1e-6)  # 1 / (1 + e^-1.5)
     np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softplus_matches_logaddexp_from_underflow_to_overflow(dtype):
+    z = np.concatenate([[-1e4, -200.0, -88.0, -20.0, -1e-7, 0.0, 1e-7, 20.0, 88.0, 200.0, 1e4],
+                        np.linspace(-30, 30, 601)]).astype(dtype).reshape(-1, 1)  # fmt: skip
+    out, tmp = np.empty_like(z), np.empty_like(z)
+    got = dense.softplus(z, out=out, tmp=tmp)
+    assert got is out and np.isfinite(got).all()
+    expected = np.logaddexp(0, z.astype(np.float64)).astype(dtype)  # exp(-200) is 0 in float32
+    np.testing.assert_allclose(got, expected, rtol=4 * np.finfo(dtype).eps, atol=0)
+
+
+def test_logistic_loss_and_gradient_stay_exact_for_huge_logits():
+    """Logits of +-1000 overflow exp() in a naive sigmoid: loss and gradient stay finite and
+    equal the stable float64 formulas (loss |z| per wrong row, gradient sigmoid - y)."""
+    model = LogisticRegression(1)
+    params = model.layout.zeros()
+    model.layout.views(params)["W"][:] = 1000.0
+    X = np.array([[1.0], [-1.0], [1.0], [-1.0]], np.float32)  # z = 1000, -1000, 1000, -1000
+    y = np.array([1, 0, 0, 1])  # two right with certainty, two wrong by 1000
+    loss, grad = model.loss_and_grad(params, X, y)
+    assert loss == pytest.approx((0 + 0 + 1000 + 1000) / 4)
+    residual = np.array([0.0, 0.0, 1.0, -1.0])  # sigmoid(z) - y
+    np.testing.assert_allclose(grad, [residual @ X[:, 0] / 4, residual.sum() / 4], atol=1e-7)
 
 
 def test_r2_by_hand():

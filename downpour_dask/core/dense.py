@@ -60,6 +60,21 @@ def activate(z: np.ndarray, activation: str) -> None:
         np.tanh(z, out=z)
 
 
+def softplus(z: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """``log(1 + exp(z))`` into ``out``, stably, as ``max(z, 0) + log1p(exp(-|z|))``; ``tmp``
+    (``z``'s shape) is scratch.  Returns ``out``.
+
+    ``np.logaddexp(0, z)`` computes the same, but element by element without SIMD: over a
+    logistic gradient's 250,000 rows it took longer than both matrix products together.
+    """
+    np.abs(z, out=out)
+    np.negative(out, out=out)
+    np.exp(out, out=out)  # in (0, 1]: no overflow, and log1p of it is exact to float precision
+    np.log1p(out, out=out)
+    np.maximum(z, 0, out=tmp)
+    return np.add(out, tmp, out=out)
+
+
 def times_derivative(delta: np.ndarray, a: np.ndarray, activation: str) -> None:
     """``delta *= act'(z)`` from the activation ``a = act(z)``, in place and without
     temporaries: ``a`` is overwritten with the derivative, so it must not be needed again."""
@@ -104,7 +119,7 @@ def output_loss(kind: str, z: np.ndarray, y: np.ndarray, ws: Workspace, delta: b
         return float(np.log(s, out=s).sum(dtype=np.float64)) - picked
     if kind == "sigmoid":
         sp, yf = ws.col_a[:n], ws.col_b[:n]
-        np.logaddexp(0, z, out=sp)  # softplus(z); loss per row = softplus(z) - y * z
+        softplus(z, out=sp, tmp=yf)  # loss per row = softplus(z) - y * z
         yf[:, 0] = y
         total = float(sp.sum(dtype=np.float64)) - float(np.vdot(yf, z))
         if delta:  # sigmoid(z) - y, with sigmoid(z) = exp(z - softplus(z)) (no overflow)
