@@ -253,6 +253,24 @@ def test_read_time_errors_name_the_file_and_row_group(tmp_path):
         list(ShardStream(spec).epoch(np.random.default_rng(0)))
 
 
+def test_large_finite_features_pass_the_check_and_infinities_still_fail(tmp_path):
+    """The check sums each chunk in float32: a sum that overflows on finite values near
+    float32's maximum is no error; +inf and -inf in one chunk (a NaN sum) still are."""
+    frame = _frame(200)
+    frame["f1"] = np.float32(3.0e38)  # column 2 after "rid"; finite, but 200 of them overflow a float32 sum
+    path = _parquet_with(tmp_path, "large.parquet", frame, row_group_size=50)
+    ds = datasets.from_parquet(path)
+    spec = StreamSpec(ds.schema, tuple(ds.shards), 16, 64, N_CLASSES)
+    rows = np.concatenate([X[:, 2] for X, _ in ShardStream(spec).epoch(np.random.default_rng(0))])
+    assert len(rows) == 200 and (rows == np.float32(3.0e38)).all()
+    frame.loc[60, "f1"], frame.loc[70, "f1"] = np.inf, -np.inf
+    path = _parquet_with(tmp_path, "infs.parquet", frame, row_group_size=50)
+    ds = datasets.from_parquet(path)
+    spec = StreamSpec(ds.schema, tuple(ds.shards), 16, 64, N_CLASSES)
+    with pytest.raises(ShardDataError, match=r"infs.parquet \(row group 1\): features contain 2 NaN.*row 60"):
+        list(ShardStream(spec).epoch(np.random.default_rng(0)))
+
+
 # -- end to end on the local cluster --------------------------------------------------------------
 
 
