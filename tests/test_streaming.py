@@ -257,7 +257,7 @@ def test_large_finite_features_pass_the_check_and_infinities_still_fail(tmp_path
     """The check sums each chunk in float32: a sum that overflows on finite values near
     float32's maximum is no error; +inf and -inf in one chunk (a NaN sum) still are."""
     frame = _frame(200)
-    frame["f1"] = np.float32(3.0e38)  # column 2 after "rid"; finite, but 200 of them overflow a float32 sum
+    frame["f1"] = np.float32(3.0e38)  # X's column 2 (after "rid"); 200 overflow a float32 sum
     path = _parquet_with(tmp_path, "large.parquet", frame, row_group_size=50)
     ds = datasets.from_parquet(path)
     spec = StreamSpec(ds.schema, tuple(ds.shards), 16, 64, N_CLASSES)
@@ -267,7 +267,8 @@ def test_large_finite_features_pass_the_check_and_infinities_still_fail(tmp_path
     path = _parquet_with(tmp_path, "infs.parquet", frame, row_group_size=50)
     ds = datasets.from_parquet(path)
     spec = StreamSpec(ds.schema, tuple(ds.shards), 16, 64, N_CLASSES)
-    with pytest.raises(ShardDataError, match=r"infs.parquet \(row group 1\): features contain 2 NaN.*row 60"):
+    bad = r"infs.parquet \(row group 1\): features contain 2 NaN.*row 60"
+    with pytest.raises(ShardDataError, match=bad):
         list(ShardStream(spec).epoch(np.random.default_rng(0)))
 
 
