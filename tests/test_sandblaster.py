@@ -1,5 +1,6 @@
 """Sandblaster L-BFGS: shard vector machine, coordinator, and the estimator on real clusters."""
 
+import asyncio
 import os
 import signal
 import time
@@ -187,14 +188,15 @@ def test_shard_round_trips_per_iteration_do_not_grow_with_the_history(digits_bin
 
 def test_shard_counts_each_portion_once_and_discards_stale_copies():
     shard = SandblasterShard(0, 0, 3, np.zeros(3, np.float32), optim.sgd(1.0), l2mask=np.zeros(3))
-    version = shard.begin([("copy", "x", "xt")])
+    version = asyncio.run(shard.begin([("copy", "x", "xt")]))
     grad = np.array([1.0, 2.0, 3.0], np.float32)
-    assert shard.accumulate(version, 7, grad, 10)
-    assert not shard.accumulate(version, 7, grad, 10)  # the backup copy
-    assert not shard.accumulate(version - 1, 8, grad, 10)  # a copy from an earlier batch
-    np.testing.assert_array_equal(shard.vector("acc"), 10 * grad)
+    assert asyncio.run(shard.accumulate(version, 7, grad, 10))
+    assert not asyncio.run(shard.accumulate(version, 7, grad, 10))  # the backup copy
+    assert not asyncio.run(shard.accumulate(version - 1, 8, grad, 10))  # an earlier batch's copy
+    np.testing.assert_array_equal(asyncio.run(shard.vector("acc")), 10 * grad)
     assert shard.duplicates == 2 and shard.examples == 10
-    assert shard.fetch(version - 1) is None and shard.fetch(version) is not None
+    assert asyncio.run(shard.fetch(version - 1)) is None
+    assert asyncio.run(shard.fetch(version)) is not None
 
 
 @pytest.mark.parametrize(

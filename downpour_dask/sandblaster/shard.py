@@ -5,6 +5,10 @@ A :class:`SandblasterShard` is a Dask actor.  It runs the coordinator's vector p
 search direction and the history; publishes the point workers evaluate, as float32 ``values``
 with a new ``version`` per distributed pass; and accumulates the portions' gradients exactly once
 per ``(version, portion)``, however many copies of a portion run.
+
+Its methods are coroutines (that never await): Dask runs them on the worker's event loop, one at a
+time, where a plain method would go to the actor's thread and back -- two thread switches per
+call, each waiting for a core that the worker's portions are computing on.
 """
 
 from __future__ import annotations
@@ -43,11 +47,11 @@ class SandblasterShard(ParameterServerShard):
         self._accepted: set[int] = set()
         self._scratch = np.empty(stop - start, np.float64)
 
-    def run(self, program: Program) -> list[float]:
+    async def run(self, program: Program) -> list[float]:
         """Run a vector program (see :meth:`VectorStore.run`); return its partial dot products."""
         return self.store.run(program)
 
-    def begin(self, prelude: Program, publish: str = "xt") -> int:
+    async def begin(self, prelude: Program, publish: str = "xt") -> int:
         """Run ``prelude``, zero the accumulator and publish vector ``publish`` as a new version."""
         self.store.run([*prelude, ("zero", "acc")])
         np.copyto(self.values, self.store[publish], casting="same_kind")
@@ -55,22 +59,25 @@ class SandblasterShard(ParameterServerShard):
         self._accepted = set()
         return self.version
 
-    def fetch(self, version: int) -> np.ndarray | None:
+    async def fetch(self, version: int) -> np.ndarray | None:
         """The published values if ``version`` is still current, else None (a stale portion)."""
         return self.values.copy() if version == self.version else None
 
-    def wanted(self, version: int, portion: int) -> bool:
+    async def wanted(self, version: int, portion: int) -> bool:
         """Whether ``portion`` of batch ``version`` still has to be computed."""
+        return self._wanted(version, portion)
+
+    def _wanted(self, version: int, portion: int) -> bool:
         return version == self.version and portion not in self._accepted
 
-    def accumulate(self, version: int, portion: int, grad: np.ndarray, examples: int) -> bool:
+    async def accumulate(self, version: int, portion: int, grad: np.ndarray, examples: int) -> bool:
         """Add ``examples * grad`` (a portion's summed gradient) to ``acc``, once per portion.
 
         A copy of a portion already counted, or of an earlier batch, is discarded and counted in
         ``duplicates``; both copies of a portion compute the same gradient from the same
         parameters, so deduplicating on every shard independently is still exactly-once.
         """
-        if not self.wanted(version, portion):
+        if not self._wanted(version, portion):
             self.duplicates += 1
             return False
         np.multiply(grad, float(examples), out=self._scratch)
@@ -80,6 +87,6 @@ class SandblasterShard(ParameterServerShard):
         self.examples += int(examples)
         return True
 
-    def vector(self, name: str) -> np.ndarray:
+    async def vector(self, name: str) -> np.ndarray:
         """A copy of this shard's range of vector ``name`` (for ``params_`` at the end)."""
         return self.store[name].copy()
