@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 from distributed.client import FutureCancelledError
 
-from downpour_dask.sandblaster.inbox import ResultInbox
 from downpour_dask.sandblaster.portions import PortionCopy, Portions
 from downpour_dask.sandblaster.tasks import PortionResult
 
@@ -57,14 +56,6 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     return portions
 
 
-def _collect(portions: Portions, future: _FakeFuture, *args) -> bool:
-    """``Portions._collect`` of ``future`` with the result its inbox delivered for it."""
-    inbox = ResultInbox(timeout=5.0)
-    inbox._fetch(future)  # what Dask's callback thread does once the future is done
-    ((delivered, result),) = inbox.take(timeout=0)
-    return portions._collect(delivered, result, *args)
-
-
 def _add(
     portions: Portions, future: _FakeFuture, version: int, portion: int, worker: str, ago=0.0
 ) -> PortionCopy:
@@ -79,7 +70,7 @@ def test_a_finished_copy_whose_result_died_with_its_worker_is_run_again():
     lost = _FakeFuture("finished")  # finished, then its worker died before the gather
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo, done, durations = [], {}, []
-    assert _collect(portions, lost, 3, todo, done, durations) is False
+    assert portions._collect(lost, 3, todo, done, durations) is False
     assert todo == [7] and not done and restored  # its data block is re-sent, the portion re-run
     assert portions.load["w1"] == 0 and not portions.inflight
 
@@ -91,7 +82,7 @@ def test_a_lost_copy_is_run_again_even_while_an_older_batch_copy_still_runs():
     _add(portions, straggler, version=2, portion=7, worker="w2")
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo: list[int] = []
-    _collect(portions, lost, 3, todo, {}, [])
+    portions._collect(lost, 3, todo, {}, [])
     assert todo == [7]  # the old copy's gradient would be discarded: it cannot stand in
 
 
@@ -102,7 +93,7 @@ def test_a_lost_copy_is_not_run_again_while_a_copy_of_the_same_batch_runs():
     _add(portions, backup, version=3, portion=7, worker="w2")
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo: list[int] = []
-    _collect(portions, lost, 3, todo, {}, [])
+    portions._collect(lost, 3, todo, {}, [])
     assert todo == []  # the backup will count; a third copy would only duplicate work
 
 
@@ -115,8 +106,8 @@ def test_a_finished_copy_counts_once_and_the_other_is_reported_discarded():
     _add(portions, first, version=3, portion=7, worker="w1")
     _add(portions, second, version=3, portion=7, worker="w2")
     done: dict = {}
-    assert _collect(portions, first, 3, [], done, []) is True
-    assert _collect(portions, second, 3, [], done, []) is False
+    assert portions._collect(first, 3, [], done, []) is True
+    assert portions._collect(second, 3, [], done, []) is False
     assert done == {7: result} and observer.counted == [result]
     assert observer.events == [
         (
@@ -132,7 +123,7 @@ def test_a_copy_of_an_earlier_batch_is_discarded_not_counted():
     stale = _FakeFuture("finished", PortionResult(4, 2, "stale", 0.0, 0, "w1"))
     _add(portions, stale, version=2, portion=4, worker="w1")
     done: dict = {}
-    assert _collect(portions, stale, 3, [], done, []) is False
+    assert portions._collect(stale, 3, [], done, []) is False
     assert not done and not observer.counted
     assert observer.events == [
         ("duplicate_discarded", {"portion": 4, "version": 2, "status": "stale", "worker": "w1"})
@@ -200,15 +191,3 @@ def test_a_block_read_after_the_last_refresh_is_sized_before_a_backup_would_move
         portions._backups(3, {0: [copy]}, {}, [0.1])
     assert submitted == []  # not worth moving 50 MB yet
     assert asked == [["block-0"]]  # asked once, then known
-
-
-def test_the_inbox_delivers_results_in_arrival_order_and_none_for_what_cannot_be_read():
-    inbox = ResultInbox(timeout=5.0)
-    assert inbox.take(timeout=0.01) == []  # nothing arrived: an empty list, after the timeout
-    ok = _FakeFuture("finished", PortionResult(1, 3, "done", 1.0, 4, "w1"))
-    died = _FakeFuture("finished")  # its result lived on a worker that died
-    failed = _FakeFuture("error", PortionResult(2, 3, "done", 1.0, 4, "w1"))  # never read
-    for future in (ok, died, failed):
-        inbox._fetch(future)
-    assert inbox.take(timeout=1.0) == [(ok, ok._result), (died, None), (failed, None)]
-    assert inbox.take(timeout=0) == []

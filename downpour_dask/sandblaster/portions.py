@@ -4,8 +4,7 @@
 that :class:`~downpour_dask.core.lbfgs.LBFGS` evaluates through).  It hands portions to worker
 slots as they free up (faster workers take more, data-local portions first), launches backup
 copies of stragglers near the end of a batch on idle workers, re-sends data blocks lost with a
-worker, and counts every portion once (the tasks are in :mod:`~downpour_dask.sandblaster.tasks`,
-their results arrive through a :class:`~downpour_dask.sandblaster.inbox.ResultInbox`).
+worker, and counts every portion once (the tasks are in :mod:`~downpour_dask.sandblaster.tasks`).
 What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the tests): events
 with structured data, and each counted portion.
 
@@ -21,12 +20,13 @@ import statistics
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import CancelledError
 from typing import Any, NamedTuple, Protocol
 
 import dask.config
 import numpy as np
 from dask.utils import parse_bytes
-from distributed import Client, Future
+from distributed import Client, Future, wait
 
 from ..core.models import Model
 from ..core.vectors import Program, sum_replies
@@ -35,7 +35,6 @@ from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
 from .blocks import ArrayBlocks, ShardBlocks
-from .inbox import ResultInbox
 from .shard import SandblasterShard
 from .tasks import PortionResult, run_portion
 
@@ -117,7 +116,6 @@ class Portions:
         self.delay = dict(delay or {})
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
         self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
-        self.inbox = ResultInbox(timeout)  # their results, fetched as they finish
         self.freed: dict[str, float] = {}  # when each worker's last copy was collected
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
@@ -152,11 +150,18 @@ class Portions:
                 time.sleep(0.05)
                 self._refresh()
                 continue
-            # near the end of a batch, wake up often enough to launch backups
-            for future, result in self.inbox.take(timeout=0.5 if todo else 0.02):
-                if future in self.inflight and self._collect(
-                    future, result, version, todo, done, durations
-                ):
+            try:  # near the end of a batch, wake up often enough to launch backups
+                finished = wait(
+                    list(self.inflight),
+                    timeout=0.5 if todo else 0.02,
+                    return_when="FIRST_COMPLETED",
+                ).done
+            except TimeoutError:
+                finished = set()
+            except FUTURES_CANCELLED:  # a dead worker took scattered data with it
+                finished = {f for f in self.inflight if f.done()}
+            for future in finished:
+                if self._collect(future, version, todo, done, durations):
                     last_progress = time.time()
             if time.time() - last_progress > 1.0:  # no progress: did a worker die?
                 self._refresh()
@@ -177,16 +182,9 @@ class Portions:
         return sum(r.loss_sum for r in done.values()), sum(r.examples for r in done.values())
 
     def _collect(
-        self,
-        future: Future,
-        result: PortionResult | None,
-        version: int,
-        todo: list,
-        done: dict,
-        durations: list,
+        self, future: Future, version: int, todo: list, done: dict, durations: list
     ) -> bool:
-        """Take in one finished copy and its result (None if it could not be read); True if it
-        counted (the first copy of its portion)."""
+        """Take in one finished copy; True if it counted (the first copy of its portion)."""
         copy = self.inflight[future]
         began = self._running_since(copy)
         del self.inflight[future]
@@ -195,7 +193,13 @@ class Portions:
         if future.status == "error":
             self._check_shards(seconds=min(5.0, self.timeout))  # a lost shard fails portions
             raise RuntimeError(f"portion {copy.portion} failed: {future.exception(timeout=5)!r}")
-        if result is None:  # cancelled or lost with its worker or data block: run it again
+        result: PortionResult | None = None
+        if future.status == "finished":
+            try:
+                result = future.result(timeout=self.timeout)
+            except CancelledError:  # finished, but its worker died before we got the result
+                pass
+        if result is None:  # cancelled or lost with its data block: run it again
             self._restore_blocks()
             running = any(
                 c.portion == copy.portion and c.version == version for c in self.inflight.values()
@@ -318,7 +322,6 @@ class Portions:
         )  # fmt: skip
         copy = PortionCopy(version, pid, worker, time.time())
         self.inflight[future] = copy
-        self.inbox.watch(future)
         self.load[worker] = self.load.get(worker, 0) + 1
         return copy
 
