@@ -37,13 +37,14 @@ _CHUNK_ROWS = 65536  # rows decoded at a time while a block is read
 
 
 #: Portions per worker thread by default.  Every portion costs a Dask task and a round trip to
-#: each shard on top of its gradient, about as much as the gradient of 50,000 rows of 100
-#: features, so a pass over many small portions is mostly that overhead.  Two per thread keep
-#: a pass close to its compute and still give backup tasks a portion to copy: a straggler's
-#: queued portions are copied to idle workers at the end of the batch (see
-#: ``bench_sandblaster.py`` and ``bench_backup_tasks.py`` in benchmarks/README.md).  Files get
-#: one portion per file (or Dask partition) unless that makes fewer.
-PORTIONS_PER_THREAD = 2
+#: each shard on top of its gradient, more than the gradient of a 250,000 x 100 logistic
+#: portion, so a pass is quickest with the fewest, largest portions: one per thread.  Backup
+#: tasks still copy a straggler's portion to an idle worker near the end of the batch (its
+#: block moves, which the backup rule allows for; see ``bench_sandblaster.py`` and
+#: ``bench_backup_tasks.py`` in benchmarks/README.md), and ``portions_per_batch`` asks for
+#: more where load balancing matters more.  Files get one portion per file (or Dask
+#: partition) unless that makes fewer.
+PORTIONS_PER_THREAD = 1
 
 
 def default_portions(threads: int) -> int:
