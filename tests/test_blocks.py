@@ -2,7 +2,12 @@
 
 import numpy as np
 
-from downpour_dask.sandblaster.blocks import ArrayBlocks, aligned_block
+from downpour_dask.sandblaster.blocks import (
+    MAX_BLOCK_BYTES,
+    ArrayBlocks,
+    aligned_block,
+    default_portions,
+)
 
 
 def _misaligned(X: np.ndarray) -> np.ndarray:
@@ -38,3 +43,11 @@ def test_scattered_blocks_are_aligned_on_their_workers_and_their_homes_known(cli
     assert {pid: sorted(who[b.key])[0] for pid, b in enumerate(blocks)} == data.homes
     rows = client.gather(blocks)
     np.testing.assert_array_equal(np.concatenate([Xb for Xb, _ in rows]), X)
+
+
+def test_default_portions_are_one_per_thread_unless_blocks_would_pass_the_cap():
+    assert default_portions(2) == 2 and default_portions(0) == 1
+    assert default_portions(2, 400_000_000) == 2  # 10^6 x 100 float32: two 200 MB blocks
+    assert default_portions(2, 4_000_000_000) == 4  # 10^7 x 100: four blocks under 1 GiB
+    assert default_portions(3, 2 * MAX_BLOCK_BYTES + 1) == 3
+    assert default_portions(1, 2 * MAX_BLOCK_BYTES + 1) == 3

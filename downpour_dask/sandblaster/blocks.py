@@ -40,16 +40,23 @@ _CHUNK_ROWS = 65536  # rows decoded at a time while a block is read
 #: each shard on top of its gradient, more than the gradient of a 250,000 x 100 logistic
 #: portion, so a pass is quickest with the fewest, largest portions: one per thread.  Backup
 #: tasks still copy a straggler's portion to an idle worker near the end of the batch (its
-#: block moves, which the backup rule allows for; see ``bench_sandblaster.py`` and
-#: ``bench_backup_tasks.py`` in benchmarks/README.md), and ``portions_per_batch`` asks for
-#: more where load balancing matters more.  Files get one portion per file (or Dask
-#: partition) unless that makes fewer.
+#: block moves, which the backup rule allows for), and ``portions_per_batch`` asks for more
+#: where load balancing matters more.  Files get one portion per file (or Dask partition)
+#: unless that makes fewer.  See ``bench_sandblaster.py`` and ``bench_backup_tasks.py`` in
+#: benchmarks/README.md.
 PORTIONS_PER_THREAD = 1
 
+#: Largest block of features the default portions cut: scattering a multi-GB block from the
+#: driver and aligning it on its worker took longer than the same rows in 1 GB blocks
+#: (``bench_sandblaster_files.py``'s driver-fed row), so larger batches get more portions.
+MAX_BLOCK_BYTES = 2**30
 
-def default_portions(threads: int) -> int:
-    """Portions per batch when ``portions_per_batch`` is None, for ``threads`` worker threads."""
-    return PORTIONS_PER_THREAD * max(1, threads)
+
+def default_portions(threads: int, batch_bytes: int = 0) -> int:
+    """Portions per batch when ``portions_per_batch`` is None: ``PORTIONS_PER_THREAD`` per
+    worker thread, or more if a batch of ``batch_bytes`` would make blocks larger than
+    ``MAX_BLOCK_BYTES``."""
+    return max(PORTIONS_PER_THREAD * max(1, threads), -(-batch_bytes // MAX_BLOCK_BYTES))
 
 
 class ArrayBlocks:

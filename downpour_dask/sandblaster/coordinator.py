@@ -146,7 +146,10 @@ class Coordinator:
         size = n if est.batch_size is None else min(est.batch_size, n)
         order = None if size == n else rng.permutation(n)
         threads = sum(info.get("nthreads", 1) for info in workers.values())
-        return self.data.portions(size, est.portions_per_batch or default_portions(threads), order)
+        per_batch = est.portions_per_batch or default_portions(
+            threads, size * self.model.n_inputs * np.dtype(DTYPE).itemsize
+        )
+        return self.data.portions(size, per_batch, order)
 
     def execute(self) -> None:
         """Run the fit: start the shards, optimise, gather the result, build the experiment."""

@@ -55,11 +55,12 @@ class SandblasterLBFGS(ParamServerEstimator):
         costs one distributed pass).  Smaller batches are disjoint random subsets cycled through;
         each iteration's gradient and line search then use one batch.
     portions_per_batch : int, optional
-        Portions (tasks) each batch is cut into; default 1 per worker thread (each portion costs
-        a task and a round trip to every shard; a straggler's portion is copied by a backup
-        task).  More portions let faster workers take more of them, at that cost each.  Files
-        and Dask collections: one portion per file or partition, or per row range of one when
-        this asks for more portions than there are.
+        Portions (tasks) each batch is cut into; default 1 per worker thread, more if that makes
+        blocks of over 1 GiB of features (each portion costs a task and a round trip to every
+        shard; a straggler's portion is copied by a backup task).  More portions let faster
+        workers take more of them, at that cost each.  Files and Dask collections: one portion
+        per file or partition, or per row range of one when this asks for more portions than
+        there are.
     history : int, default 10
         L-BFGS memory m: (s, y) pairs kept on the shards.
     max_iter : int, default 100
