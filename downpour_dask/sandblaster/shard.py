@@ -10,7 +10,7 @@ Its methods are coroutines (that never await): Dask runs them on the worker's ev
 time, where a plain method would go to the actor's thread and back -- two thread switches per
 call, each waiting for a core that the worker's portions are computing on.  A program over a
 shard's range of a model with millions of parameters holds the loop for its duration (about
-0.5 ms per command and million float64 values here), as it held the actor's thread before.
+0.5 ms per command and million float64 values here); the loop answers nothing else meanwhile.
 """
 
 from __future__ import annotations
