@@ -69,7 +69,8 @@ class SupervisionLoop:
         ``score(params)`` -> ``{"loss": ..., metric: ...}`` on the evaluation data; None: no
         evaluations.
     report : callable, optional
-        Receives a :class:`Progress` snapshot every :attr:`REPORT_EVERY` seconds.
+        Receives a :class:`Progress` snapshot every :attr:`REPORT_EVERY` seconds and after
+        every evaluation.
     elastic : Elastic, optional
         Follows workers that join and leave (:mod:`.elastic`); None: the workers of the start.
     """
@@ -200,15 +201,21 @@ class SupervisionLoop:
 
     def tick(self) -> int:
         """Evaluate if ``eval_every`` has passed since the last evaluation, report progress if
-        due; return the lowest shard version."""
+        due or a new score is in; return the lowest shard version."""
         elapsed = self.recorder.elapsed()
-        if self.score is None or elapsed - self._last_evaluation() < self.limits.eval_every:
-            versions = self.server.versions(self.limits.timeout)  # a few bytes, not the vector
-        else:
+        evaluated = self.score is not None and (
+            elapsed - self._last_evaluation() >= self.limits.eval_every
+        )
+        if evaluated:
             params, versions = self.pull()
             self.evaluate(params, versions)
+        else:
+            versions = self.server.versions(self.limits.timeout)  # a few bytes, not the vector
         self.checkpoints.observe(versions)
-        if self.report_to is not None and elapsed - self.last_report >= self.REPORT_EVERY:
+        # A new score is reported at once: with ``eval_every`` near REPORT_EVERY, waiting for
+        # the report to be due skipped every other evaluation's score for a whole interval.
+        due = evaluated or elapsed - self.last_report >= self.REPORT_EVERY
+        if self.report_to is not None and due:
             self.report(self.progress())
         return min(versions)
 
