@@ -32,8 +32,9 @@ large for one process's patience shows.  Each model class is compared with its o
   batch 256, ``n_fetch = n_push = 4``; the MLP's replicas step locally with SGD at 0.2 between
   fetches (``local_learning_rate``; the default, adam's 0.01, barely moves them).  It
   evaluates every 0.25 s on the driver; its time is taken when the callback first sees a score
-  at or above the target (up to ~0.25 s after the evaluation itself: this errs against
-  Downpour), and the callback then stops the fit; its "rows" are the examples applied by then.
+  at or above the target (right after that evaluation, whose own time is on the clock: this
+  errs against Downpour), and the callback then stops the fit; its "rows" are the examples
+  applied by then.
 
 Hyperparameters: the library defaults, plus the winners of the small grid that ``--grid`` runs
 too (sklearn: MLP adam 3e-3 and sgd 0.1; Downpour: adam 0.003 at batch 128 and 256, batch 512,

@@ -203,10 +203,10 @@ class SupervisionLoop:
         """Evaluate if ``eval_every`` has passed since the last evaluation, report progress if
         due or a new score is in; return the lowest shard version."""
         elapsed = self.recorder.elapsed()
-        evaluated = self.score is not None and (
+        evaluation_due = self.score is not None and (
             elapsed - self._last_evaluation() >= self.limits.eval_every
         )
-        if evaluated:
+        if evaluation_due:
             params, versions = self.pull()
             self.evaluate(params, versions)
         else:
@@ -214,7 +214,7 @@ class SupervisionLoop:
         self.checkpoints.observe(versions)
         # A new score is reported at once: with ``eval_every`` near REPORT_EVERY, waiting for
         # the report to be due skipped every other evaluation's score for a whole interval.
-        due = evaluated or elapsed - self.last_report >= self.REPORT_EVERY
+        due = evaluation_due or elapsed - self.last_report >= self.REPORT_EVERY
         if self.report_to is not None and due:
             self.report(self.progress())
         return min(versions)
