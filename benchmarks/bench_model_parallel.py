@@ -44,6 +44,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 from downpour_dask import DownpourSGD, models  # noqa: E402
 from downpour_dask.core.partition import PartitionPlan  # noqa: E402
 from downpour_dask.core.partition_part import MLPPart  # noqa: E402
+from downpour_dask.downpour.model_parallel import MailboxLink  # noqa: E402
 from downpour_dask.downpour.replica_loop import ReplicaLoop  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
@@ -54,6 +55,7 @@ BEFORE = [
     (ReplicaLoop, "skip_refetched", False, True),
     (ReplicaLoop, "pull_into", False, True),
     (ReplicaLoop, "plain_if_refetched", False, True),
+    (MailboxLink, "direct", False, True),
 ]
 
 

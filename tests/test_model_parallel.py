@@ -12,6 +12,7 @@ import pytest
 
 from downpour_dask import DownpourSGD, attach, datasets, models
 from downpour_dask.core.partition import PartitionPlan
+from downpour_dask.downpour.model_parallel import MailboxLink
 from downpour_dask.runtime.cluster import cluster_workers
 
 TIMEOUT = 60
@@ -50,14 +51,28 @@ def _parquet(tmp_path, train) -> datasets.ShardedDataset:
     return datasets.from_parquet(paths, label="label")
 
 
-@pytest.mark.parametrize("kind", ["arrays", "parquet"])
-def test_two_partitions_train_exactly_like_one(client, mnist, tmp_path, kind):
+def _direct(on: bool) -> None:
+    """Let partitions send over direct sockets (on a worker, through ``Client.run``) or not."""
+    MailboxLink.direct = on
+
+
+@pytest.mark.parametrize(
+    "kind, transport", [("arrays", "wire"), ("parquet", "wire"), ("arrays", "actor")]
+)
+def test_two_partitions_train_exactly_like_one(client, mnist, tmp_path, kind, transport):
     """Partitioning changes where the work runs, not the mathematics: 1 replica, plain SGD,
-    n_fetch = n_push = 1 gives the same parameters with P = 2 as with P = 1."""
+    n_fetch = n_push = 1 gives the same parameters with P = 2 as with P = 1, whether the
+    partitions' messages travel over direct sockets or as actor calls."""
     train, _ = mnist
     data = train if kind == "arrays" else _parquet(tmp_path, train)
     whole = _sgd(1).fit(data, client=client)
-    split = _sgd(2).fit(data, client=client)
+    client.run(_direct, transport == "wire")
+    try:
+        split = _sgd(2).fit(data, client=client)
+    finally:
+        client.run(_direct, True)
+    peers = [slot["peers"] for slot in split.experiment_.config["partition_slots"]]
+    assert peers == [{"1": transport}, {"0": transport}]
     assert split.params_.shape == whole.params_.shape
     moved = np.abs(whole.params_ - whole.model.init(np.random.default_rng(3))).max()
     assert moved > 1e-2  # it trained

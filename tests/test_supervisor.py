@@ -122,7 +122,7 @@ class FakeCluster:
         self.submitted.append(Submission(function, args, worker, task))
         return task
 
-    def start_actor(self, cls: type, worker: str, key: str) -> FakeTask:
+    def start_actor(self, cls: type, worker: str, *args, key: str) -> FakeTask:
         mailbox = FakeMailbox(worker)
         self.mailboxes.append(mailbox)
         return FakeTask(key, "finished", mailbox)

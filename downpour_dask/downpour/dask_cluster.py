@@ -79,9 +79,15 @@ class DaskCluster:
             function, *args, workers=[worker], allow_other_workers=False, pure=False, key=key
         )
 
-    def start_actor(self, cls: type, worker: str, key: str) -> Future:
+    def start_actor(self, cls: type, worker: str, *args: Any, key: str) -> Future:
         return self.client.submit(
-            cls, actor=True, workers=[worker], allow_other_workers=False, pure=False, key=key
+            cls,
+            *args,
+            actor=True,
+            workers=[worker],
+            allow_other_workers=False,
+            pure=False,
+            key=key,
         )
 
     def scatter(self, values: list[Any], worker: str) -> list[Any]:

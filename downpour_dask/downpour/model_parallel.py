@@ -6,8 +6,11 @@ steps, local alpha updates, push every n_push steps, all asynchronous) over *its
 range, talking only to the parameter-server shards that hold that range.  What it cannot compute
 alone -- the activations and gradients that cross partition boundaries -- travels through
 **mailboxes**: one small actor per partition, on the partition's worker.  A partition sends a
-message with an actor call into the receiver's mailbox (worker to worker, served on the
-receiving worker's event loop) and reads its own mailbox in-process, without any message.
+message straight into the receiver's mailbox over a direct socket
+(:mod:`.partition_wire`: raw array bytes, no event loop on either side) and reads its own
+mailbox in-process, without any message.  Where the direct socket cannot be used (a TLS
+cluster, or a connection that fails), messages are actor calls into the mailbox instead,
+served on the receiving worker's event loop.
 
 Partitions step in lockstep (each step's collectives wait for the peers), so they must agree on
 when to stop: a shard's stop flag reaches the partitions at different steps, so each partition's
@@ -33,11 +36,15 @@ from ..core.models import Model
 from ..core.partition import PartitionPlan
 from ..core.partition_part import MLPPart
 from ..data.stream import StreamSpec, make_source
+from ..ps.frames import WireError
 from ..ps.protocol import ShardChannel
 from ..ps.refs import ActorRef
 from ..ps.server import ParameterServer
+from ..ps.service import serve, unregister
+from ..runtime.cluster import worker_tcp_host
 from ..runtime.dask_internals import actor_result, local_actor
 from ..runtime.malloc import tune_malloc
+from .partition_wire import PartitionLinkError, PartitionSender, receive_messages
 from .replica import run_loop
 from .replica_loop import ReplicaConfig, ReplicaLoop, ReplicaSink
 
@@ -53,27 +60,58 @@ class PartitionAborted(RuntimeError):
 class Mailbox:
     """A Dask actor receiving the messages sent to one partition of one replica.
 
-    Peers call :meth:`put` (async: served on the worker's event loop as soon as the message
-    arrives, not queued behind other actors' work); the partition on the same worker calls
-    :meth:`take` directly on the object, blocking its own thread only.
+    Peers send over a direct socket to :meth:`endpoint` (see :mod:`.partition_wire`), or call
+    :meth:`put` (async: served on the worker's event loop as soon as the message arrives, not
+    queued behind other actors' work); the partition on the same worker calls :meth:`take`
+    directly on the object, blocking its own thread only.
+
+    Parameters
+    ----------
+    secret : bytes
+        The run's wire secret: a direct connection must carry it.  Empty: no direct socket.
+    partitions : int
+        How many partitions the replica has (a message's sender is checked against it).
+    limit : int
+        The most values one message may carry (checked before it is read).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes = b"", partitions: int = 0, limit: int = 0) -> None:
         self._box: dict[tuple[int, int], Any] = {}
         self._cond = threading.Condition()
         self._closed: str | None = None
+        self._partitions, self._limit = partitions, limit
+        host = worker_tcp_host()
+        self._endpoint = None
+        if secret and host is not None and partitions > 1 and limit > 0:
+            self._endpoint = serve(self, host, secret, handler=Mailbox._serve_connection)
+
+    async def endpoint(self) -> tuple[str, int, str] | None:
+        """Where peers reach this mailbox directly, ``(host, port, id)``, or None (no direct
+        socket: TLS or another comm, or no secret), in which case they call :meth:`put`."""
+        return self._endpoint
 
     async def put(self, sender: int, tag: int, payload: Any) -> None:
         """Deliver ``payload`` from partition ``sender`` under ``tag``."""
+        self._deliver(sender, tag, payload)
+
+    async def close(self, reason: str) -> None:
+        """Make every present and future :meth:`take` fail with :class:`PartitionAborted`, and
+        close the direct connections."""
+        with self._cond:
+            self._closed = reason
+            self._cond.notify_all()
+        if self._endpoint is not None:
+            unregister(self._endpoint[2])
+
+    def _deliver(self, sender: int, tag: int, payload: Any) -> None:
         with self._cond:
             self._box[(sender, tag)] = payload
             self._cond.notify_all()
 
-    async def close(self, reason: str) -> None:
-        """Make every present and future :meth:`take` fail with :class:`PartitionAborted`."""
-        with self._cond:
-            self._closed = reason
-            self._cond.notify_all()
+    def _serve_connection(self, conn: Any) -> None:
+        """Serve one peer's direct connection (on the service's thread for it)."""
+        with contextlib.suppress(Exception):  # a broken or bad stream: the peer's messages stop
+            receive_messages(conn, self._deliver, self._partitions, self._limit)
 
     def take(self, sender: int, tag: int, timeout: float) -> Any:
         """Wait (at most ``timeout`` seconds) for the message from ``sender`` under ``tag``.
@@ -102,12 +140,18 @@ class Mailbox:
 
 
 class MailboxLink:
-    """A :class:`~downpour_dask.core.partition.Link` over mailbox actors.
+    """A :class:`~downpour_dask.core.partition.Link` into the peers' mailboxes.
 
-    Sends are asynchronous actor calls; their replies are checked later (every call, without
-    blocking) so that an undeliverable message fails the partition instead of vanishing.  At
-    most ``max_inflight`` sends may be unanswered, which bounds the memory held by messages.
+    A message to a peer in ``senders`` goes over that direct connection (a broken one fails the
+    partition with :class:`PartitionLost`).  To any other peer it is an asynchronous actor call;
+    the replies are checked later (every call, without blocking) so that an undeliverable
+    message fails the partition instead of vanishing, and at most ``max_inflight`` sends may be
+    unanswered, which bounds the memory held by messages.
     """
+
+    #: Send over direct sockets where the peers' mailboxes offer one (False: actor calls only,
+    #: kept for benchmarks/bench_model_parallel.py's A/B).
+    direct: bool = True
 
     def __init__(
         self,
@@ -116,16 +160,33 @@ class MailboxLink:
         own: Mailbox,
         timeout: float,
         max_inflight: int = 16,
+        senders: dict[int, PartitionSender] | None = None,
     ):
         self.partition, self.mailboxes, self.own = partition, mailboxes, own
         self.timeout, self.max_inflight = timeout, max_inflight
+        self.senders = senders or {}
         self.bytes_sent = 0
         self.waited = 0.0  # seconds receive() was blocked waiting for a peer's message
         self._inflight: list[tuple[int, Any]] = []
 
+    def transports(self) -> dict[str, str]:
+        """How this partition reaches each peer: ``"wire"`` (direct socket) or ``"actor"``."""
+        return {
+            str(q): "wire" if q in self.senders else "actor"
+            for q in range(len(self.mailboxes))
+            if q != self.partition
+        }
+
     def send(self, to: int, tag: int, payload: Any) -> None:
-        self._settle(wait=len(self._inflight) >= self.max_inflight)
         self.bytes_sent += _nbytes(payload)
+        sender = self.senders.get(to)
+        if sender is not None:
+            try:
+                sender.send(tag, payload)
+            except PartitionLinkError as err:
+                raise PartitionLost(f"cannot send to partition {to}: {err}") from err
+            return
+        self._settle(wait=len(self._inflight) >= self.max_inflight)
         try:
             call = self.mailboxes[to].put(self.partition, tag, payload)
         except (RuntimeError, OSError) as err:
@@ -154,9 +215,41 @@ class MailboxLink:
         self._inflight = keep
 
     def flush(self) -> None:
-        """Wait until every message sent was delivered."""
+        """Wait until every message sent was delivered (over a direct socket: written)."""
         while self._inflight:
             self._settle(wait=True)
+        for to, sender in self.senders.items():
+            try:
+                sender.flush()
+            except PartitionLinkError as err:
+                raise PartitionLost(f"a message to partition {to} was lost: {err}") from err
+
+    def close(self) -> None:
+        """Close the direct connections (the peers' readers end)."""
+        for sender in self.senders.values():
+            sender.close()
+
+
+def open_senders(
+    partition: int, mailboxes: list, secret: bytes, timeout: float
+) -> dict[int, PartitionSender]:
+    """Direct connections to the peers' mailboxes that offer one (the others get actor calls).
+
+    A peer whose mailbox has no endpoint, or whose connection fails, is left out: its messages
+    then travel as actor calls, which work wherever the actor does.
+    """
+    senders: dict[int, PartitionSender] = {}
+    if not secret or not MailboxLink.direct:
+        return senders
+    for q, mailbox in enumerate(mailboxes):
+        if q == partition:
+            continue
+        endpoint = actor_result(mailbox.endpoint(), timeout)
+        if endpoint is None:
+            continue
+        with contextlib.suppress(OSError, WireError):
+            senders[q] = PartitionSender(endpoint, partition, secret, min(10.0, timeout))
+    return senders
 
 
 def _nbytes(payload: Any) -> int:
@@ -237,12 +330,18 @@ def run_partition(
     plan = PartitionPlan(model, partitions)
     p = config.partition
     mailboxes = peers.open()
-    link = MailboxLink(p, mailboxes, local_mailbox(mailboxes[p]), config.timeout)
-    part = MLPPart(plan, p, link)
-    source = make_source(data, config.batch_size, parts)
-    result = run_loop(server, part, config, source, loop_class=PartitionLoop)
-    with contextlib.suppress(PartitionLost):  # the peers got what they needed; they may be done
-        link.flush()
+    own = local_mailbox(mailboxes[p])
+    senders = open_senders(p, mailboxes, config.wire_secret, config.timeout)
+    link = MailboxLink(p, mailboxes, own, config.timeout, senders=senders)
+    try:
+        part = MLPPart(plan, p, link)
+        source = make_source(data, config.batch_size, parts)
+        result = run_loop(server, part, config, source, loop_class=PartitionLoop)
+        with contextlib.suppress(PartitionLost):  # the peers got what they needed; may be done
+            link.flush()
+    finally:
+        link.close()
+    result["partition_transports"] = link.transports()
     result["bytes_sent"] = link.bytes_sent
     result["values_sent"] = part.values_sent
     result["waited_seconds"] = link.waited  # for benchmarks: where a partition's time goes

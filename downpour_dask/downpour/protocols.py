@@ -51,8 +51,9 @@ class Cluster(Protocol):
     def submit(self, function: Callable[..., Any], *args: Any, worker: str, key: str) -> Task:
         """Run ``function(*args)`` on ``worker`` only, as task ``key``."""
 
-    def start_actor(self, cls: type, worker: str, key: str) -> Task:
-        """Create an actor of ``cls`` on ``worker`` only; the task's result is its handle."""
+    def start_actor(self, cls: type, worker: str, *args: Any, key: str) -> Task:
+        """Create an actor ``cls(*args)`` on ``worker`` only; the task's result is its
+        handle."""
 
     def scatter(self, values: list[Any], worker: str) -> list[Any]:
         """Place ``values`` in ``worker``'s memory; return references tasks can take."""

@@ -138,6 +138,8 @@ class ReplicaTasks:
                     "steps": result.get("steps", 0),  # its thread's CPU, its waits for peers
                     "cpu_seconds": result.get("cpu_seconds", 0.0),
                     "waited_seconds": result.get("waited_seconds", 0.0),
+                    # how it reached each peer: "wire" (direct socket) or "actor"
+                    "peers": dict(result.get("partition_transports", {})),
                 }
                 for (r, p), worker, result in zip(self.slots, self.workers, results)
             ]
@@ -151,7 +153,7 @@ class ReplicaTasks:
         (``(X, y)`` references or a stream description) and its Dask ``parts``."""
         self.data[replica], self.parts[replica] = data, parts
         if self.plan is not None:
-            self._open_mailboxes(replica, workers)
+            self._open_mailboxes(replica, workers, configs[0])
         for config, worker in zip(configs, workers):
             self.slots.append((replica, config.partition))
             self.workers.append(worker)
@@ -209,7 +211,7 @@ class ReplicaTasks:
         if self.arrays is not None:
             self.data[replica] = tuple(self.cluster.scatter(list(self.arrays[replica]), workers[0]))
         if self.plan is not None:
-            self._open_mailboxes(replica, workers)
+            self._open_mailboxes(replica, workers, self.configs[self.slots_of(replica)[0]])
         for i, worker in zip(self.slots_of(replica), workers):
             self.workers[i] = worker
             self.tasks[i] = self._submit(i, start_step)
@@ -222,12 +224,17 @@ class ReplicaTasks:
             self.close_mailboxes(r, "the run ended")
 
     # -- mailboxes -------------------------------------------------------------------------------
-    def _open_mailboxes(self, replica: int, workers: list[str]) -> None:
+    def _open_mailboxes(self, replica: int, workers: list[str], config: ReplicaConfig) -> None:
         """Create the mailbox actors of ``replica``'s partitions, partition p's on
-        ``workers[p]``, and wait until they exist."""
+        ``workers[p]``, and wait until they exist.  They take direct connections carrying
+        the run's wire secret, and messages up to the largest a batch of ``config`` makes."""
+        assert self.plan is not None
+        model = self.plan.model
+        limit = config.batch_size * max(*model.hidden, model.n_outputs)
+        args = (config.wire_secret, self.plan.partitions, limit)
         boxes = [
             self.cluster.start_actor(
-                Mailbox, worker, key=f"mailbox-{replica}-{p}-{self.run}-{self.generation}"
+                Mailbox, worker, *args, key=f"mailbox-{replica}-{p}-{self.run}-{self.generation}"
             )
             for p, worker in enumerate(workers)
         ]

@@ -1,7 +1,9 @@
 """The shard's side of :mod:`~downpour_dask.ps.wire`: one listening socket per worker process.
 
 :class:`ShardService` serves every shard of its process registered with it (:func:`serve`), and
-stays up whatever arrives on its port, which any process on the network can reach:
+every other endpoint registered with a handler of its own (a model-parallel partition's mailbox,
+:mod:`downpour_dask.downpour.partition_wire`), and stays up whatever arrives on its port, which
+any process on the network can reach:
 
 - **Hellos cost no thread.**  One thread accepts connections and reads their hellos
   (non-blocking, :mod:`selectors`); a connection gets a thread only once its hello names a
@@ -36,6 +38,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,6 +50,10 @@ from .frames import EXCHANGE, PULL
 
 __all__ = ["ShardService", "serve", "unregister"]
 
+#: Serves one accepted connection of an endpoint that is not a shard: ``handler(target, conn)``
+#: reads (and writes) until the peer closes or it gives up; the service closes ``conn`` after.
+Handler = Callable[[Any, socket.socket], Any]
+
 #: accept() errors that mean "no file descriptor or memory for now", not "the listener is gone".
 _OUT_OF_FILES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
@@ -54,11 +61,12 @@ _OUT_OF_FILES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 class _Registration:
     """One registered shard: held weakly, with its secret, sessions and open connections."""
 
-    __slots__ = ("shard", "secret", "sessions", "conns", "gate", "retired")
+    __slots__ = ("shard", "secret", "handler", "sessions", "conns", "gate", "retired")
 
-    def __init__(self, shard: Any, secret: bytes):
+    def __init__(self, shard: Any, secret: bytes, handler: Handler | None = None):
         self.shard = weakref.ref(shard)  # registering does not keep an ended fit's shard alive
         self.secret = bytes(secret)
+        self.handler = handler  # None: a shard, answered with the shard protocol
         self.sessions: set[str] = set()
         self.conns: set[socket.socket] = set()
         self.gate = threading.Lock()  # held while a call is applied; see unregister
@@ -100,17 +108,21 @@ class ShardService:
         thread.start()
 
     # -- registry --------------------------------------------------------------------------------
-    def register(self, shard: Any, secret: bytes = b"") -> tuple[str, int, str]:
+    def register(
+        self, shard: Any, secret: bytes = b"", handler: Handler | None = None
+    ) -> tuple[str, int, str]:
         """Serve ``shard`` (it needs ``values``, ``apply_push``, ``snapshot_into`` and
         ``warmstart_state``) to connections whose hello carries ``secret``; return the endpoint
-        replicas connect to: ``(host, port, shard id)``."""
+        replicas connect to: ``(host, port, shard id)``.  With ``handler``, ``shard`` may be
+        any object: its connections are accepted like a shard's (the hello answered with a
+        size of 0) and then served by ``handler(shard, conn)``."""
         if len(secret) > frames.MAX_KEY:
             raise ValueError(f"a wire secret has at most {frames.MAX_KEY} bytes")
         shard_id = uuid.uuid4().hex
         with self._lock:
             for key in [k for k, r in self._shards.items() if r.shard() is None]:
                 del self._shards[key]
-            self._shards[shard_id] = _Registration(shard, secret)
+            self._shards[shard_id] = _Registration(shard, secret, handler)
         return self.host, self.port, shard_id
 
     def unregister(self, shard_id: str) -> int:
@@ -274,7 +286,6 @@ class ShardService:
                         frames.send_error(conn, "this parameter-server shard was retired")
                         return
                     reg.conns.add(conn)
-                size = shard.values.shape[0]
                 # Bounded reads and writes, but the socket stays blocking: a Python timeout
                 # would make it non-blocking, so a 10 MB gradient would take many polls and
                 # recv calls instead of one MSG_WAITALL call (measured 15-40% slower).
@@ -282,6 +293,11 @@ class ShardService:
                 limit = struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))  # a timeval
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+                if reg.handler is not None:
+                    conn.sendall(frames.OK + frames.SIZE.pack(0))
+                    reg.handler(shard, conn)
+                    return
+                size = shard.values.shape[0]
                 conn.sendall(frames.OK + frames.SIZE.pack(size))
                 self._answer(conn, reg, shard, size)
         finally:
@@ -356,15 +372,17 @@ _SERVICE: ShardService | None = None
 _SERVICE_LOCK = threading.Lock()
 
 
-def serve(shard: Any, host: str, secret: bytes = b"") -> tuple[str, int, str]:
+def serve(
+    shard: Any, host: str, secret: bytes = b"", handler: Handler | None = None
+) -> tuple[str, int, str]:
     """Serve ``shard`` on this process's :class:`ShardService` (started on first use, bound to
     ``host``) to connections that carry ``secret``; return its endpoint ``(host, port, shard
-    id)``."""
+    id)``.  ``handler``: see :meth:`ShardService.register`."""
     global _SERVICE
     with _SERVICE_LOCK:
         if _SERVICE is None or _SERVICE.host != host or _SERVICE._closed:
             _SERVICE = ShardService(host)
-        return _SERVICE.register(shard, secret)
+        return _SERVICE.register(shard, secret, handler)
 
 
 def unregister(shard_id: str) -> int:

@@ -29,32 +29,19 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-from distributed import get_worker
 
 from ..core.compensation import DelayCompensated, FetchedCopies
 from ..core.compression import SparseGradient
 from ..core.guard import GuardedUpdate, clip_norm, sum_of_squares
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE
+from ..runtime.cluster import worker_tcp_host
 from ..runtime.malloc import tune_malloc
 from .clock import ReplicaClocks
 from .fencing import Incarnation
 from .ordering import InOrder, SeqTracker
 from .protocol import PullReply, PushReply
 from .service import serve
-
-
-def _tcp_host() -> str | None:
-    """This worker's host if its comm is plain TCP (where wire.py may listen too), else None
-    (TLS or another protocol, or not running on a worker)."""
-    try:
-        address = get_worker().address
-    except ValueError:
-        return None
-    if not address.startswith("tcp://"):
-        return None
-    host = address[len("tcp://") :].rsplit(":", 1)[0]
-    return host.strip("[]")
 
 
 class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
@@ -135,7 +122,7 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
         # (see ps/channel.py), and replicas on other workers through wire.py's threads, concurrently
         # with the event loop serving actor calls.
         self._lock = threading.Lock()
-        self._host = _tcp_host()
+        self._host = worker_tcp_host()
         self._endpoint: tuple[str, int, str] | None = None
         self._wire_secret = wire_secret  # a direct connection's hello must carry it
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from distributed import Client, LocalCluster, Security, default_client
+from distributed import Client, LocalCluster, Security, default_client, get_worker
 
 from .dask_internals import scheduler_workers
 
@@ -145,3 +145,16 @@ def send_to_workers(
     direct = client.direct_to_workers is not False
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     return client.scatter(data, workers=workers, direct=direct, hash=False, **kwargs)
+
+
+def worker_tcp_host() -> str | None:
+    """This worker's host if its comm is plain TCP (where a direct socket may listen too, see
+    :mod:`downpour_dask.ps.wire`), else None (TLS or another protocol, or not on a worker)."""
+    try:
+        address = get_worker().address
+    except ValueError:
+        return None
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://") :].rsplit(":", 1)[0]
+    return host.strip("[]")

@@ -1,0 +1,214 @@
+"""Direct sockets between the partitions of a model-parallel replica (no Dask here).
+
+Why: the partitions of a replica exchange a few MB every step (``core/partition.py`` says
+what crosses).  Sent as Dask actor calls into the peer's mailbox, each message is framed and
+pickled on the sender's event loop and read and unpickled on the receiver's; on a worker with
+one core that event-loop time is taken from the partitions' matrix products (about 9% of a
+worker's CPU at MLP 1024-4096-4096-10, batch 128).  Here a message goes from the sending
+partition's array into the socket and from the socket into a fresh array on the receiver, by
+two threads that hold no GIL while the kernel copies.
+
+- The receiving side is the peer's mailbox (:class:`~.model_parallel.Mailbox`), registered with
+  its process's :class:`~downpour_dask.ps.service.ShardService`: one listening socket per worker,
+  the run's secret checked on every connection's hello, connections and hellos bounded.  A
+  served connection runs :func:`receive_messages`, which hands every message to the mailbox.
+- The sending side is one :class:`PartitionSender` per peer: a connection and a thread that
+  writes the queued messages in order, so the partition computes on while its message is
+  copied into the socket.
+- A message is a fixed-size head (:data:`HEAD`) and the array's bytes; the head is checked
+  before anything is read or allocated (:func:`check_head`): a bad one closes the connection,
+  delivers nothing, and the peer's partition fails as if its messages were lost.
+
+Connections are one-way (the receiver never answers); a lost peer shows as a send that fails
+(:class:`PartitionLinkError` at the next ``send`` or ``flush``) or as a message that never
+comes (the mailbox's own timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..ps import frames
+
+#: kind (0: array, 1: an output all-reduce ``(logits, penalty, stop)``), dtype code, ndim,
+#: sender partition, tag, and the array's shape (two dimensions; the second is 1 for 1-D).
+HEAD = struct.Struct("<BBBqqqq")
+#: What follows an output all-reduce's logits: the sender's penalty and its stop vote.
+OUTPUT_TAIL = struct.Struct("<d?")
+ARRAY, OUTPUT = 0, 1
+#: The dtypes a message may carry, by code (the model's float32, or float64).
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Largest tag a head may carry (tags count a replica's collectives from 1).
+MAX_TAG = 2**62
+
+
+class PartitionLinkError(ConnectionError):
+    """A message to a peer partition could not be sent (its connection broke)."""
+
+
+def check_head(head: tuple, partitions: int, limit: int) -> str | None:
+    """What is wrong with a message head (the fields of :data:`HEAD`) for a mailbox of one of
+    ``partitions`` partitions taking at most ``limit`` values per message, or None."""
+    kind, dtype, ndim, sender, tag, rows, cols = head
+    if kind not in (ARRAY, OUTPUT):
+        return f"unknown message kind {kind}; allowed: {ARRAY} (array), {OUTPUT} (output)"
+    if dtype >= len(DTYPES):
+        return f"unknown dtype code {dtype}; allowed: 0 (float32), 1 (float64)"
+    if ndim not in (1, 2) or (ndim == 1 and cols != 1):
+        return f"a message carries a 1-D or 2-D array, got ndim {ndim} with shape {rows}x{cols}"
+    if not 0 <= sender < partitions:
+        return f"sender must be a partition in [0, {partitions}), got {sender}"
+    if not 1 <= tag <= MAX_TAG:
+        return f"tag must be in [1, 2**62], got {tag}"
+    if rows < 0 or cols < 0 or rows * cols > limit:
+        return f"a message carries at most {limit} values, got shape {rows}x{cols}"
+    return None
+
+
+def _next_head(conn: socket.socket, buffer: bytearray) -> bool:
+    """Wait as long as it takes for the next head (an idle peer is computing); once it has
+    started it must arrive within the socket's receive timeout.  False: the peer closed."""
+    got = None
+    while got is None:
+        with contextlib.suppress(BlockingIOError):  # SO_RCVTIMEO ran out while idle
+            got = conn.recv_into(buffer, len(buffer))
+    if got == 0:
+        return False
+    frames.recv_into(conn, memoryview(buffer)[got:])
+    return True
+
+
+def receive_messages(
+    conn: socket.socket,
+    deliver: Callable[[int, int, Any], None],
+    partitions: int,
+    limit: int,
+) -> str | None:
+    """Read messages from ``conn`` until the peer closes it, handing each to
+    ``deliver(sender, tag, payload)``; return why the stream was abandoned (a bad head), or
+    None when it ended cleanly.  A message cut off midway is not delivered: ConnectionError."""
+    buffer = bytearray(HEAD.size)
+    while _next_head(conn, buffer):
+        head = HEAD.unpack(buffer)
+        problem = check_head(head, partitions, limit)
+        if problem is not None:
+            return problem
+        kind, dtype, ndim, sender, tag, rows, cols = head
+        array = np.empty((rows, cols) if ndim == 2 else (rows,), DTYPES[dtype])
+        frames.recv_into(conn, array)
+        if kind == OUTPUT:
+            penalty, stop = OUTPUT_TAIL.unpack(frames.recv(conn, OUTPUT_TAIL.size))
+            deliver(sender, tag, (array, penalty, stop))
+        else:
+            deliver(sender, tag, array)
+    return None
+
+
+def encode_head(sender: int, tag: int, payload: Any) -> tuple[bytes, np.ndarray, bytes]:
+    """The head, the array and the tail (empty for a plain array) of one message; TypeError
+    for a payload the format cannot carry."""
+    kind, tail = ARRAY, b""
+    array = payload
+    if isinstance(payload, tuple):
+        array, penalty, stop = payload
+        kind, tail = OUTPUT, OUTPUT_TAIL.pack(float(penalty), bool(stop))
+    if not isinstance(array, np.ndarray) or array.dtype not in DTYPES or array.ndim not in (1, 2):
+        raise TypeError(
+            "a partition message is a 1-D or 2-D float32/float64 array or (logits, penalty, "
+            f"stop), got {type(array).__name__}"
+        )
+    array = np.ascontiguousarray(array)
+    rows, cols = array.shape if array.ndim == 2 else (array.shape[0], 1)
+    code = DTYPES.index(array.dtype)
+    return HEAD.pack(kind, code, array.ndim, sender, tag, rows, cols), array, tail
+
+
+class PartitionSender:
+    """One partition's connection to a peer's mailbox, written by a thread of its own.
+
+    Parameters
+    ----------
+    endpoint : (host, port, id)
+        The peer mailbox's registration (:meth:`~.model_parallel.Mailbox.endpoint`).
+    sender : int
+        This partition's index, carried in every head.
+    secret : bytes
+        The run's wire secret the mailbox was registered with.
+    timeout : float
+        Seconds to connect and hear the hello accepted, and the most :meth:`flush` waits.
+    """
+
+    def __init__(self, endpoint: tuple[str, int, str], sender: int, secret: bytes, timeout: float):
+        host, port, key = endpoint
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(frames.hello(key, secret))
+            frames.check_status(sock)
+            frames.recv(sock, frames.SIZE.size)  # (a mailbox reports no size)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        self.sender, self.timeout = sender, timeout
+        self._sock = sock
+        self._queue: queue.SimpleQueue[tuple[bytes, np.ndarray, bytes] | None] = queue.SimpleQueue()
+        self._unsent = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._write, name="downpour-partition-send", daemon=True).start()
+
+    def send(self, tag: int, payload: Any) -> None:
+        """Queue ``payload`` (which the caller no longer writes to) for the peer."""
+        message = encode_head(self.sender, tag, payload)
+        with self._cond:
+            self._raise_if_broken()
+            self._unsent += 1
+        self._queue.put(message)
+
+    def flush(self) -> None:
+        """Wait until every queued message is in the socket (at most ``timeout`` seconds)."""
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._unsent == 0 or self._error is not None, self.timeout
+            ):
+                raise PartitionLinkError(f"messages to the peer unsent after {self.timeout} s")
+            self._raise_if_broken()
+
+    def close(self) -> None:
+        """Stop the writer and close the connection (the peer's reader then ends)."""
+        self._queue.put(None)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def _raise_if_broken(self) -> None:
+        if self._error is not None:
+            raise PartitionLinkError(f"the connection to the peer broke: {self._error}")
+
+    def _write(self) -> None:
+        """Write the queued messages in order (writer thread)."""
+        while True:
+            message = self._queue.get()
+            if message is None:
+                return
+            try:
+                for part in message:
+                    if len(part):
+                        self._sock.sendall(part)
+            except OSError as err:
+                with self._cond:
+                    self._error = err
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._unsent -= 1
+                self._cond.notify_all()
