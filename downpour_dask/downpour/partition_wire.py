@@ -5,16 +5,15 @@ what crosses).  Sent as Dask actor calls into the peer's mailbox, each message i
 pickled on the sender's event loop and read and unpickled on the receiver's; on a worker with
 one core that event-loop time is taken from the partitions' matrix products (about 9% of a
 worker's CPU at MLP 1024-4096-4096-10, batch 128).  Here a message goes from the sending
-partition's array into the socket and from the socket into a fresh array on the receiver, by
-two threads that hold no GIL while the kernel copies.
+partition's array into the socket and from the socket into a fresh array on the receiver,
+holding no GIL while the kernel copies.
 
 - The receiving side is the peer's mailbox (:class:`~.model_parallel.Mailbox`), registered with
   its process's :class:`~downpour_dask.ps.service.ShardService`: one listening socket per worker,
   the run's secret checked on every connection's hello, connections and hellos bounded.  A
   served connection runs :func:`receive_messages`, which hands every message to the mailbox.
-- The sending side is one :class:`PartitionSender` per peer: a connection and a thread that
-  writes the queued messages in order, so the partition computes on while its message is
-  copied into the socket.
+- The sending side is one :class:`PartitionSender` per peer: a connection the partition's
+  thread writes each message to, in one system call.
 - A message is a fixed-size head (:data:`HEAD`) and the array's bytes; the head is checked
   before anything is read or allocated (:func:`check_head`): a bad one closes the connection,
   delivers nothing, and the peer's partition fails as if its messages were lost.
@@ -27,10 +26,8 @@ comes (the mailbox's own timeout).
 from __future__ import annotations
 
 import contextlib
-import queue
 import socket
 import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -132,7 +129,13 @@ def encode_head(sender: int, tag: int, payload: Any) -> tuple[bytes, np.ndarray,
 
 
 class PartitionSender:
-    """One partition's connection to a peer's mailbox, written by a thread of its own.
+    """One partition's connection to a peer's mailbox, written by the partition's own thread.
+
+    A message is written at once, in one system call that holds no GIL: the peer's side reads
+    every connection on a thread of its own whatever its partition is doing, so a write waits
+    only for the kernel's copy, and two partitions writing to each other cannot block each
+    other.  (A writer thread would let the partition compute during that copy, but on a worker
+    with one core the copy takes the same core, and each hand-off to the thread costs more.)
 
     Parameters
     ----------
@@ -143,7 +146,8 @@ class PartitionSender:
     secret : bytes
         The run's wire secret the mailbox was registered with.
     timeout : float
-        Seconds to connect and hear the hello accepted, and the most :meth:`flush` waits.
+        Seconds to connect and hear the hello accepted, and the most one write may stall
+        (a peer that stopped reading).
     """
 
     def __init__(self, endpoint: tuple[str, int, str], sender: int, secret: bytes, timeout: float):
@@ -154,61 +158,40 @@ class PartitionSender:
             sock.sendall(frames.hello(key, secret))
             frames.check_status(sock)
             frames.recv(sock, frames.SIZE.size)  # (a mailbox reports no size)
-            sock.settimeout(None)
+            sock.settimeout(None)  # blocking, so that a write is one call; bounded below
+            limit = struct.pack("@ll", int(timeout), int(timeout % 1 * 1e6))  # a timeval
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         except BaseException:
             sock.close()
             raise
         self.sender, self.timeout = sender, timeout
         self._sock = sock
-        self._queue: queue.SimpleQueue[tuple[bytes, np.ndarray, bytes] | None] = queue.SimpleQueue()
-        self._unsent = 0
-        self._cond = threading.Condition()
         self._error: BaseException | None = None
-        threading.Thread(target=self._write, name="downpour-partition-send", daemon=True).start()
 
     def send(self, tag: int, payload: Any) -> None:
-        """Queue ``payload`` (which the caller no longer writes to) for the peer."""
-        message = encode_head(self.sender, tag, payload)
-        with self._cond:
-            self._raise_if_broken()
-            self._unsent += 1
-        self._queue.put(message)
+        """Write ``payload`` to the peer; PartitionLinkError if the connection broke."""
+        if self._error is not None:
+            raise PartitionLinkError(f"the connection to the peer broke: {self._error}")
+        parts = [memoryview(part).cast("B") for part in encode_head(self.sender, tag, payload)]
+        try:
+            while parts:
+                sent = self._sock.sendmsg(parts)
+                while parts and sent >= len(parts[0]):
+                    sent -= len(parts[0])
+                    parts.pop(0)
+                if parts:
+                    parts[0] = parts[0][sent:]
+        except OSError as err:
+            self._error = err
+            raise PartitionLinkError(f"the connection to the peer broke: {err}") from err
 
     def flush(self) -> None:
-        """Wait until every queued message is in the socket (at most ``timeout`` seconds)."""
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._unsent == 0 or self._error is not None, self.timeout
-            ):
-                raise PartitionLinkError(f"messages to the peer unsent after {self.timeout} s")
-            self._raise_if_broken()
-
-    def close(self) -> None:
-        """Stop the writer and close the connection (the peer's reader then ends)."""
-        self._queue.put(None)
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-
-    def _raise_if_broken(self) -> None:
+        """Nothing to wait for: every message is in the socket when :meth:`send` returns."""
         if self._error is not None:
             raise PartitionLinkError(f"the connection to the peer broke: {self._error}")
 
-    def _write(self) -> None:
-        """Write the queued messages in order (writer thread)."""
-        while True:
-            message = self._queue.get()
-            if message is None:
-                return
-            try:
-                for part in message:
-                    if len(part):
-                        self._sock.sendall(part)
-            except OSError as err:
-                with self._cond:
-                    self._error = err
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self._unsent -= 1
-                self._cond.notify_all()
+    def close(self) -> None:
+        """Close the connection (the peer's reader then ends)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
