@@ -11,7 +11,8 @@ state.  The driver reaches Dask only through the
 ``replica`` runs ``replica_loop`` (with ``pushes``' bookkeeping; ``clocked_loop`` for SSP/BSP,
 ``easgd_loop`` for EASGD; its settings in ``config``) over one
 :class:`~downpour_dask.ps.protocol.ShardChannel` per shard, and leaves what must outlive it in
-``registry``; ``model_parallel`` runs a replica split into partitions.  Sparse models (tables
+``registry``; ``model_parallel`` runs a replica split into partitions, whose messages travel
+over ``partition_wire``'s direct sockets.  Sparse models (tables
 of which a batch touches few rows): ``sparse_fit`` starts table shards and replica tasks running
 ``sparse_loop`` (``sparse_accrual`` for ``n_fetch``/``n_push`` other than 1), has the
 ``supervisor`` restart a replica whose worker died (``sparse_replicas``: its task, its data, its
