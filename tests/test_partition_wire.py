@@ -11,13 +11,18 @@ import threading
 import numpy as np
 import pytest
 
-from downpour_dask.downpour.model_parallel import MailboxLink, PartitionLost, open_senders
+from downpour_dask.downpour.model_parallel import (
+    Mailbox,
+    MailboxLink,
+    PartitionLost,
+    open_senders,
+)
 from downpour_dask.downpour.partition_wire import (
     HEAD,
     PartitionLinkError,
     PartitionSender,
     check_head,
-    encode_head,
+    encode_message,
     receive_messages,
 )
 from downpour_dask.ps import frames
@@ -131,7 +136,7 @@ def test_a_malformed_head_closes_the_connection_and_delivers_nothing(inbox, name
 def test_a_message_cut_off_halfway_is_not_delivered(inbox):
     box, endpoint = inbox
     sock = _connect(endpoint)
-    head, array, _ = encode_head(1, 1, np.ones((10, 10), np.float32))
+    head, array, _ = encode_message(1, 1, np.ones((10, 10), np.float32))
     sock.sendall(head + array.tobytes()[:123])
     sock.close()
     assert box.wait(lambda: len(box.ended) == 1) and box.messages == []
@@ -140,9 +145,9 @@ def test_a_message_cut_off_halfway_is_not_delivered(inbox):
 
 def test_only_float_arrays_and_output_triples_can_be_sent():
     with pytest.raises(TypeError, match="float32/float64"):
-        encode_head(0, 1, np.ones((2, 2), np.int64))
+        encode_message(0, 1, np.ones((2, 2), np.int64))
     with pytest.raises(TypeError, match="1-D or 2-D"):
-        encode_head(0, 1, np.ones((2, 2, 2), np.float32))
+        encode_message(0, 1, np.ones((2, 2, 2), np.float32))
 
 
 def test_a_broken_connection_fails_the_partition_instead_of_losing_messages(inbox):
@@ -186,3 +191,53 @@ def test_peers_without_a_direct_endpoint_get_actor_calls(inbox):
     assert link.transports() == {"0": "actor", "2": "wire"}
     assert open_senders(1, boxes, b"", TIMEOUT) == {}  # no secret: no direct socket
     link.close()
+
+
+@pytest.fixture
+def mailbox():
+    """A partition's mailbox (of 2) served on a loopback service under SECRET."""
+    service = ShardService("127.0.0.1")
+    box = Mailbox(partitions=PARTITIONS, limit=LIMIT)
+    endpoint = service.register(box, SECRET, handler=Mailbox._serve_connection)
+    yield box, endpoint
+    service.close()
+
+
+def test_a_mailbox_hands_direct_messages_to_its_partition(mailbox):
+    box, endpoint = mailbox
+    sender = PartitionSender(endpoint, 1, SECRET, TIMEOUT)
+    block = np.arange(12, dtype=np.float32).reshape(3, 4)
+    sender.send(5, block)
+    np.testing.assert_array_equal(box.take(1, 5, TIMEOUT), block)
+    sender.close()
+
+
+def test_a_partition_waiting_on_a_dropped_connection_fails_at_once_naming_why(mailbox):
+    """A bad head loses the stream's messages: the partition learns it now, not after its
+    timeout (30 s here, after which the message would say nothing of the connection)."""
+    box, endpoint = mailbox
+    sock = _connect(endpoint)
+    sock.sendall(HEAD.pack(0, 0, 2, 1, 1, 1000, 2))  # 2,000 values: over the limit
+    with pytest.raises(PartitionLost, match="dropped .*at most 1000 values"):
+        box.take(1, 1, timeout=30)
+    sock.close()
+
+
+def test_a_write_to_a_peer_that_stopped_reading_fails_instead_of_hanging():
+    """As when the peer's worker is stopped (SIGSTOP): the socket's buffers fill, and the write
+    gives up after the sender's timeout with an error the partition turns into PartitionLost."""
+    service = ShardService("127.0.0.1")
+    released = threading.Event()
+    box = Inbox()  # (the service holds it weakly)
+    endpoint = service.register(box, SECRET, handler=lambda box, conn: released.wait(TIMEOUT))
+    try:
+        sender = PartitionSender(endpoint, 1, SECRET, timeout=0.5)
+        big = np.zeros((64, 1 << 17), np.float32)  # 32 MB, more than the socket buffers hold
+        with pytest.raises(PartitionLinkError, match="broke"):
+            sender.send(1, big)
+        with pytest.raises(PartitionLinkError):  # and it stays broken
+            sender.flush()
+        sender.close()
+    finally:
+        released.set()
+        service.close()

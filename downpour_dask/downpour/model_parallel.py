@@ -80,10 +80,12 @@ class Mailbox:
         self._cond = threading.Condition()
         self._closed: str | None = None
         self._partitions, self._limit = partitions, limit
+        self._dropped: list[str] = []  # why direct connections were given up (for errors)
         host = worker_tcp_host()
         self._endpoint = None
         if secret and host is not None and partitions > 1 and limit > 0:
-            self._endpoint = serve(self, host, secret, handler=Mailbox._serve_connection)
+            with contextlib.suppress(OSError):  # no socket to be had: peers use put()
+                self._endpoint = serve(self, host, secret, handler=Mailbox._serve_connection)
 
     async def endpoint(self) -> tuple[str, int, str] | None:
         """Where peers reach this mailbox directly, ``(host, port, id)``, or None (no direct
@@ -109,9 +111,17 @@ class Mailbox:
             self._cond.notify_all()
 
     def _serve_connection(self, conn: Any) -> None:
-        """Serve one peer's direct connection (on the service's thread for it)."""
-        with contextlib.suppress(Exception):  # a broken or bad stream: the peer's messages stop
-            receive_messages(conn, self._deliver, self._partitions, self._limit)
+        """Serve one peer's direct connection (on the service's thread for it).  A stream given
+        up (a bad head, a message cut off) lost messages: a :meth:`take` that finds its message
+        missing then fails at once, naming why."""
+        try:
+            problem = receive_messages(conn, self._deliver, self._partitions, self._limit)
+        except Exception as err:  # the connection broke (its peer died or closed mid-message)
+            problem = f"{type(err).__name__}: {err}"
+        if problem is not None:
+            with self._cond:
+                self._dropped.append(problem)
+                self._cond.notify_all()
 
     def take(self, sender: int, tag: int, timeout: float) -> Any:
         """Wait (at most ``timeout`` seconds) for the message from ``sender`` under ``tag``.
@@ -121,7 +131,7 @@ class Mailbox:
         PartitionAborted
             If the mailbox was closed.
         PartitionLost
-            If nothing arrived in time.
+            If nothing arrived in time, or a direct connection lost messages.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -130,6 +140,11 @@ class Mailbox:
                     raise PartitionAborted(self._closed)
                 if (sender, tag) in self._box:
                     return self._box.pop((sender, tag))
+                if self._dropped:
+                    raise PartitionLost(
+                        f"message {tag} from partition {sender} will not come: a direct "
+                        f"connection into this mailbox was dropped ({self._dropped[0]})"
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PartitionLost(
@@ -248,7 +263,7 @@ def open_senders(
         if endpoint is None:
             continue
         with contextlib.suppress(OSError, WireError):
-            senders[q] = PartitionSender(endpoint, partition, secret, min(10.0, timeout))
+            senders[q] = PartitionSender(endpoint, partition, secret, timeout, min(10.0, timeout))
     return senders
 
 

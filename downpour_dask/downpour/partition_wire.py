@@ -109,7 +109,7 @@ def receive_messages(
     return None
 
 
-def encode_head(sender: int, tag: int, payload: Any) -> tuple[bytes, np.ndarray, bytes]:
+def encode_message(sender: int, tag: int, payload: Any) -> tuple[bytes, np.ndarray, bytes]:
     """The head, the array and the tail (empty for a plain array) of one message; TypeError
     for a payload the format cannot carry."""
     kind, tail = ARRAY, b""
@@ -146,13 +146,22 @@ class PartitionSender:
     secret : bytes
         The run's wire secret the mailbox was registered with.
     timeout : float
-        Seconds to connect and hear the hello accepted, and the most one write may stall
-        (a peer that stopped reading).
+        The most one write may stall (a peer that stopped reading: its worker is stopped or
+        hung); then the write fails with :class:`PartitionLinkError`.
+    connect_timeout : float
+        Seconds to connect and hear the hello accepted.
     """
 
-    def __init__(self, endpoint: tuple[str, int, str], sender: int, secret: bytes, timeout: float):
+    def __init__(
+        self,
+        endpoint: tuple[str, int, str],
+        sender: int,
+        secret: bytes,
+        timeout: float,
+        connect_timeout: float = 10.0,
+    ):
         host, port, key = endpoint
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        sock = socket.create_connection((host, int(port)), timeout=connect_timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(frames.hello(key, secret))
@@ -172,7 +181,7 @@ class PartitionSender:
         """Write ``payload`` to the peer; PartitionLinkError if the connection broke."""
         if self._error is not None:
             raise PartitionLinkError(f"the connection to the peer broke: {self._error}")
-        parts = [memoryview(part).cast("B") for part in encode_head(self.sender, tag, payload)]
+        parts = [memoryview(part).cast("B") for part in encode_message(self.sender, tag, payload)]
         try:
             while parts:
                 sent = self._sock.sendmsg(parts)
