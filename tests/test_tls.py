@@ -56,10 +56,17 @@ def test_training_on_a_tls_only_cluster(tls_cluster, digits):
         workers = cluster_workers(client)
         assert workers and all(w.startswith("tls://") for w in workers)
         est = softmax_estimator(train).fit(train, eval_data=test, client=client)
+        split = DownpourSGD(
+            models.MLP(train.n_features, (16,), 10), n_replicas=1, n_shards=2, partitions=2,
+            max_steps=10, random_state=0,
+        ).fit(train, client=client)  # fmt: skip
     assert est.score(test) > 0.8
     # no plain-TCP side channel next to TLS: remote shards were reached as actor messages
     routes = [t for ts in est.experiment_.config["replica_transports"].values() for t in ts]
     assert "wire" not in routes and "actor" in routes
+    # and model-parallel partitions sent their messages as actor calls
+    peers = [slot["peers"] for slot in split.experiment_.config["partition_slots"]]
+    assert peers == [{"1": "actor"}, {"0": "actor"}]
     assert est.experiment_.config["tls"] is False  # the estimator did not start the cluster
 
 
