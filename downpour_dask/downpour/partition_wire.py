@@ -70,19 +70,6 @@ def check_head(head: tuple, partitions: int, limit: int) -> str | None:
     return None
 
 
-def _next_head(conn: socket.socket, buffer: bytearray) -> bool:
-    """Wait as long as it takes for the next head (an idle peer is computing); once it has
-    started it must arrive within the socket's receive timeout.  False: the peer closed."""
-    got = None
-    while got is None:
-        with contextlib.suppress(BlockingIOError):  # SO_RCVTIMEO ran out while idle
-            got = conn.recv_into(buffer, len(buffer))
-    if got == 0:
-        return False
-    frames.recv_into(conn, memoryview(buffer)[got:])
-    return True
-
-
 def receive_messages(
     conn: socket.socket,
     deliver: Callable[[int, int, Any], None],
@@ -93,7 +80,7 @@ def receive_messages(
     ``deliver(sender, tag, payload)``; return why the stream was abandoned (a bad head), or
     None when it ended cleanly.  A message cut off midway is not delivered: ConnectionError."""
     buffer = bytearray(HEAD.size)
-    while _next_head(conn, buffer):
+    while frames.next_head(conn, buffer):
         head = HEAD.unpack(buffer)
         problem = check_head(head, partitions, limit)
         if problem is not None:
@@ -160,15 +147,10 @@ class PartitionSender:
         timeout: float,
         connect_timeout: float = 10.0,
     ):
-        host, port, key = endpoint
-        sock = socket.create_connection((host, int(port)), timeout=connect_timeout)
+        sock, _ = frames.connect(endpoint, secret, connect_timeout)  # (a mailbox has no size)
+        # blocking, so that a write is one call, but a write stalls at most ``timeout``
+        limit = struct.pack("@ll", int(timeout), int(timeout % 1 * 1e6))  # a timeval
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(frames.hello(key, secret))
-            frames.check_status(sock)
-            frames.recv(sock, frames.SIZE.size)  # (a mailbox reports no size)
-            sock.settimeout(None)  # blocking, so that a write is one call; bounded below
-            limit = struct.pack("@ll", int(timeout), int(timeout % 1 * 1e6))  # a timeval
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         except BaseException:
             sock.close()

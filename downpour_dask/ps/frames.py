@@ -22,6 +22,7 @@ This module imports no Dask.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 import struct
@@ -83,6 +84,40 @@ def recv(sock: socket.socket, n: int) -> bytes:
     buffer = bytearray(n)
     recv_into(sock, buffer)
     return bytes(buffer)
+
+
+def next_head(conn: socket.socket, head: bytearray) -> bool:
+    """Fill ``head`` with the next fixed-size head from ``conn``, waiting as long as it takes
+    for its first byte (an authenticated peer may be idle: computing); once it has started, the
+    rest must arrive within the socket's ``SO_RCVTIMEO``.  False: the other side closed."""
+    got = None
+    while got is None:
+        with contextlib.suppress(BlockingIOError):  # SO_RCVTIMEO ran out while idle
+            got = conn.recv_into(head, len(head))
+    if got == 0:
+        return False
+    recv_into(conn, memoryview(head)[got:])  # an expired SO_RCVTIMEO raises here
+    return True
+
+
+def connect(
+    endpoint: tuple[str, int, str], secret: bytes, timeout: float
+) -> tuple[socket.socket, int]:
+    """Open a direct connection to ``endpoint`` ``(host, port, id)``: connect, say the hello,
+    read the status (:class:`WireError` if refused) and the size the endpoint reports.  The
+    socket is returned blocking, without a timeout."""
+    host, port, key = endpoint
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(hello(key, secret))
+        check_status(sock)
+        (size,) = SIZE.unpack(recv(sock, SIZE.size))
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, size
 
 
 # -- the shard's side ----------------------------------------------------------------------------

@@ -305,19 +305,6 @@ class ShardService:
                 reg.conns.discard(conn)
             self._slots.release()
 
-    def _next_head(self, conn: socket.socket, head: bytearray) -> bool:
-        """Wait (as long as it takes: the connection is authenticated and counted) for the next
-        request head; once it starts, it must arrive within :attr:`IO_TIMEOUT`.  False: the
-        other side closed."""
-        got = None
-        while got is None:
-            with contextlib.suppress(BlockingIOError):  # SO_RCVTIMEO ran out while idle
-                got = conn.recv_into(head, len(head))
-        if got == 0:
-            return False
-        frames.recv_into(conn, memoryview(head)[got:])  # an expired SO_RCVTIMEO raises here
-        return True
-
     def _admit(self, reg: _Registration, session: str) -> str | None:
         """Why ``session`` may not be used with this shard, or None (it is recorded)."""
         if not session.isalnum():
@@ -334,7 +321,7 @@ class ShardService:
         out = np.empty(size, dtype=DTYPE)
         head = bytearray(frames.REQUEST.size)
         session = ""  # fixed by the first request that names one
-        while self._next_head(conn, head):
+        while frames.next_head(conn, head):  # (an idle wait is not bounded: authenticated)
             op, replica, seq, fetched, examples, _, n_values, n_session = frames.REQUEST.unpack(
                 head
             )

@@ -103,18 +103,8 @@ class WireClient:
     """
 
     def __init__(self, endpoint: tuple[str, int, str], timeout: float = 10.0, secret: bytes = b""):
-        host, port, shard_id = endpoint
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(frames.hello(shard_id, secret))
-            frames.check_status(sock)
-            (self.size,) = frames.SIZE.unpack(frames.recv(sock, frames.SIZE.size))
-            sock.settimeout(None)  # replies may be slow; the replica has its own deadlines
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
+        # no timeout once connected: replies may be slow; the replica has its own deadlines
+        self._sock, self.size = frames.connect(endpoint, secret, timeout)
         self._send_lock = threading.Lock()
         self._outbox: queue.SimpleQueue[tuple[bytes, Any] | None] = queue.SimpleQueue()
         self._waiting: queue.SimpleQueue[WireCall | None] = queue.SimpleQueue()
