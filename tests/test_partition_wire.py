@@ -4,6 +4,7 @@ Loopback only, bounded in count."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
@@ -61,14 +62,23 @@ class Inbox:
             return self._cond.wait_for(predicate, TIMEOUT)
 
 
+@contextlib.contextmanager
+def served(target, handler):
+    """``target`` registered under SECRET with ``handler`` on a fresh loopback service (which
+    holds it weakly: the caller keeps it); yields its endpoint."""
+    service = ShardService("127.0.0.1")
+    try:
+        yield service.register(target, SECRET, handler=handler)
+    finally:
+        service.close()
+
+
 @pytest.fixture
 def inbox():
-    """A service on loopback with one inbox registered under SECRET, and its endpoint."""
-    service = ShardService("127.0.0.1")
+    """An inbox served on loopback, and its endpoint."""
     box = Inbox()
-    endpoint = service.register(box, SECRET, handler=Inbox.serve)
-    yield box, endpoint
-    service.close()
+    with served(box, Inbox.serve) as endpoint:
+        yield box, endpoint
 
 
 def test_messages_arrive_whole_in_order_with_their_sender_and_tag(inbox):
@@ -195,12 +205,10 @@ def test_peers_without_a_direct_endpoint_get_actor_calls(inbox):
 
 @pytest.fixture
 def mailbox():
-    """A partition's mailbox (of 2) served on a loopback service under SECRET."""
-    service = ShardService("127.0.0.1")
+    """A partition's mailbox (of 2) served on loopback, and its endpoint."""
     box = Mailbox(partitions=PARTITIONS, limit=LIMIT)
-    endpoint = service.register(box, SECRET, handler=Mailbox._serve_connection)
-    yield box, endpoint
-    service.close()
+    with served(box, Mailbox._serve_connection) as endpoint:
+        yield box, endpoint
 
 
 def test_a_mailbox_hands_direct_messages_to_its_partition(mailbox):
@@ -226,18 +234,16 @@ def test_a_partition_waiting_on_a_dropped_connection_fails_at_once_naming_why(ma
 def test_a_write_to_a_peer_that_stopped_reading_fails_instead_of_hanging():
     """As when the peer's worker is stopped (SIGSTOP): the socket's buffers fill, and the write
     gives up after the sender's timeout with an error the partition turns into PartitionLost."""
-    service = ShardService("127.0.0.1")
     released = threading.Event()
-    box = Inbox()  # (the service holds it weakly)
-    endpoint = service.register(box, SECRET, handler=lambda box, conn: released.wait(TIMEOUT))
-    try:
-        sender = PartitionSender(endpoint, 1, SECRET, timeout=0.5)
-        big = np.zeros((64, 1 << 17), np.float32)  # 32 MB, more than the socket buffers hold
-        with pytest.raises(PartitionLinkError, match="broke"):
-            sender.send(1, big)
-        with pytest.raises(PartitionLinkError):  # and it stays broken
-            sender.flush()
-        sender.close()
-    finally:
-        released.set()
-        service.close()
+    box = Inbox()
+    with served(box, lambda box, conn: released.wait(TIMEOUT)) as endpoint:
+        try:
+            sender = PartitionSender(endpoint, 1, SECRET, timeout=0.5)
+            big = np.zeros((64, 1 << 17), np.float32)  # 32 MB, more than the socket buffers hold
+            with pytest.raises(PartitionLinkError, match="broke"):
+                sender.send(1, big)
+            with pytest.raises(PartitionLinkError):  # and it stays broken
+                sender.flush()
+            sender.close()
+        finally:
+            released.set()
