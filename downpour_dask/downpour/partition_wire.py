@@ -174,6 +174,9 @@ class PartitionSender:
                     parts[0] = parts[0][sent:]
         except OSError as err:
             self._error = err
+            if isinstance(err, BlockingIOError):  # SO_SNDTIMEO ran out
+                err = TimeoutError(f"the peer read nothing for {self.timeout} s (stopped or hung)")
+                self._error = err
             raise PartitionLinkError(f"the connection to the peer broke: {err}") from err
 
     def flush(self) -> None:
