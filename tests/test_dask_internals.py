@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from distributed import wait
+from distributed import Event, secede, wait
 
 from downpour_dask import optim
 from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
@@ -23,6 +23,7 @@ from downpour_dask.runtime.dask_internals import (
     actor_result,
     local_actor,
     scheduler_workers,
+    task_cancelled,
 )
 
 TIMEOUT = 30
@@ -116,3 +117,25 @@ def test_waiting_on_cancelled_data_raises_the_error_sandblaster_catches(client):
     with pytest.raises(FUTURES_CANCELLED):
         wait([block], timeout=TIMEOUT)
 
+
+def _wait_for_cancellation(started, seen) -> bool:
+    """A long task: seceded, as a replica is; sets ``seen`` once it learns it was cancelled."""
+    secede()
+    Event(started).set()
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if task_cancelled():
+            Event(seen).set()
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_task_cancelled_tells_a_running_task_that_its_client_let_it_go(client):
+    assert not task_cancelled()  # outside a task: never claimed
+    started, seen = f"started-{time.time_ns()}", f"seen-{time.time_ns()}"
+    future = client.submit(_wait_for_cancellation, started, seen, pure=False)
+    assert Event(started, client=client).wait(timeout=TIMEOUT)
+    assert not Event(seen, client=client).is_set()  # running, not cancelled: no claim
+    future.cancel()
+    assert Event(seen, client=client).wait(timeout=TIMEOUT)

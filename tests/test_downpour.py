@@ -7,6 +7,7 @@ from downpour_dask import DownpourSGD, Experiment, datasets, models, optim
 from downpour_dask.checkpoint import ShardState, write_checkpoint
 from downpour_dask.core.params import split_range
 from downpour_dask.data.datasets import minibatches
+from downpour_dask.ps.server import ParameterServer
 from downpour_dask.runtime import cluster
 
 
@@ -388,6 +389,26 @@ def test_an_exception_in_the_callback_stops_the_run_and_propagates(client, digit
     # The replicas were told to stop: the cluster is free for the next fit at once.
     est.set_params(max_seconds=None, max_epochs=1).fit(train, client=client)
     assert est.params_.shape == (est.model.layout.size,)
+
+
+def test_replicas_a_failed_driver_let_go_stop_even_if_its_stop_never_reached_the_shards(
+    client, digits, monkeypatch
+):
+    """The driver fails during the warmstart and its stop is lost: the replicas training or
+    waiting at the gate would go on against shards nobody reads.  They stop because their
+    tasks were cancelled; the shared cluster's idle check after this test fails otherwise."""
+    train, _ = digits
+    monkeypatch.setattr(ParameterServer, "request_stop", lambda *args, **kwargs: None)
+
+    def interrupt(progress):
+        raise KeyboardInterrupt
+
+    est = DownpourSGD(
+        models.SoftmaxRegression(64, 10), n_replicas=3, warmstart_steps=10**6, max_epochs=10**4,
+        eval_every=0.2, random_state=0,
+    )  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(train, client=client, callback=interrupt)
 
 
 def _actors(dask_worker) -> int:

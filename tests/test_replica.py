@@ -175,6 +175,9 @@ class Sink:
     def keep_acked(self, shard, key, version):
         pass
 
+    def abandoned(self):
+        return False
+
 
 class Batches:
     """A data source: the same fixed minibatches every epoch."""
@@ -428,6 +431,23 @@ def test_a_stopped_run_ends_a_replica_waiting_at_the_warmstart_gate_without_a_st
     shard.stopped = True
     result, _, sink = run(MODEL, [shard], data(), config(max_steps=5, start_after_version=5))
     assert result["steps"] == 0 and sink.rows == [] and shard.version == 0
+
+
+def test_a_replica_its_driver_let_go_stops_waiting_at_the_warmstart_gate():
+    """The shards never reach the version and never say stop (the driver's stop did not
+    arrive): the replica stops once its task is cancelled, without a step or a push."""
+    [shard] = shards_for(INITIAL, 1)
+    channel = FakeChannel(shard)
+
+    class LetGo(Sink):
+        def abandoned(self):
+            return channel.polls >= 3  # the driver cancels the task while it waits
+
+    loop = ReplicaLoop([channel], [(0, INITIAL.size)], MODEL, config(max_steps=5,
+                       start_after_version=5), LetGo())  # fmt: skip
+    loop.WARMSTART_POLL = 0.0
+    result = loop.run(Batches(data(n_batches=2)))
+    assert channel.polls == 3 and result["steps"] == 0 and shard.version == 0
 
 
 class NoScaleMLP(models.MLP):

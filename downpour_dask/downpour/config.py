@@ -1,9 +1,16 @@
-"""The settings of one replica's loop: :class:`ReplicaConfig` (what the driver hands each
-replica task; see :class:`~downpour_dask.DownpourSGD` for the meanings)."""
+"""What one replica's loop is given: its settings, :class:`ReplicaConfig` (what the driver
+hands each replica task; see :class:`~downpour_dask.DownpourSGD` for the meanings), and where it
+leaves what must outlive it, a :class:`ReplicaSink` (the worker's registry, in a Dask task; a
+recording fake in the tests).  No Dask here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..log import PushRow
 
 
 @dataclass(frozen=True)
@@ -33,3 +40,24 @@ class ReplicaConfig:
     elastic_alpha: float | None = None  # EASGD's moving rate (easgd_loop.py); None: not EASGD
     centre_rate: float = 1.0  # the shards' SGD rate, which an EASGD push is divided by
     top_k: float | None = None  # share of each shard's coordinates a push sends (compression.py)
+
+
+class ReplicaSink(Protocol):
+    """Where a replica leaves what must outlive it (the worker's registry, in a Dask task)."""
+
+    def keep_row(self, row: PushRow) -> None:
+        """Record one acknowledged push for the run's push log."""
+        ...
+
+    def keep_fetched(self, shard: int, key: str, version: int, values: np.ndarray) -> bool:
+        """Offer shard ``shard``'s fetched ``values`` (from actor ``key``) as a copy the driver
+        may restore it from; True if kept (the caller then leaves ``values`` untouched)."""
+        ...
+
+    def keep_acked(self, shard: int, key: str, version: int) -> None:
+        """Note that shard actor ``key`` accepted a push of this replica at ``version``."""
+
+    def abandoned(self) -> bool:
+        """Whether the replica's driver let it go (its Dask task was cancelled): it then stops,
+        whatever its shards still answer."""
+        ...

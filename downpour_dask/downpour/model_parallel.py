@@ -44,9 +44,10 @@ from ..ps.service import serve, unregister
 from ..runtime.cluster import worker_tcp_host
 from ..runtime.dask_internals import actor_result, local_actor
 from ..runtime.malloc import tune_malloc
+from .config import ReplicaSink
 from .partition_wire import PartitionLinkError, PartitionSender, receive_messages
 from .replica import run_loop
-from .replica_loop import ReplicaConfig, ReplicaLoop, ReplicaSink
+from .replica_loop import ReplicaConfig, ReplicaLoop
 
 
 class PartitionLost(RuntimeError):

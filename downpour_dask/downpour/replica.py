@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from ..data.stream import StreamSpec, make_source
 from ..log import PushRow, plain
 from ..ps.opening import open_channels
 from ..ps.server import ParameterServer
+from ..runtime.dask_internals import task_cancelled
 from ..runtime.malloc import tune_malloc
 from .clocked_loop import ClockedReplicaLoop
 from .easgd_loop import ElasticReplicaLoop
@@ -53,13 +55,17 @@ class WorkerSink:
 
     #: Seconds between two metrics events of one replica.
     METRICS_EVERY = 1.0
+    #: Seconds between two looks at whether the replica's task was cancelled.
+    CANCEL_CHECK_EVERY = 0.25
 
     def __init__(self, run: str, topic: str = ""):
         self.run, self.topic = run, topic
         self.last_metrics = -math.inf
-        #: Set by :func:`run_loop`: stops the replica after this push when its worker leaves.
+        #: Set by :func:`run_loop`: stops the replica after this push when its worker leaves
+        #: or its driver let it go.
         self.stop_replica: Any = None
         self.retired = False  # whether it stopped because its worker is leaving
+        self._cancelled, self._checked = False, -math.inf
 
     def keep_row(self, row: PushRow) -> None:
         if self.run:
@@ -67,8 +73,21 @@ class WorkerSink:
             if self.stop_replica is not None and is_leaving(self.run):
                 self.retired = True  # finish this step, push what is accrued, hand back
                 self.stop_replica()
+        if self.stop_replica is not None and self.abandoned():
+            self.stop_replica()
         if self.topic and row.time - self.last_metrics >= self.METRICS_EVERY:
             self._log_metrics(row)
+
+    def abandoned(self) -> bool:
+        """Whether this replica's task was cancelled: its driver failed or ended and let it go
+        (it asked its shards to stop too, but a stop that did not arrive would leave the
+        replica training, or waiting for a warmstart, on shards nobody reads).  Looked up at
+        most every :attr:`CANCEL_CHECK_EVERY` seconds."""
+        now = time.monotonic()
+        if not self._cancelled and now - self._checked >= self.CANCEL_CHECK_EVERY:
+            self._checked = now
+            self._cancelled = task_cancelled()
+        return self._cancelled
 
     def keep_fetched(self, shard: int, key: str, version: int, values: np.ndarray) -> bool:
         return bool(self.run) and remember_fetched(self.run, shard, key, version, values)

@@ -24,14 +24,14 @@ replica, plain SGD and ``alpha`` equal to the server's rate Downpour equals seri
 the timing; with ``local_learning_rate=0`` it is the paper's plain overwrite.
 
 The loop knows shards only through :class:`~downpour_dask.ps.protocol.ShardChannel` and writes
-what must outlive it through a :class:`ReplicaSink`; it imports no Dask.
+what must outlive it through a :class:`~.config.ReplicaSink`; it imports no Dask.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -40,25 +40,9 @@ from ..core.models import Model
 from ..core.params import DTYPE
 from ..log import PushRow
 from ..ps.protocol import PullReply, PushReply, ShardChannel, ShardLostError
-from .config import ReplicaConfig
+from .config import ReplicaConfig, ReplicaSink
 from .pushes import Push, PushLedger
 from .scaling import gradient_scale
-
-
-class ReplicaSink(Protocol):
-    """Where a replica leaves what must outlive it (the worker's registry, in a Dask task)."""
-
-    def keep_row(self, row: PushRow) -> None:
-        """Record one acknowledged push for the run's push log."""
-        ...
-
-    def keep_fetched(self, shard: int, key: str, version: int, values: np.ndarray) -> bool:
-        """Offer shard ``shard``'s fetched ``values`` (from actor ``key``) as a copy the driver
-        may restore it from; True if kept (the caller then leaves ``values`` untouched)."""
-        ...
-
-    def keep_acked(self, shard: int, key: str, version: int) -> None:
-        """Note that shard actor ``key`` accepted a push of this replica at ``version``."""
 
 
 class ReplicaLoop:
@@ -223,6 +207,9 @@ class ReplicaLoop:
                 return
             if version >= target:
                 s += 1
+            elif self.sink.abandoned():  # the driver is gone; its shards may still answer
+                self.stop = True
+                return
             else:
                 time.sleep(self.WARMSTART_POLL)
 

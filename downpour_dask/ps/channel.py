@@ -38,12 +38,13 @@ import numpy as np
 from distributed import Variable
 
 from ..core.params import DTYPE
-from ..runtime.dask_internals import actor_result, local_actor
+from ..runtime.dask_internals import actor_result, local_actor, task_cancelled
 from .calls import Done, Half
 from .protocol import (
     FencedError,
     PullReply,
     ShardLostError,
+    TaskCancelled,
     generation_variable,
     is_fenced,
     is_shard_lost,
@@ -264,6 +265,8 @@ class DaskShardChannel:
                 if now >= deadline:
                     message = f"shard {self.shard} did not answer within {self.timeout} s"
                     raise TimeoutError(message)
+                if task_cancelled():  # the driver let this replica go: the shard may be gone too
+                    raise TaskCancelled(f"replica {self.replica}: its task was cancelled")
                 if self.replaced(key, sent):
                     raise ShardLostError(f"shard {self.shard} was replaced", self.shard)
                 last = time.monotonic()  # a slow look at the replacements is not a freeze

@@ -44,6 +44,12 @@ class PushReply(NamedTuple):
     generation: int = 0  # the incarnation of the shard that answered (see FencedError)
 
 
+class TaskCancelled(RuntimeError):
+    """A replica's call was abandoned because its Dask task was cancelled: the driver that
+    started it failed or ended, and what the call waits for may never come (a call into a
+    released actor is never answered)."""
+
+
 class ShardLostError(RuntimeError):
     """A parameter-server shard was lost or did not answer in time; ``shard`` is its index."""
 

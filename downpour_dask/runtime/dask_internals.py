@@ -62,6 +62,24 @@ def local_actor(key: str) -> Any | None:
     return actors.get(key) if isinstance(actors, dict) else None
 
 
+def task_cancelled() -> bool:
+    """Whether the Dask task running on this thread has been cancelled (its client let it go:
+    e.g. the driver of a fit failed or ended).
+
+    Dask cannot interrupt a running task; a long task that should end with its client asks.
+
+    Relies on ``Worker.get_current_task()`` (public) and on ``Worker.state.tasks``, a dict of
+    key -> task state whose ``state`` is ``"cancelled"`` once the scheduler released a task
+    that is still running (checked: distributed 2024.x to 2026.8).  Falls back to False -- no
+    cancellation is ever claimed -- outside a task or when Dask no longer exposes these.
+    """
+    try:
+        worker = get_worker()
+        return worker.state.tasks[worker.get_current_task()].state == "cancelled"
+    except (ValueError, KeyError, AttributeError):
+        return False
+
+
 def actor_handle(cls: type, address: str, key: str) -> Actor:
     """A handle to the actor ``key`` of class ``cls`` living on the worker at ``address``.
 
