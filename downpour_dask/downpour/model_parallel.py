@@ -81,7 +81,7 @@ class Mailbox:
         self._cond = threading.Condition()
         self._closed: str | None = None
         self._partitions, self._limit = partitions, limit
-        self._dropped: list[str] = []  # why direct connections were given up (for errors)
+        self._dropped: str | None = None  # why a direct connection was given up
         host = worker_tcp_host()
         self._endpoint = None
         if secret and host is not None and partitions > 1 and limit > 0:
@@ -121,7 +121,7 @@ class Mailbox:
             problem = f"{type(err).__name__}: {err}"
         if problem is not None:
             with self._cond:
-                self._dropped.append(problem)
+                self._dropped = self._dropped or problem
                 self._cond.notify_all()
 
     def take(self, sender: int, tag: int, timeout: float) -> Any:
@@ -144,7 +144,7 @@ class Mailbox:
                 if self._dropped:
                     raise PartitionLost(
                         f"message {tag} from partition {sender} will not come: a direct "
-                        f"connection into this mailbox was dropped ({self._dropped[0]})"
+                        f"connection into this mailbox was dropped ({self._dropped})"
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

@@ -161,8 +161,7 @@ class PartitionSender:
 
     def send(self, tag: int, payload: Any) -> None:
         """Write ``payload`` to the peer; PartitionLinkError if the connection broke."""
-        if self._error is not None:
-            raise PartitionLinkError(f"the connection to the peer broke: {self._error}")
+        self.flush()
         parts = [memoryview(part).cast("B") for part in encode_message(self.sender, tag, payload)]
         try:
             while parts:
@@ -175,12 +174,14 @@ class PartitionSender:
         except OSError as err:
             self._error = err
             if isinstance(err, BlockingIOError):  # SO_SNDTIMEO ran out
-                err = TimeoutError(f"the peer read nothing for {self.timeout} s (stopped or hung)")
-                self._error = err
-            raise PartitionLinkError(f"the connection to the peer broke: {err}") from err
+                self._error = TimeoutError(
+                    f"the peer read nothing for {self.timeout} s (stopped or hung)"
+                )
+            self.flush()
 
     def flush(self) -> None:
-        """Nothing to wait for: every message is in the socket when :meth:`send` returns."""
+        """Nothing to wait for: every message is in the socket when :meth:`send` returns; but
+        a connection that broke raises PartitionLinkError here too."""
         if self._error is not None:
             raise PartitionLinkError(f"the connection to the peer broke: {self._error}")
 
