@@ -673,7 +673,9 @@ def test_finish_records_the_stop_with_the_final_versions_and_the_rows_are_collec
     run.server.version = [7, 9]
     run.cluster.rows = [(0.5, 0, 0, 1.0, 32, 0, 1, True), (0.6, 1, 0, 1.0, 32, 1, 2, True, 0)]
     params, versions = run.loop.finish()
+    assert _events(run, "stop") == []  # the driver's own last shard calls come first
     run.loop.collect_rows(force=True)
+    run.loop.record_stop(versions)
     assert versions == [7, 9] and params.shape == (2 * SHARD_SIZE,)
     assert _events(run, "stop") == [{"versions": [7, 9]}]
     assert run.recorder.evals[-1]["version"] == 7

@@ -179,13 +179,14 @@ class Driver:
             if warm:
                 loop.warmstart(gate, fit.warmstart_steps)
             loop.run()
-            self.params, _ = loop.finish()
-            recovery.settle()  # the final count of updates lost with replaced shards
+            self.params, versions = loop.finish()
             self.status = supervisor.recovering(server.status, fit.timeout)
-            self.status["lost_updates"] = recovery.lost_updates(fit.n_shards)
             shard_events = supervisor.recovering(view.shard_events, fit.timeout)
+            recovery.settle()  # the final count of updates lost with replaced shards
+            self.status["lost_updates"] = recovery.lost_updates(fit.n_shards)
             recorder.add_events((e[0] - recorder.t0, *e[1:]) for e in shard_events)
             loop.collect_rows(force=True)  # the replicas' last rows, before they are forgotten
+            loop.record_stop(versions)  # last: a shard restored in the calls above comes first
             results = tasks.ordered_results()
         finally:
             if tasks.running():  # the driver failed: let the replicas finish

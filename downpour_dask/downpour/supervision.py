@@ -166,8 +166,9 @@ class SupervisionLoop:
 
     def finish(self) -> tuple[np.ndarray, list[int]]:
         """After the replicas finished: the final parameters, evaluation, progress report and
-        checkpoint, and the ``stop`` event ``{versions}``.  A shard lost now (the result still
-        lives on the shards) is restored like one lost mid-run."""
+        checkpoint.  A shard lost now (the result still lives on the shards) is restored like
+        one lost mid-run.  The caller records ``stop`` (:meth:`record_stop`) once its own last
+        calls to the shards are done, so that the event stays the log's last."""
         recovering = self.supervisor.recovering
         params, versions = recovering(self.pull)
         recovering(self.evaluate, params, versions)
@@ -176,8 +177,11 @@ class SupervisionLoop:
             self.report(recovering(self.progress))
         if self.checkpoints.directory is not None:  # the end is a checkpoint too: resume there
             recovering(self.checkpoints.maybe_save, True)
-        self.recorder.event("stop", f"versions {versions}", versions=list(versions))
         return params, versions
+
+    def record_stop(self, versions: list[int]) -> None:
+        """Event ``stop`` ``{versions}``: the run is over, at these shard versions."""
+        self.recorder.event("stop", f"versions {versions}", versions=list(versions))
 
     # -- one tick --------------------------------------------------------------------------------
     def until_next_tick(self) -> float:
