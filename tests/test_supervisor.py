@@ -668,7 +668,7 @@ def test_the_warmstart_ends_when_replica_0_has_made_its_pushes_and_releases_the_
     assert run.loop.phase == "training"
 
 
-def test_finish_records_the_stop_with_the_final_versions_and_the_rows_are_collected():
+def test_the_stop_is_recorded_after_finish_with_its_versions_and_the_rows_are_collected():
     run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], score=_score)
     run.server.version = [7, 9]
     run.cluster.rows = [(0.5, 0, 0, 1.0, 32, 0, 1, True), (0.6, 1, 0, 1.0, 32, 1, 2, True, 0)]
