@@ -18,6 +18,7 @@ import numpy as np
 
 from .optim import UpdateRule
 from .params import DTYPE
+from .sparse import all_unique
 
 
 def row_state_shapes(rule: UpdateRule) -> list[str]:
@@ -94,7 +95,7 @@ class RowState:
                 f"row gradients must have shape ({len(local)}, {self.values.shape[1]}), "
                 f"got {grads.shape}"
             )
-        if len(np.unique(local)) != len(local):
+        if not all_unique(local):
             raise ValueError("row ids of one push must be unique")
         rows = self.values[local]
         state = {name: array[local].reshape(-1) for name, array in self.state.items()}

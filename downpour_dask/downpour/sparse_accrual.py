@@ -43,7 +43,7 @@ import numpy as np
 
 from ..base import check_int, check_positive
 from ..core.params import DTYPE
-from ..core.sparse import SparseBatch
+from ..core.sparse import SparseBatch, positions, scatter_sum, unique_rows
 from ..ps.rows import RowsLink, SparseLayout
 
 
@@ -62,10 +62,9 @@ def merge_rows(chunks: Sequence[tuple[np.ndarray, np.ndarray]], width: int
     if not chunks:
         return np.empty(0, np.int64), np.empty((0, width), DTYPE)
     ids = np.concatenate([i for i, _ in chunks])
-    unique, inverse = np.unique(ids, return_inverse=True)
-    sums = np.zeros((len(unique), width), DTYPE)
-    np.add.at(sums, inverse.ravel(), np.concatenate([np.asarray(g, DTYPE) for _, g in chunks]))
-    return unique, sums
+    unique = unique_rows(ids)
+    grads = np.concatenate([np.asarray(g, DTYPE).reshape(len(i), width) for i, g in chunks])
+    return unique, scatter_sum(positions(unique, ids), grads, len(unique))
 
 
 class AccruingReplica:
@@ -166,7 +165,7 @@ class AccruingReplica:
         if not self.ahead:
             return None
         per_batch = [self.model.touched(b) for b in self.ahead]
-        touched = [np.unique(np.concatenate([t[i] for t in per_batch]))
+        touched = [unique_rows(np.concatenate([t[i] for t in per_batch]))
                    for i in range(len(self.widths))]
         parts = self.layout.split(touched)
         self.fetched_rows.append(sum(len(ids) for ids in touched))
@@ -190,7 +189,7 @@ class AccruingReplica:
             for t, (ids, values) in enumerate(self.local):
                 acc_ids, acc = merge_rows(self.accrued_rows[t], self.widths[t])
                 here = np.isin(acc_ids, ids)
-                values[np.searchsorted(ids, acc_ids[here])] -= DTYPE(self.alpha) * acc[here]
+                values[positions(ids, acc_ids[here])] -= DTYPE(self.alpha) * acc[here]
 
     # -- training --------------------------------------------------------------------------------
     def _train(self, batch: SparseBatch) -> None:
@@ -199,7 +198,7 @@ class AccruingReplica:
         if self.pushed_steps == 0:
             self.base_versions = list(self.versions)
         touched = self.model.touched(batch)
-        where = [np.searchsorted(ids, t) for (ids, _), t in zip(self.local, touched)]
+        where = [positions(ids, t) for (ids, _), t in zip(self.local, touched)]
         rows = [(t, values[w]) for (_, values), t, w in zip(self.local, touched, where)]
         loss, grad, row_grads = self.model.loss_and_grad(self.dense, rows, batch)
         grad = np.asarray(grad, DTYPE)

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..core.rows import RowState
-from ..core.sparse import TableSpec, table_rows
+from ..core.sparse import TableSpec, all_unique, table_rows
 from .protocol import PullReply, PushReply
 from .shard import ParameterServerShard
 
@@ -213,7 +213,7 @@ class SparseShard(ParameterServerShard):
                     raise ValueError(f"parameter-server shard {self.shard_id}, table {t}: row "
                                      f"gradients must have shape ({len(local)}, {width}), got "
                                      f"{np.shape(grads)}")
-                if len(np.unique(local)) != len(local):
+                if not all_unique(local):
                     raise ValueError(f"parameter-server shard {self.shard_id}, table {t}: the "
                                      "row ids of one push must be unique")
             staleness = max(0, self.version - int(fetched_version))
