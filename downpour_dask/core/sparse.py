@@ -187,8 +187,9 @@ def table_rows(spec: TableSpec, table: int, lo: int, hi: int, seed: int) -> np.n
 def unique_rows(ids: np.ndarray) -> np.ndarray:
     """Sorted unique int64 row ids of ``ids`` (any shape).
 
-    A sort and a comparison of neighbours: ``np.unique`` on the ~13,000 ids of a 512-row batch
-    of 26 fields took 3.6x as long (it hashes the values first, then sorts the result)."""
+    A sort and a comparison of neighbours: ``np.unique`` hashes integer values first and then
+    sorts the result, several times slower on a batch's ids (see ``benchmarks/README.md``,
+    "A sparse step's row bookkeeping")."""
     flat = np.sort(np.asarray(ids, dtype=np.int64).ravel())
     if flat.size < 2:
         return flat
@@ -217,8 +218,8 @@ def positions(row_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Where each of ``ids`` (any shape) sits in the sorted unique ``row_ids``.
 
     Through a lookup table over ``row_ids``' range when that is at most :data:`LOOKUP_SPAN`
-    times their count, else a binary search: a binary search of a batch's ~13,000 ids cost
-    ~20x the table's fill and look-up.
+    times their count, else a binary search, which is many times slower on a batch's ids: its
+    branches cannot be predicted.
 
     Raises
     ------
@@ -251,7 +252,7 @@ def scatter_sum(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """``out[index[i]] += values[i]`` summed into ``n`` rows (``values`` is (len(index), w)).
 
     One ``np.bincount`` over the flattened (row, column) cells, summed in float64 and returned
-    in ``values``' dtype: ``np.add.at`` took 3-5x as long on a batch's rows."""
+    in ``values``' dtype: faster than ``np.add.at``, which goes element by element."""
     index = np.asarray(index, dtype=np.intp).ravel()
     width = values.shape[1]
     cells = (index[:, None] * width + np.arange(width)).ravel()
