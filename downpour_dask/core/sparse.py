@@ -184,15 +184,29 @@ def table_rows(spec: TableSpec, table: int, lo: int, hi: int, seed: int) -> np.n
     return out
 
 
+#: :func:`unique_rows` and :func:`positions` use a bitmap or a lookup table over the ids' range
+#: while the range is at most this many times their count (so its bytes stay a small multiple
+#: of the ids').
+LOOKUP_SPAN = 64
+
+
 def unique_rows(ids: np.ndarray) -> np.ndarray:
     """Sorted unique int64 row ids of ``ids`` (any shape).
 
-    A sort and a comparison of neighbours: ``np.unique`` hashes integer values first and then
-    sorts the result, several times slower on a batch's ids (see ``benchmarks/README.md``,
-    "A sparse step's row bookkeeping")."""
-    flat = np.sort(np.asarray(ids, dtype=np.int64).ravel())
+    Marked in a bitmap over the ids' range while that is at most :data:`LOOKUP_SPAN` times
+    their count, else sorted and compared with their neighbours: ``np.unique`` hashes integer
+    values first and then sorts the result, several times slower on a batch's ids (see
+    ``benchmarks/README.md``, "A sparse step's row bookkeeping")."""
+    flat = np.asarray(ids, dtype=np.int64).ravel()
     if flat.size < 2:
-        return flat
+        return flat.copy()
+    lo = int(flat.min())
+    span = int(flat.max()) - lo + 1
+    if span <= LOOKUP_SPAN * flat.size:
+        marked = np.zeros(span, bool)
+        marked[flat - lo] = True
+        return np.flatnonzero(marked) + lo
+    flat = np.sort(flat)
     keep = np.empty(flat.size, bool)
     keep[0] = True
     np.not_equal(flat[1:], flat[:-1], out=keep[1:])
@@ -207,11 +221,6 @@ def all_unique(ids: np.ndarray) -> bool:
         return True
     ordered = np.sort(ids)
     return bool((ordered[1:] != ordered[:-1]).all())
-
-
-#: :func:`positions` uses a lookup table over the row ids' range while the range is at most
-#: this many times their count (the table's bytes stay within a small multiple of the rows').
-LOOKUP_SPAN = 64
 
 
 def positions(row_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
