@@ -11,7 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from downpour_dask.core import dense
+from downpour_dask.core import dense, validation
 from downpour_dask.core import model as model_module
 from downpour_dask.core import models as core_models
 from downpour_dask.core.models import (
@@ -392,6 +392,21 @@ GOOD_X = np.zeros((5, 4))
 def test_check_data_errors(model, X, y, exc, match):
     with pytest.raises(exc, match=match):
         model.check_data(X, y)
+
+
+def test_large_finite_features_whose_float32_sum_overflows_are_accepted():
+    """The check sums the features (a NaN or infinity makes the sum non-finite); a sum that
+    overflowed on finite values must not refuse them, and a NaN in a later block is still found."""
+    X = np.full((20_000, 4), 3e38, np.float32)  # more rows than one block of the fallback
+    X[7, 2] = -3e38
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(X.sum())
+    assert validation.all_finite(X)
+    assert CLF.check_data(X)[0] is not None
+    X[19_999, 3] = np.nan
+    assert not validation.all_finite(X)
+    with pytest.raises(ValueError, match="X contains 1 NaN .* first in row 19999"):
+        CLF.check_data(X)
 
 
 @pytest.mark.parametrize(

@@ -57,19 +57,35 @@ def as_numeric(name: str, value: Any) -> np.ndarray:
     return arr
 
 
+def all_finite(arr: np.ndarray) -> bool:
+    """Whether every element of the float array ``arr`` is finite.
+
+    One pass and no temporary: a NaN or an infinity always makes the sum non-finite.  A float32
+    sum can also overflow on large finite values, so only a non-finite sum looks at every
+    element, ``_FINITE_BLOCK`` rows at a time.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(arr.sum()):
+            return True
+    rows = arr.reshape(len(arr), -1) if arr.ndim else arr.reshape(1, 1)
+    return all(
+        np.isfinite(rows[lo : lo + _FINITE_BLOCK]).all()
+        for lo in range(0, len(rows), _FINITE_BLOCK)
+    )
+
+
 def as_float32(name: str, arr: np.ndarray) -> np.ndarray:
     """C-contiguous float32 version of ``arr``; NaN/inf (also from overflow) rejected."""
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.ascontiguousarray(arr, dtype=DTYPE)
     rows = out.reshape(out.shape[0], -1)
-    for lo in range(0, rows.shape[0], _FINITE_BLOCK):
-        if not np.isfinite(rows[lo : lo + _FINITE_BLOCK]).all():
-            bad = ~np.isfinite(rows)
-            raise ValueError(
-                f"{name} contains {int(bad.sum())} NaN or infinite value(s), first in row "
-                f"{int(np.argmax(bad.any(axis=1)))} (values beyond float32's ~3.4e38 count "
-                "too); remove or impute them"
-            )
+    if not all_finite(rows):
+        bad = ~np.isfinite(rows)
+        raise ValueError(
+            f"{name} contains {int(bad.sum())} NaN or infinite value(s), first in row "
+            f"{int(np.argmax(bad.any(axis=1)))} (values beyond float32's ~3.4e38 count "
+            "too); remove or impute them"
+        )
     return out
 
 
