@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import column_or_1d, validate_data
+from sklearn.utils.validation import assert_all_finite, column_or_1d, validate_data
 
 from .core import protocol
 from .core.protocol import TrainableModel
@@ -59,11 +59,12 @@ def prepare_fit(est: Any, data: Any, y: Any, client: Any = None) -> tuple[Traina
     warm, classifier = est._warm(), est._is_classifier()
     X, y = validate_data(
         est, data, y, reset=not warm, dtype=np.float32, multi_output=True,
-        y_numeric=not classifier,
+        y_numeric=not classifier, ensure_all_finite=False,  # the model's check looks: below
     )  # fmt: skip
     n_classes = n_outputs = None
     if classifier:
-        check_classification_targets(y)
+        if not (y.ndim == 1 and y.dtype.kind in "iub"):  # integers are classes: no sort to see
+            check_classification_targets(y)
         y = column_or_1d(y, warn=True)
         if warm:
             y = targets.encode(y, est.classes_)
@@ -73,6 +74,8 @@ def prepare_fit(est: Any, data: Any, y: Any, client: Any = None) -> tuple[Traina
     else:
         n_outputs = 1 if y.ndim == 1 else y.shape[1]
     model = build_model(est, X.shape[1], n_classes, n_outputs)
+    if not protocol.checks_finite_features(model):
+        assert_all_finite(X, input_name="X")
     try:
         return model, protocol.check_data(model, X, y)
     except (ValueError, TypeError) as err:

@@ -26,6 +26,7 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import check_estimator, parametrize_with_checks
 
 from downpour_dask import DownpourSGD, SandblasterLBFGS, base, expected_failed_checks, models
+from downpour_dask.data import targets
 from downpour_dask.runtime import cluster as cluster_module
 
 #: Small, quick settings: one replica and shard, enough epochs for sklearn's accuracy checks.
@@ -143,6 +144,28 @@ def test_labels_of_any_kind_and_fitted_attributes(iris, client):
     assert list(est.classes_) == [0, 1, 2, 3, 4] and est.predict_proba(X).shape == (len(X), 5)
     with pytest.raises(ValueError, match="the model has 5 classes"):
         DownpourSGD(models.SoftmaxRegression(4, 5), **FAST_DOWNPOUR).fit(X, y - 1)
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        np.array([1, 0, 1, 1, 0]),
+        np.array([5, -3, 2, 5, -3, 0]),  # negative, with gaps
+        np.array([7, 3, 3, 9], np.uint8),
+        np.array([True, False, True]),
+        np.array([10**12, 3, 10**12]),  # a range too wide to count: sorted
+        np.array([2**64 - 1, 2**64 - 2], np.uint64),  # beyond int64: sorted
+        np.array([2.0, 0.0, 2.0]),  # floats: sorted
+        np.array(["b", "a", "b"]),
+    ],
+)
+def test_the_classes_and_codes_of_labels_are_np_uniques(labels):
+    """Integer labels over a small range are counted rather than sorted; the result is the
+    same: ``classes_`` (with the labels' dtype) and each label's index in it."""
+    classes, codes = targets.fit_classes(labels)
+    expected, inverse = np.unique(labels, return_inverse=True)
+    assert classes.dtype == expected.dtype and np.array_equal(classes, expected)
+    assert codes.dtype == np.int64 and np.array_equal(codes, inverse.reshape(-1))
 
 
 def test_no_client_uses_the_current_one(iris, client, monkeypatch):

@@ -204,6 +204,25 @@ def test_an_object_that_is_not_a_model_is_refused_naming_what_is_missing(ratings
         SandblasterLBFGS(object()).fit(ratings[0])
 
 
+class LaxFactorization(Factorization):
+    """The same model with a ``check_data`` of its own that converts and looks for nothing."""
+
+    def check_data(self, X, y=None):
+        return np.asarray(X, np.float32), None if y is None else np.asarray(y, np.float32)
+
+
+@pytest.mark.parametrize("estimator", [DownpourSGD, SandblasterLBFGS])
+def test_nan_features_are_refused_before_any_work_whatever_check_the_model_has(ratings, estimator):
+    X, y = ratings[0].X.copy(), ratings[0].y
+    X[5, 1] = np.nan
+    assert protocol.checks_finite_features(Factorization(30, 20))  # the default check looks
+    assert not protocol.checks_finite_features(LaxFactorization(30, 20))  # its own may not
+    assert protocol.checks_finite_features(models.LogisticRegression(2))
+    for model in (Factorization(30, 20), LaxFactorization(30, 20)):
+        with pytest.raises(ValueError, match="NaN"):
+            estimator(model).fit(X, y, client=object())  # never reaches the "client"
+
+
 def test_model_parallelism_with_a_user_model_is_refused_before_any_work(ratings):
     est = DownpourSGD(Factorization(30, 20), partitions=2, n_shards=2)
     with pytest.raises(TypeError, match="only for models.MLP.*Factorization is not"):

@@ -68,6 +68,7 @@ REQUIRED = {
 }
 _METHODS = ("init", "loss_and_grad", "predict", "score")
 _BLOCK = 2048  # rows per loss_and_grad call when a model has no loss()
+_PACKAGE = __name__.partition(".")[0]  # "downpour_dask"
 
 #: The ``"type"`` of :func:`config` for a model that has no ``get_config``.
 CUSTOM = "custom"
@@ -142,6 +143,14 @@ def default_check_data(model: Any, X: Any, y: Any = None) -> tuple[np.ndarray, A
     if model.is_classifier:
         return X, check_class_labels(y, model.n_classes)
     return X, check_regression_targets(y, n_outputs, name)
+
+
+def checks_finite_features(model: Any) -> bool:
+    """Whether :func:`check_data` rejects NaN and infinite features for ``model``: it does
+    with :func:`default_check_data` and this library's models (which call it); a model's own
+    ``check_data`` is not known to, so ``fit`` checks the features itself before calling it."""
+    own = getattr(type(model), "check_data", None)
+    return own is None or getattr(own, "__module__", "").startswith(f"{_PACKAGE}.")
 
 
 def check_data(model: Any, X: Any, y: Any = None) -> tuple[np.ndarray, Any]:

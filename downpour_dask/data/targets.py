@@ -33,8 +33,8 @@ def fit_classes(
         Fewer than two classes (nothing to tell apart), or a label count that does not match a
         model of fixed width.
     """
-    classes, codes = np.unique(y, return_inverse=True)
-    codes = codes.reshape(-1).astype(np.int64)
+    classes, codes = _counted_classes(y) or np.unique(y, return_inverse=True)
+    codes = codes.reshape(-1).astype(np.int64, copy=False)
     if n_model_classes is not None:
         integral = classes.dtype.kind in "iub" or (
             classes.dtype.kind == "f" and np.all(np.mod(classes, 1) == 0)
@@ -54,6 +54,25 @@ def fit_classes(
             f"a classifier needs at least 2 classes in y, got 1 class {_show(classes)}"
         )
     return classes, codes
+
+
+#: Widest range of integer labels :func:`fit_classes` counts rather than sorts (a count per value).
+COUNT_SPAN = 2**16
+
+
+def _counted_classes(y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``np.unique(y, return_inverse=True)`` for integer (or bool) labels whose range is at most
+    ``COUNT_SPAN`` (or ``len(y)``) values, found by counting each value: a few passes over the
+    labels instead of a sort (1M labels: a few ms against ~25 ms).  None for other labels."""
+    if y.dtype.kind not in "iub" or y.size == 0 or y.ndim != 1:
+        return None
+    lo, hi = int(y.min()), int(y.max())
+    if hi - lo > max(COUNT_SPAN, len(y)) or hi > np.iinfo(np.int64).max:
+        return None
+    shifted = y.astype(np.int64) - lo if lo else y.astype(np.int64, copy=False)
+    present = np.bincount(shifted, minlength=hi - lo + 1) > 0
+    code_of = np.cumsum(present) - 1  # each value's index among the values present
+    return (np.flatnonzero(present) + lo).astype(y.dtype), code_of[shifted]
 
 
 def encode(y: np.ndarray, classes: np.ndarray) -> np.ndarray:
