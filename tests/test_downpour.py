@@ -294,7 +294,7 @@ _Y = np.zeros(10, np.int64)
         ({"n_replicas": 11}, (_X, _Y), ValueError, "only 10 rows"),
         ({}, (_X, _Y[:9]), ValueError, r"inconsistent numbers of samples: \[10, 9\]"),
         ({}, (np.zeros((10, 3), np.float32), _Y), ValueError, "3 features.*expects 4"),
-        ({}, (np.full((10, 4), np.nan, np.float32), _Y), ValueError, "contains NaN"),
+        ({}, (np.full((10, 4), np.nan, np.float32), _Y), ValueError, r"X contains 40 NaN .* row 0"),
         ({}, (_X, np.full(10, 3)), ValueError, "outside"),
         (
             {},
