@@ -109,6 +109,31 @@ def test_gradient_matches_finite_differences(case):
     np.testing.assert_allclose(grad32, numeric, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_a_batch_of_several_gradient_blocks_gives_the_whole_batchs_loss_and_gradient(
+    case, monkeypatch
+):
+    """A large batch's gradient is summed block by block (``GRAD_BLOCK_BYTES`` of features, at
+    least ``_CHUNK`` rows): 5,000 rows in blocks of 2,048, 2,048 and 904 give the loss and the
+    (scaled) gradient of the batch taken whole."""
+    model = CASES[case]()
+    X, y = make_data(model, n=5000)
+    p64 = make_params(model).astype(np.float64)
+    X64 = X.astype(np.float64)
+    monkeypatch.setattr(model_module, "GRAD_BLOCK_BYTES", 2**40)  # the whole batch at once
+    whole_loss, whole = model.loss_and_grad(p64, X64, y, scale=0.5)
+    whole32 = model.loss_and_grad(p64.astype(np.float32), X, y)[1]
+    monkeypatch.setattr(model_module, "GRAD_BLOCK_BYTES", 1)  # blocks of _CHUNK rows
+    assert model_module._CHUNK == 2048
+    loss, grad = model.loss_and_grad(p64, X64, y, scale=0.5)
+    assert loss == pytest.approx(whole_loss, rel=1e-12)
+    assert loss == pytest.approx(reference_loss(model, p64, X, y), rel=1e-12)
+    np.testing.assert_allclose(grad, whole, rtol=1e-10, atol=1e-13)
+    out = np.empty(p64.size, np.float32)
+    assert model.loss_and_grad(p64.astype(np.float32), X, y, out=out)[1] is out
+    np.testing.assert_allclose(out, whole32, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["linear-3out-l2", "logistic-l2", "mlp-tanh-softmax-l2"])
 def test_l2_adds_l2_times_weights_and_spares_biases(case):
     model = CASES[case]()

@@ -50,6 +50,7 @@ class Workspace:
         self.col_b = np.empty((capacity, 1), dtype)
         self.rows = np.arange(capacity)
         self.scratch = np.empty(scratch, dtype)  # l2 * W, at most the largest weight matrix
+        self.partial: np.ndarray | None = None  # a block's gradient, for batches over capacity
 
 
 def activate(z: np.ndarray, activation: str) -> None:

@@ -30,6 +30,12 @@ from .protocol import default_check_data, score_predictions
 
 _CHUNK = 2048  # rows per forward pass in loss/predict/score: bounds the workspace size
 
+#: Bytes of features a large batch's gradient takes at a time (at least ``_CHUNK`` rows).  The
+#: forward and the backward pass each read the features; a block this size is still in the
+#: cache for the second read, so memory is read once, where the whole batch at once read it
+#: twice: what bounds a full-batch gradient, the more when processes share the memory bus.
+GRAD_BLOCK_BYTES = 2**21
+
 
 class Model:
     """A stack of dense layers over a flat parameter vector (base of every model here).
@@ -197,6 +203,11 @@ class Model:
             Mean loss over the batch plus the L2 penalty.
         grad : ndarray
             ``out`` if given, else a new vector.
+
+        Notes
+        -----
+        A batch of more than ``GRAD_BLOCK_BYTES`` of features (a full-batch pass) is taken in
+        blocks, whose gradients are summed: each block's features are read from memory once.
         """
         dtype, X = self._prepare(params, X)
         if out is None:
@@ -214,12 +225,22 @@ class Model:
             )
         n = X.shape[0]
         layers, grads = self._layers(params), self._layers(out)
-        ws = self._workspace(n, dtype)
-        z = forward(layers, X, ws, self._act)
-        data_loss = output_loss(self._kind, z, y, ws, delta=True) / n
-        z *= scale / n
-        backward(layers, grads, X, ws, z, self._act)
-        return data_loss + penalty(layers, self.l2, grads, ws, scale), out
+        step = max(_CHUNK, GRAD_BLOCK_BYTES // (self.n_inputs * X.itemsize))
+        ws = self._workspace(min(n, step), dtype)
+        into, data_loss = grads, 0.0  # the first block's gradient goes straight into out
+        for lo in range(0, n, step):  # one block for a minibatch
+            hi = min(lo + step, n)
+            z = forward(layers, X[lo:hi], ws, self._act)
+            data_loss += output_loss(self._kind, z, y[lo:hi], ws, delta=True)
+            z *= scale / n
+            backward(layers, into, X[lo:hi], ws, z, self._act)
+            if lo:
+                out += ws.partial
+            elif hi < n:  # later blocks' gradients go to a buffer and are added to out
+                if ws.partial is None:
+                    ws.partial = np.empty(self.layout.size, dtype)
+                into = self._layers(ws.partial)
+        return data_loss / n + penalty(layers, self.l2, grads, ws, scale), out
 
     def loss(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
         """The objective of :meth:`loss_and_grad`, without the gradient, in row blocks."""
