@@ -15,19 +15,22 @@ scipy's best time and to dask-ml's (below 1: faster). ``evals`` counts full grad
 (distributed passes for Sandblaster, line-search trials included); ``1st eval`` is when the first
 objective value was known: mostly data placement (scatter to the workers) for the cluster runs;
 ``passes`` is the time from then to the target, and ``backups`` the number of backup copies
-Sandblaster launched. Sandblaster runs with its default portions (2 per worker thread, 4 here) and
+Sandblaster launched. Sandblaster runs with its default portions (1 per worker thread, 2 here) and
 with 20 (10 per thread, the default before 2026-11-23), interleaved with scipy ``--repeats`` times;
 the "relayed" row runs the default through a client made with ``direct_to_workers=False``, so its
 data blocks travel through the scheduler (Dask's default for a scatter, and the placement before)
 instead of straight to the workers. The "Dask Array on cluster" row starts with the data already
-in the workers' memory, as a user who loaded it with Dask has it: 4 row blocks scattered
+in the workers' memory, as a user who loaded it with Dask has it: 2 row blocks scattered
 round-robin before the clock starts, passed to ``fit`` as Dask Arrays (each block is then read
 into a portion on its own worker); it is the cluster's counterpart of scipy's data in memory.
+Dask receives a scattered block at an arbitrary byte offset, so that row's fit copies each block
+aligned first; the "Dask Array computed on cluster" row has each block made by a task on its
+worker (as data Dask read or generated there is), aligned already and read without a copy.
 A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off costs
 (imports and allocations on the workers) that would otherwise land on one row.  The Sandblaster
 rows take turns in their order, one repeat to the next: the first fit after scipy's run places
 its data later (0.5-1 s against 0.25-0.4 s, in every run; the cause is not known), so with
-``--repeats`` a multiple of 4 each row kind takes that place equally often.
+``--repeats`` a multiple of 5 each row kind takes that place equally often.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
                                            [--repeats 1] [--skip-dask-ml]
@@ -52,7 +55,7 @@ import numpy as np  # noqa: E402
 import scipy.optimize  # noqa: E402
 from dask_glm.regularizers import L2  # noqa: E402
 from dask_ml.linear_model import LogisticRegression as DaskLogisticRegression  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from distributed import Client, LocalCluster, wait  # noqa: E402
 
 from downpour_dask import models  # noqa: E402
 from downpour_dask.sandblaster.blocks import default_portions  # noqa: E402
@@ -80,7 +83,10 @@ SCIPY = "serial scipy L-BFGS-B (1 thread)"
 DASK_ML = "dask-ml LogisticRegression(lbfgs)"
 RELAYED = "relayed"
 ON_CLUSTER = "Dask Array on cluster"
-VARIANTS = ((None, ""), (None, RELAYED), (20, ""), (None, ON_CLUSTER))  # (portions, variant)
+COMPUTED = "Dask Array computed on cluster"
+VARIANTS = (  # (portions, variant)
+    (None, ""), (None, RELAYED), (20, ""), (None, ON_CLUSTER), (None, COMPUTED),
+)  # fmt: skip
 
 
 def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -155,9 +161,12 @@ def run_dask_ml(client, X, y, chunk_rows):
     return params, trace, len(trace)
 
 
-def on_cluster(client, X, y, parts: int) -> tuple:
+def on_cluster(client, X, y, parts: int, computed: bool = False) -> tuple:
     """``(X, y)`` as Dask Arrays of ``parts`` row blocks already in the workers' memory, spread
-    evenly (scattered round-robin, as data loaded with Dask would be), before any clock."""
+    evenly (scattered round-robin), before any clock.  With ``computed``, each block is then the
+    result of a task on its worker (a copy of the scattered one), as data that Dask loaded or
+    generated there is: Dask receives a scattered array into a buffer at any byte offset, while
+    a task's result is an aligned array of its own."""
     workers = sorted(client.scheduler_info()["workers"])
     cuts = np.linspace(0, len(X), parts + 1).astype(int).tolist()
     bounds = list(zip(cuts[:-1], cuts[1:]))
@@ -166,6 +175,11 @@ def on_cluster(client, X, y, parts: int) -> tuple:
         where = [workers[i % len(workers)]]
         xs.append(client.scatter(X[lo:hi], workers=where, hash=False))
         ys.append(client.scatter(y[lo:hi], workers=where, hash=False))
+        if computed:
+            xs[-1], ys[-1] = (
+                client.submit(np.array, f, workers=where, pure=False) for f in (xs[-1], ys[-1])
+            )
+    wait(xs + ys)
     Xd = da.concatenate(
         [da.from_delayed(f, (hi - lo, X.shape[1]), X.dtype) for f, (lo, hi) in zip(xs, bounds)]
     )
@@ -249,8 +263,8 @@ def main() -> None:
                     )
                     label += f" {variant}" if variant else ""
                     data = (
-                        on_cluster(client, X, y, default_portions(2))
-                        if variant == ON_CLUSTER
+                        on_cluster(client, X, y, default_portions(2), variant == COMPUTED)
+                        if variant in (ON_CLUSTER, COMPUTED)
                         else (X, y)
                     )
                     results.setdefault(label, []).append(
