@@ -7,11 +7,12 @@ When one of these fails after a Dask upgrade, ``dask_internals.py`` (or ``ps/pro
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import numpy as np
 import pytest
-from distributed import Event, secede, wait
+from distributed import Client, Event, secede, wait
 
 from downpour_dask import optim
 from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
@@ -21,6 +22,7 @@ from downpour_dask.runtime.dask_internals import (
     FUTURES_CANCELLED,
     actor_handle,
     actor_result,
+    direct_actor,
     local_actor,
     scheduler_workers,
     task_cancelled,
@@ -81,6 +83,68 @@ def test_actor_handle_reaches_an_actor_from_its_class_address_and_key(server):
     handle = actor_handle(ParameterServerShard, server.workers[0], server.shards[0].key)
     assert handle.current_version().result(timeout=TIMEOUT) == 0
     del handle
+
+
+def _count_proxied(dask_scheduler) -> None:
+    """Count the actor calls the scheduler relays (its ``proxy`` handler)."""
+    original = dask_scheduler.handlers["proxy"]
+    dask_scheduler.proxied = 0
+
+    async def proxy(*args, **kwargs):
+        dask_scheduler.proxied += 1
+        return await original(*args, **kwargs)
+
+    dask_scheduler.handlers["proxy"] = proxy
+    dask_scheduler.original_proxy = original
+
+
+def _proxied(dask_scheduler) -> int:
+    return dask_scheduler.proxied
+
+
+def _stop_counting(dask_scheduler) -> None:
+    dask_scheduler.handlers["proxy"] = dask_scheduler.original_proxy
+
+
+@pytest.fixture
+def proxied(client):
+    """How many actor calls the scheduler has relayed since the test began."""
+    client.run_on_scheduler(_count_proxied)
+    yield lambda: client.run_on_scheduler(_proxied)
+    client.run_on_scheduler(_stop_counting)
+
+
+def test_direct_actor_calls_skip_the_scheduler_and_a_relaying_client_keeps_it(
+    client, cluster, proxied
+):
+    future = client.submit(
+        ParameterServerShard, 0, 0, 2, np.zeros(2, np.float32), optim.sgd(0.1),
+        actor=True, pure=False,
+    )  # fmt: skip
+    plain = future.result(timeout=TIMEOUT)
+    assert client.direct_to_workers is not True  # Dask's default: relayed
+    before = proxied()
+    assert plain.current_version().result(timeout=TIMEOUT) == 0
+    assert proxied() == before + 1  # the plain handle goes through the scheduler
+
+    handle = direct_actor(plain, client)
+    for _ in range(3):
+        assert handle.current_version().result(timeout=TIMEOUT) == 0
+    assert proxied() == before + 1  # three calls, none relayed
+    assert handle.key == plain.key and pickle.loads(pickle.dumps(handle)).key == plain.key
+
+    with Client(cluster, direct_to_workers=False, set_as_default=False) as relaying:
+        assert direct_actor(plain, relaying) is plain  # asked to relay: it stays relayed
+    del handle, plain
+    future.release()
+
+
+def test_the_drivers_calls_to_parameter_server_shards_are_not_relayed(server, proxied):
+    before = proxied()
+    assert server.versions(timeout=TIMEOUT) == [0, 0]
+    server.push(np.ones(6, np.float32), [0, 0], timeout=TIMEOUT)
+    assert server.versions(timeout=TIMEOUT) == [1, 1]
+    assert proxied() == before
 
 
 def test_scheduler_workers_asks_the_scheduler_itself(client, monkeypatch):

@@ -20,6 +20,7 @@ from distributed import Client, Future
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE, split_range
 from ..runtime.cluster import cluster_workers, send_to_workers
+from ..runtime.dask_internals import direct_actor
 from .protocol import PushReply, ShardLostError, is_shard_lost
 from .refs import ActorRef, refer
 from .shard import ParameterServerShard
@@ -175,7 +176,7 @@ class ParameterServer:
             )
             placed.append(address)
         try:
-            shards = [f.result(timeout=timeout) for f in futures]
+            shards = [direct_actor(f.result(timeout=timeout), client) for f in futures]
         except BaseException:
             for f in futures:
                 f.release()
@@ -298,7 +299,7 @@ class ParameterServer:
         except BaseException:  # e.g. its worker died too: nothing of it must linger
             future.release()
             raise
-        self.shards[i], self.workers[i] = actor, worker
+        self.shards[i], self.workers[i] = direct_actor(actor, client), worker
         self.generations[i] = generation
         if i < len(self._futures):
             self._retired.append(self._futures[i])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distributed import Actor, Client, get_worker
+from distributed import Actor, Client, Future, get_worker
 from distributed.client import FuturesCancelledError
 
 #: What waiting on futures raises when one of them was cancelled -- e.g. scattered data that a
@@ -91,6 +91,46 @@ def actor_handle(cls: type, address: str, key: str) -> Actor:
     distributed 2024.x to 2026.8).  No fallback: a changed signature fails here, loudly.
     """
     return Actor(cls, address, key)
+
+
+class _DirectActor(Actor):
+    """An actor handle whose calls from outside the cluster go straight to the actor's worker.
+
+    Overrides ``Actor._worker_rpc``: Dask relays a handle's calls through the scheduler when it
+    lives in a client made without ``direct_to_workers=True``; here they take the client's own
+    connection to the worker instead (inside a worker, Dask's path is direct already).
+    """
+
+    @property
+    def _worker_rpc(self) -> Any:
+        if self._worker is None and self._client is not None:
+            return self._client.rpc(self._address)
+        return super()._worker_rpc
+
+
+def direct_actor(actor: Any, client: Client) -> Any:
+    """A handle to ``actor`` whose calls from the driver go straight to the worker holding it.
+
+    A client made without ``direct_to_workers=True`` (Dask's default) relays every actor call
+    through the scheduler: two hops each way, and the scheduler's CPU on every call
+    (``benchmarks/README.md`` compares the two paths).  The driver already sends data
+    straight to the workers (:func:`~downpour_dask.runtime.cluster.send_to_workers`), so going
+    direct adds no reachability requirement; a client made with ``direct_to_workers=False``
+    keeps the relay, and so does a handle used inside a worker (already direct there).
+
+    Relies on ``Actor``'s private ``_worker_rpc`` property, ``_worker``, ``_client``,
+    ``_address`` and ``_cls`` attributes and ``client.rpc(address)`` (checked: distributed
+    2024.x to 2026.8).  Falls back to ``actor`` itself when it has none of them.  The handle
+    pickles as a plain ``Actor`` (``Actor.__reduce__``).
+    """
+    if client.direct_to_workers is False or not isinstance(actor, Actor):
+        return actor
+    if getattr(actor, "_worker", None) is not None or not hasattr(actor, "_address"):
+        return actor
+    handle = _DirectActor(actor._cls, actor._address, actor.key)
+    if handle._client is not client:  # bind to the fit's client, not just the default one
+        handle._client, handle._future = client, Future(actor.key, client)
+    return handle
 
 
 def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
