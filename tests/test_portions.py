@@ -12,8 +12,11 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import numpy as np
 from distributed.client import FutureCancelledError
 
+from downpour_dask.core.params import split_range
+from downpour_dask.core.vectors import VectorStore
 from downpour_dask.sandblaster.portions import PortionCopy, Portions
 from downpour_dask.sandblaster.tasks import PortionResult
 
@@ -191,3 +194,39 @@ def test_a_block_read_after_the_last_refresh_is_sized_before_a_backup_would_move
         portions._backups(3, {0: [copy]}, {}, [0.1])
     assert submitted == []  # not worth moving 50 MB yet
     assert asked == [["block-0"]]  # asked once, then known
+
+
+class _StoresServer:
+    """A ParameterServer's ``call_all`` over in-process vector stores, counting the calls."""
+
+    def __init__(self, x: np.ndarray, n_shards: int = 3):
+        self.stores = []
+        for lo, hi in split_range(len(x), n_shards):
+            self.stores.append(VectorStore(hi - lo))
+            self.stores[-1].set("x", x[lo:hi])
+            self.stores[-1].set("d", np.ones(hi - lo))
+        self.calls: list[str] = []
+
+    def call_all(self, method, *args, timeout):
+        self.calls.append(method.__name__)
+        replies = []
+        for store in self.stores:
+            shard = SimpleNamespace(store=store)
+            coroutine = method(shard, *args)
+            try:
+                coroutine.send(None)  # the shard's methods never await
+            except StopIteration as done:
+                replies.append(done.value)
+        return replies
+
+
+def test_a_program_that_writes_a_kept_vector_brings_it_back_in_the_same_call():
+    x = np.arange(7, dtype=np.float64)
+    portions = _portions([])
+    portions.server, portions.keep, portions.kept = _StoresServer(x), ("x",), {}
+    dots = portions.run([("dot", "x", "x")])  # reads x only: nothing to keep
+    assert dots.tolist() == [x @ x] and portions.kept == {}
+    dots = portions.run([("axpy", 0.5, "d", "x"), ("dot", "x", "d")])
+    assert dots.tolist() == [(x + 0.5).sum()]
+    np.testing.assert_array_equal(portions.kept["x"], x + 0.5)  # the whole vector, as written
+    assert portions.server.calls == ["run", "run_and_copy"]  # one round trip each

@@ -14,7 +14,7 @@ from distributed import Client, LocalCluster
 from downpour_dask import Experiment, datasets, models, optim
 from downpour_dask.core.lbfgs import LBFGS
 from downpour_dask.core.params import split_range
-from downpour_dask.core.vectors import VectorStore, sum_replies
+from downpour_dask.core.vectors import VectorStore, sum_replies, written
 from downpour_dask.ps.protocol import ShardLostError
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.sandblaster.coordinator import Coordinator
@@ -91,6 +91,7 @@ def test_vector_store_commands_and_sharded_dot_products():
     dots = sum_replies([store.run(program) for store in stores])
     c = a / 2 + b
     np.testing.assert_allclose(dots, [c @ a, (a * b) @ (a * b), 0.0], rtol=1e-12)
+    assert written(program) == {"c", "e", "z"}  # what a restore point must follow
     with pytest.raises(ValueError, match="unknown vector command"):
         stores[0].run([("frobnicate", "a")])
     with pytest.raises(KeyError, match="no vector named 'nope'"):

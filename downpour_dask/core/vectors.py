@@ -84,6 +84,15 @@ class VectorStore:
         return out
 
 
+#: Position of the vector a command writes, among its arguments (``dot`` writes none).
+_WRITES = {"axpy": 2, "scale": 0, "copy": 1, "mul": 2, "zero": 0}
+
+
+def written(program: Program) -> set[str]:
+    """The names of the vectors ``program`` writes (see :meth:`VectorStore.run`)."""
+    return {command[1 + _WRITES[command[0]]] for command in program if command[0] in _WRITES}
+
+
 def sum_replies(replies: Sequence[Sequence[float]]) -> np.ndarray:
     """Sum the per-shard results of one program, in float64 (the coordinator's only reduction)."""
     return np.sum(np.asarray(replies, dtype=np.float64).reshape(len(replies), -1), axis=0)

@@ -10,7 +10,8 @@ one evaluation row per iteration, progress snapshots -- goes through a
 :class:`~downpour_dask.base.RunRecorder`.
 
 **Shard loss.**  After every iteration the coordinator keeps the iterate ``x`` (one vector, the
-only one it ever gathers during the fit).  When a shard is lost (its worker dies or stops
+only one it ever gathers during the fit; it comes back with the reply of the program that
+accepted the step, no call of its own).  When a shard is lost (its worker dies or stops
 answering: :class:`~downpour_dask.ps.protocol.ShardLostError` from a pass, see
 :mod:`~downpour_dask.sandblaster.portions`), it starts new shards holding that iterate, records
 a ``shard_restored`` event and continues L-BFGS from there with the iterations and seconds
@@ -244,7 +245,7 @@ class Coordinator:
         self.portions = Portions(
             client, self.server, self.data, ids, flat, data_model, self,
             token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
-            delay=self.delay, workers=self.survivors(),
+            delay=self.delay, workers=self.survivors(), keep=("x",),
         )  # fmt: skip
         seconds = est.max_seconds  # counted while L-BFGS runs, over all attempts
         if seconds is not None:
@@ -260,10 +261,9 @@ class Coordinator:
             result = optimizer.minimize()
         finally:
             self._spent += time.time() - started
-        x = self.server.call_all(SandblasterShard.vector, "x", timeout=est.timeout)
-        g = self.server.call_all(SandblasterShard.vector, "g", timeout=est.timeout)
-        self.params = np.concatenate(x).astype(DTYPE)
-        self.gradient = np.concatenate(g)
+        replies = self.server.call_all(SandblasterShard.vectors, ["x", "g"], timeout=est.timeout)
+        self.params = np.concatenate([x for x, _ in replies]).astype(DTYPE)
+        self.gradient = np.concatenate([g for _, g in replies])
         self.result: LBFGSResult = dataclasses.replace(result, n_iter=self._offset + result.n_iter)
 
     def _restore(self, error: ShardLostError, restores: int) -> None:
@@ -299,9 +299,8 @@ class Coordinator:
         self._finish_eval()
         if record["iteration"] == 0:  # the attempt's starting point, which the driver has
             self.x_last = self.initial if self.x_last is None else self.x_last
-        else:
-            x = self.server.call_all(SandblasterShard.vector, "x", timeout=self.est.timeout)
-            self.x_last = np.concatenate(x)
+        else:  # the accepted step wrote x, which came back with its dot products
+            self.x_last = self.portions.kept["x"]
         self.done_iter = iteration  # ... and x_last is what a restore starts at
         row = self.recorder.evaluation(
             version=iteration, examples_seen=self.portions.examples_seen,

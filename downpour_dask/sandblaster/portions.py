@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import CancelledError
 from typing import Any, NamedTuple, Protocol
 
@@ -29,7 +29,7 @@ from dask.utils import parse_bytes
 from distributed import Client, Future, wait
 
 from ..core.models import Model
-from ..core.vectors import Program, sum_replies
+from ..core.vectors import Program, sum_replies, written
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
@@ -89,6 +89,10 @@ class Portions:
     workers : list of str, optional
         The workers the data blocks are first scattered to (default: any); the coordinator
         leaves out a worker whose shard was lost, which the scheduler may still list.
+    keep : sequence of str
+        Vectors whose latest values the driver keeps: a program that writes one of them brings
+        it back in the same round trip, into :attr:`kept` (the coordinator keeps ``x``, the
+        point a lost shard is restored at, without a call of its own after each iteration).
     """
 
     DEPTH = 4  # portions queued per worker thread, so a worker never waits for the driver
@@ -109,8 +113,11 @@ class Portions:
         backup_tasks: bool = True,
         delay: Mapping[str, float] | None = None,
         workers: list[str] | None = None,
+        keep: Sequence[str] = (),
     ):
         self.client, self.server, self.data = client, server, data
+        self.keep = tuple(keep)
+        self.kept: dict[str, np.ndarray] = {}  # name -> the whole vector, as last written
         self.batches, self.rows, self.model, self.observer = batches, rows, model, observer
         self.token, self.timeout, self.backup_tasks = token, timeout, backup_tasks
         self.delay = dict(delay or {})
@@ -126,9 +133,18 @@ class Portions:
 
     # -- Space protocol -----------------------------------------------------------------------
     def run(self, program: Program) -> np.ndarray:
-        """Run ``program`` on all shards concurrently (one round trip); sum the dot products."""
-        replies = self.server.call_all(SandblasterShard.run, program, timeout=self.timeout)
-        return sum_replies(replies)
+        """Run ``program`` on all shards concurrently (one round trip); sum the dot products.
+        The vectors of :attr:`keep` it writes come back with them, into :attr:`kept`."""
+        names = [name for name in self.keep if name in written(program)]
+        if not names:
+            replies = self.server.call_all(SandblasterShard.run, program, timeout=self.timeout)
+            return sum_replies(replies)
+        replies = self.server.call_all(
+            SandblasterShard.run_and_copy, program, names, timeout=self.timeout
+        )
+        for i, name in enumerate(names):
+            self.kept[name] = np.concatenate([vectors[i] for _, vectors in replies])
+        return sum_replies([dots for dots, _ in replies])
 
     def evaluate(self, batch: int, prelude: Program) -> tuple[float, int]:
         """One distributed pass over ``batch`` at the point ``xt`` (after ``prelude``)."""

@@ -53,6 +53,13 @@ class SandblasterShard(ParameterServerShard):
         """Run a vector program (see :meth:`VectorStore.run`); return its partial dot products."""
         return self.store.run(program)
 
+    async def run_and_copy(
+        self, program: Program, names: list[str]
+    ) -> tuple[list[float], list[np.ndarray]]:
+        """Run a vector program; return its partial dot products and a copy of each vector in
+        ``names`` as the program left it (one round trip where the coordinator needs both)."""
+        return self.store.run(program), [self.store[name].copy() for name in names]
+
     async def begin(self, prelude: Program, publish: str = "xt") -> int:
         """Run ``prelude``, zero the accumulator and publish vector ``publish`` as a new version."""
         self.store.run([*prelude, ("zero", "acc")])
@@ -90,5 +97,10 @@ class SandblasterShard(ParameterServerShard):
         return True
 
     async def vector(self, name: str) -> np.ndarray:
-        """A copy of this shard's range of vector ``name`` (for ``params_`` at the end)."""
+        """A copy of this shard's range of vector ``name`` (e.g. ``xe``, for an evaluation)."""
         return self.store[name].copy()
+
+    async def vectors(self, names: list[str]) -> list[np.ndarray]:
+        """Copies of this shard's range of each vector in ``names`` (``params_`` and its
+        gradient at the end of a fit, in one round trip)."""
+        return [self.store[name].copy() for name in names]
