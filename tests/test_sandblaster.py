@@ -189,7 +189,8 @@ def test_shard_round_trips_per_iteration_do_not_grow_with_the_history(digits_bin
 
 def test_shard_counts_each_portion_once_and_discards_stale_copies():
     shard = SandblasterShard(0, 0, 3, np.zeros(3, np.float32), optim.sgd(1.0), l2mask=np.zeros(3))
-    version = asyncio.run(shard.begin([("copy", "x", "xt")]))
+    version, values = asyncio.run(shard.begin([("copy", "x", "xt")]))
+    assert values is None  # sent only when asked
     grad = np.array([1.0, 2.0, 3.0], np.float32)
     assert asyncio.run(shard.accumulate(version, 7, grad, 10))
     assert not asyncio.run(shard.accumulate(version, 7, grad, 10))  # the backup copy

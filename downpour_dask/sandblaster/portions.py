@@ -29,6 +29,7 @@ from dask.utils import parse_bytes
 from distributed import Client, Future, wait
 
 from ..core.models import Model
+from ..core.params import DTYPE
 from ..core.vectors import Program, sum_replies, written
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
@@ -96,6 +97,10 @@ class Portions:
     """
 
     DEPTH = 4  # portions queued per worker thread, so a worker never waits for the driver
+    #: A model whose parameters take at most this many bytes has each batch's point sent with
+    #: the portion tasks (it comes back with ``begin``): a task then makes no fetch, a round
+    #: trip to every shard.  Larger points stay off the driver, as the paper has it.
+    INLINE_POINT_BYTES = 256 * 2**10
     LOCAL_ONLY = True  # a portion runs where its block is while that worker lives
 
     def __init__(
@@ -129,6 +134,7 @@ class Portions:
         self.where: dict[int, set[str]] = {}
         self.nbytes: dict[str, int] = {}  # block key -> bytes, as the scheduler counts them
         self.examples_seen = 0
+        self.point: np.ndarray | None = None  # the batch's point, if sent with its tasks
         self._refresh(first=True)
 
     # -- Space protocol -----------------------------------------------------------------------
@@ -148,7 +154,12 @@ class Portions:
 
     def evaluate(self, batch: int, prelude: Program) -> tuple[float, int]:
         """One distributed pass over ``batch`` at the point ``xt`` (after ``prelude``)."""
-        version = self.server.call_all(SandblasterShard.begin, prelude, timeout=self.timeout)[0]
+        send = self.server.size * np.dtype(DTYPE).itemsize <= self.INLINE_POINT_BYTES
+        begun = self.server.call_all(
+            SandblasterShard.begin, prelude, "xt", send, timeout=self.timeout
+        )
+        version = begun[0][0]
+        self.point = np.concatenate([values for _, values in begun]) if send else None
         self._refresh()
         t_start = last_progress = time.time()
         self.observer.event(
@@ -332,7 +343,7 @@ class Portions:
         server = self.server.portable()
         future = self.client.submit(
             run_portion, server, self.token, version, pid, self.blocks[pid], self.model,
-            backup, self.timeout, self.delay,
+            backup, self.timeout, self.delay, self.point,
             workers=[worker], allow_other_workers=True, pure=False,
             key=f"portion-{pid}-v{version}-{'b' if backup else 'o'}-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip

@@ -60,13 +60,17 @@ class SandblasterShard(ParameterServerShard):
         ``names`` as the program left it (one round trip where the coordinator needs both)."""
         return self.store.run(program), [self.store[name].copy() for name in names]
 
-    async def begin(self, prelude: Program, publish: str = "xt") -> int:
-        """Run ``prelude``, zero the accumulator and publish vector ``publish`` as a new version."""
+    async def begin(
+        self, prelude: Program, publish: str = "xt", send: bool = False
+    ) -> tuple[int, np.ndarray | None]:
+        """Run ``prelude``, zero the accumulator and publish vector ``publish`` as a new version;
+        return the version and, with ``send``, a copy of the published values (so that a small
+        model's point can travel with the portion tasks instead of being fetched by them)."""
         self.store.run([*prelude, ("zero", "acc")])
         np.copyto(self.values, self.store[publish], casting="same_kind")
         self.version += 1
         self._accepted = set()
-        return self.version
+        return self.version, (self.values.copy() if send else None)
 
     async def fetch(self, version: int) -> np.ndarray | None:
         """The published values if ``version`` is still current, else None (a stale portion)."""

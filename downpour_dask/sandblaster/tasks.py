@@ -1,9 +1,9 @@
 """Sandblaster's worker side: the Dask tasks that compute portions and score evaluations.
 
 * :func:`run_portion` computes one portion's gradient.  It fetches the published parameters once
-  per batch per worker (a cache keyed by run and version) and adds its gradient to the shards'
-  accumulator directly, worker to worker, never through the driver; it returns scalars only
-  (:class:`PortionResult`).
+  per batch per worker (a cache keyed by run and version), unless the point of a small model
+  came with the task, and adds its gradient to the shards' accumulator directly, worker to
+  worker, never through the driver; it returns scalars only (:class:`PortionResult`).
 * :func:`evaluate_task` scores a snapshot of the iterate on the evaluation data (and, like a
   portion, stops waiting for shards once its attempt ended).
 * :func:`forget_run` (run on every worker when a fit ends) drops the run's cached parameters and
@@ -86,6 +86,17 @@ def _params_for(
         return params
 
 
+def _newest(token: str, version: int, params: np.ndarray) -> bool:
+    """Record ``params`` (sent with a task) as this worker's point of ``version``; False if the
+    worker has seen a later version already (the task's batch is over)."""
+    with _CACHE_LOCK:
+        hit = _CACHE.get(token)
+        if hit is not None and hit[0] > version:
+            return False
+        _CACHE[token] = (version, params)
+        return True
+
+
 def forget_run(token: str) -> None:
     """Drop a finished run's cached parameters from this worker; its portions still running
     stop waiting for its shards."""
@@ -104,11 +115,15 @@ def run_portion(
     backup: bool,
     timeout: float,
     delay: Mapping[str, float] | None = None,
+    params: np.ndarray | None = None,
 ) -> PortionResult:
     """Dask task: add one portion's gradient at parameters ``version`` to the shards' ``acc``.
 
     ``model`` has ``l2 = 0``: the penalty is added once, on the shards.  ``delay`` maps worker
     addresses to seconds slept first: a fault-injection knob that makes a worker a straggler.
+    ``params`` is the published point of ``version`` when the driver sent it along (a small
+    model); else the task fetches it from the shards.  Either way a task whose worker has
+    already seen a later version does not compute: its batch is over.
     """
     tune_malloc()  # see runtime/malloc.py: this worker may hold no shard
     server = server.opened()  # actor handles from the references the task was given
@@ -119,7 +134,10 @@ def run_portion(
         _check_running(token)  # a straggler (or a delayed copy) of a fit that ended
         if backup and not _reply(server.shards[0].wanted(version, portion), token, timeout):
             return PortionResult(portion, version, "skipped", 0.0, 0, address)
-        params = _params_for(server, token, version, timeout)
+        if params is None:
+            params = _params_for(server, token, version, timeout)
+        elif not _newest(token, version, params):
+            params = None
     except _RunEnded:
         params = None
     if params is None:
