@@ -18,7 +18,7 @@ from distributed.client import FutureCancelledError
 from downpour_dask.core.params import split_range
 from downpour_dask.core.vectors import VectorStore
 from downpour_dask.sandblaster.portions import PortionCopy, Portions
-from downpour_dask.sandblaster.tasks import PortionResult
+from downpour_dask.sandblaster.tasks import PortionResult, _newest, forget_run
 
 
 class _FakeFuture:
@@ -230,3 +230,12 @@ def test_a_program_that_writes_a_kept_vector_brings_it_back_in_the_same_call():
     assert dots.tolist() == [(x + 0.5).sum()]
     np.testing.assert_array_equal(portions.kept["x"], x + 0.5)  # the whole vector, as written
     assert portions.server.calls == ["run", "run_and_copy"]  # one round trip each
+
+
+def test_a_task_given_its_point_computes_only_if_its_worker_saw_no_later_version():
+    point = np.zeros(3, np.float32)
+    assert _newest("run-a", 3, point)
+    assert _newest("run-a", 3, point)  # a second portion of the same batch
+    assert not _newest("run-a", 2, point)  # a copy of an earlier batch: its batch is over
+    assert _newest("run-a", 4, point) and _newest("run-b", 1, point)  # runs are apart
+    forget_run("run-a"), forget_run("run-b")

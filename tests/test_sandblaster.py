@@ -19,6 +19,7 @@ from downpour_dask.ps.protocol import ShardLostError
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.sandblaster.coordinator import Coordinator
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
+from downpour_dask.sandblaster.portions import Portions
 from downpour_dask.sandblaster.shard import SandblasterShard
 
 
@@ -287,6 +288,40 @@ def test_accumulated_gradient_equals_the_serial_full_data_gradient(client, backu
     np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
     assert est.objective_ == pytest.approx(loss, rel=1e-6)
     assert est.experiment_.pushes["examples"].sum() == train.n_rows
+
+
+def _fail_fetches(dask_worker) -> None:
+    """Make every Sandblaster shard on this worker fail a fetch of the published point."""
+
+    async def fetch(self, version):
+        raise RuntimeError("a portion task fetched the point")
+
+    dask_worker.real_fetch = SandblasterShard.fetch
+    SandblasterShard.fetch = fetch
+
+
+def _mend_fetches(dask_worker) -> None:
+    SandblasterShard.fetch = dask_worker.real_fetch
+
+
+@pytest.mark.timeout(120)
+def test_a_small_models_point_travels_with_its_tasks_and_a_large_ones_is_fetched(
+    client, digits_binary, monkeypatch
+):
+    (X, y), _ = digits_binary
+    fit = SandblasterLBFGS(
+        models.LogisticRegression(X.shape[1], l2=1e-3), max_iter=3, random_state=0, timeout=30
+    ).fit  # fmt: skip
+    client.run(_fail_fetches)
+    try:
+        inline = fit(X, y, client=client)  # no task fetched anything
+        monkeypatch.setattr(Portions, "INLINE_POINT_BYTES", 0)  # every model is large now
+        with pytest.raises(RuntimeError, match="fetched the point"):
+            fit(X, y, client=client)
+    finally:
+        client.run(_mend_fetches)
+    fetched = fit(X, y, client=client)
+    np.testing.assert_array_equal(fetched.params_, inline.params_)  # the same point either way
 
 
 def _running(dask_worker) -> list[str]:
