@@ -3,8 +3,9 @@
 :class:`Portions` is the coordinator's side of one distributed pass over a batch (the ``Space``
 that :class:`~downpour_dask.core.lbfgs.LBFGS` evaluates through).  It hands portions to worker
 slots as they free up (faster workers take more, data-local portions first), launches backup
-copies of stragglers near the end of a batch on idle workers, re-sends data blocks lost with a
-worker, and counts every portion once (the tasks are in :mod:`~downpour_dask.sandblaster.tasks`).
+copies of stragglers near the end of a batch on idle workers (the rules are in
+:mod:`~downpour_dask.sandblaster.scheduling`), re-sends data blocks lost with a worker, and counts
+every portion once (the tasks are in :mod:`~downpour_dask.sandblaster.tasks`).
 What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the tests): events
 with structured data, and each counted portion.
 
@@ -16,16 +17,13 @@ instead of waiting on portions that cannot finish.
 
 from __future__ import annotations
 
-import statistics
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import CancelledError
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
-import dask.config
 import numpy as np
-from dask.utils import parse_bytes
 from distributed import Client, Future, wait
 
 from ..core.models import Model
@@ -36,6 +34,7 @@ from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
 from .blocks import ArrayBlocks, ShardBlocks
+from .scheduling import PortionCopy, PortionScheduling
 from .shard import SandblasterShard
 from .tasks import PortionResult, run_portion
 
@@ -52,16 +51,7 @@ class PassObserver(Protocol):
         ...
 
 
-class PortionCopy(NamedTuple):
-    """One submitted copy of a portion (the original or a backup)."""
-
-    version: int
-    portion: int
-    worker: str
-    submitted: float
-
-
-class Portions:
+class Portions(PortionScheduling):
     """Runs distributed passes for :class:`~downpour_dask.core.lbfgs.LBFGS` (its ``Space``).
 
     Parameters
@@ -96,12 +86,10 @@ class Portions:
         point a lost shard is restored at, without a call of its own after each iteration).
     """
 
-    DEPTH = 4  # portions queued per worker thread, so a worker never waits for the driver
     #: A model whose parameters take at most this many bytes has each batch's point sent with
     #: the portion tasks (it comes back with ``begin``): a task then makes no fetch, a round
     #: trip to every shard.  Larger points stay off the driver, as the paper has it.
     INLINE_POINT_BYTES = 256 * 2**10
-    LOCAL_ONLY = True  # a portion runs where its block is while that worker lives
 
     def __init__(
         self,
@@ -249,21 +237,6 @@ class Portions:
         self.observer.portion_counted(result)
         return True
 
-    def _running_since(self, copy: PortionCopy) -> float:
-        """Since when ``copy``'s worker has been at it, as far as the driver can tell.
-
-        A worker runs its queued copies (``DEPTH`` per thread) in submission order.  Its oldest
-        copy began when it was submitted or when the worker's previous copy was collected,
-        whichever is later; a copy queued behind it is as late as that one (it waits for it),
-        and no later: timed from its own submission it would look like a straggler as soon as
-        the copies ahead of it took their normal time.
-        """
-        oldest = min(
-            (c for c in self.inflight.values() if c.worker == copy.worker),
-            key=lambda c: c.submitted, default=copy,
-        )  # fmt: skip
-        return max(oldest.submitted, self.freed.get(copy.worker, oldest.submitted))
-
     def _outstanding(self, version: int) -> str:
         """The copies of batch ``version`` still running, for an error message: which portion,
         on which worker, for how long, and in which state Dask has the task."""
@@ -351,77 +324,3 @@ class Portions:
         self.inflight[future] = copy
         self.load[worker] = self.load.get(worker, 0) + 1
         return copy
-
-    def _moving_seconds(self, pid: int, worker: str) -> float:
-        """Dask's estimate of the time to move portion ``pid``'s block to ``worker`` (0 if it
-        is there): bytes over the worker's measured bandwidth, or before Dask has measured one,
-        ``distributed.scheduler.bandwidth``."""
-        if worker in self.where.get(pid, ()):
-            return 0.0
-        rate = self.metrics.get(worker, {}).get("bandwidth", {}).get("total")
-        rate = rate or parse_bytes(dask.config.get("distributed.scheduler.bandwidth"))
-        block = self.blocks[pid]
-        if block.key not in self.nbytes and block.status == "finished":  # read since _refresh
-            self.nbytes.update(self.client.nbytes([block.key], summary=False))
-        return self.nbytes.get(block.key, 0) / rate
-
-    def _free(self) -> list[str]:
-        return [w for w in sorted(self.capacity) if self.load.get(w, 0) < self.capacity[w]]
-
-    def _dispatch(self, version: int, todo: list[int], copies: dict) -> None:
-        """Give each free worker slot a portion whose data it holds; with ``LOCAL_ONLY``, a
-        portion whose data is on another live worker waits for that worker (moving a block
-        costs more than the wait; backup tasks still copy a straggler), else any portion."""
-        while todo:
-            assigned = False
-            for worker in self._free():
-                if not todo:
-                    return
-                pid = next((p for p in todo if worker in self.where.get(p, ())), None)
-                if pid is None:
-                    held = [p for p in todo if not self.where.get(p, set()) & set(self.capacity)]
-                    pid = (held or todo)[0] if held or not self.LOCAL_ONLY else None
-                if pid is None:
-                    continue
-                todo.remove(pid)
-                copies[pid] = [self._submit(version, pid, worker, backup=False)]
-                assigned = True
-            if not assigned:
-                return
-
-    def _backups(self, version: int, copies: dict, done: dict, durations: list) -> None:
-        """Near the end of a batch, re-submit portions running unusually long on idle workers.
-
-        A portion is a straggler once its worker has been at it (:meth:`_running_since`) 1.5x
-        the median time of this batch's finished portions; its copy goes to a free slot on
-        another worker, one holding its block if there is one.  A copy whose block would have
-        to move waits that much longer: the block's bytes over Dask's bandwidth estimate (as
-        the scheduler weighs a transfer), so ordinary jitter does not copy a large block.
-        Whichever copy finishes first counts; the shards discard the other's gradient and the
-        driver its loss.
-        """
-        free = self._free()
-        if not free or not durations:
-            return
-        limit, now = 1.5 * statistics.median(durations) + 0.002, time.time()
-        for pid, runs in copies.items():
-            if pid in done or len(runs) > 1 or not free:
-                continue
-            began = self._running_since(runs[0])  # a pass over the copies in flight: last
-            if now - began < limit:
-                continue
-            others = [w for w in free if w != runs[0].worker]
-            if not others:
-                continue
-            worker = next((w for w in others if w in self.where.get(pid, ())), others[0])
-            if now - began < limit + self._moving_seconds(pid, worker):
-                continue
-            runs.append(self._submit(version, pid, worker, backup=True))
-            self.observer.event(
-                "backup_launched",
-                f"portion {pid} (on {runs[0].worker} for {now - began:.3f}s) "
-                f"copied to {worker}",
-                portion=pid, version=version, worker=worker, straggler=runs[0].worker,
-                running=now - began,
-            )  # fmt: skip
-            free = self._free()

@@ -1,0 +1,130 @@
+"""Which worker slot runs which portion of a Sandblaster pass, and when a straggler gets a backup.
+
+:class:`PortionScheduling` holds the rules :class:`~downpour_dask.sandblaster.portions.Portions`
+dispatches by: a free slot takes a portion whose data block it holds (a portion whose block is on
+another live worker waits for it), and near the end of a batch a portion running unusually long
+is copied to an idle worker, later still if its block would have to move.  It is a mixin: the
+state it reads is the pass's own (see the class), kept in one object so that the tests drive the
+bookkeeping with fakes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import NamedTuple
+
+import dask.config
+from dask.utils import parse_bytes
+
+
+class PortionCopy(NamedTuple):
+    """One submitted copy of a portion (the original or a backup)."""
+
+    version: int
+    portion: int
+    worker: str
+    submitted: float
+
+
+class PortionScheduling:
+    """Dispatch and backup rules over the state of a pass (mixed into ``Portions``).
+
+    Reads ``inflight`` (future -> :class:`PortionCopy`), ``load`` and ``capacity`` (copies
+    queued and allowed per worker), ``freed`` (when each worker's last copy was collected),
+    ``where`` (portion -> workers holding its block), ``blocks`` and ``nbytes`` (the blocks'
+    futures and sizes), ``metrics`` (the workers' Dask metrics), ``client`` and ``observer``;
+    submits through ``_submit(version, pid, worker, backup)``.
+    """
+
+    DEPTH = 4  # portions queued per worker thread, so a worker never waits for the driver
+    LOCAL_ONLY = True  # a portion runs where its block is while that worker lives
+
+    def _running_since(self, copy: PortionCopy) -> float:
+        """Since when ``copy``'s worker has been at it, as far as the driver can tell.
+
+        A worker runs its queued copies (``DEPTH`` per thread) in submission order.  Its oldest
+        copy began when it was submitted or when the worker's previous copy was collected,
+        whichever is later; a copy queued behind it is as late as that one (it waits for it),
+        and no later: timed from its own submission it would look like a straggler as soon as
+        the copies ahead of it took their normal time.
+        """
+        oldest = min(
+            (c for c in self.inflight.values() if c.worker == copy.worker),
+            key=lambda c: c.submitted, default=copy,
+        )  # fmt: skip
+        return max(oldest.submitted, self.freed.get(copy.worker, oldest.submitted))
+
+    def _moving_seconds(self, pid: int, worker: str) -> float:
+        """Dask's estimate of the time to move portion ``pid``'s block to ``worker`` (0 if it
+        is there): bytes over the worker's measured bandwidth, or before Dask has measured one,
+        ``distributed.scheduler.bandwidth``."""
+        if worker in self.where.get(pid, ()):
+            return 0.0
+        rate = self.metrics.get(worker, {}).get("bandwidth", {}).get("total")
+        rate = rate or parse_bytes(dask.config.get("distributed.scheduler.bandwidth"))
+        block = self.blocks[pid]
+        if block.key not in self.nbytes and block.status == "finished":  # read since _refresh
+            self.nbytes.update(self.client.nbytes([block.key], summary=False))
+        return self.nbytes.get(block.key, 0) / rate
+
+    def _free(self) -> list[str]:
+        return [w for w in sorted(self.capacity) if self.load.get(w, 0) < self.capacity[w]]
+
+    def _dispatch(self, version: int, todo: list[int], copies: dict) -> None:
+        """Give each free worker slot a portion whose data it holds; with ``LOCAL_ONLY``, a
+        portion whose data is on another live worker waits for that worker (moving a block
+        costs more than the wait; backup tasks still copy a straggler), else any portion."""
+        while todo:
+            assigned = False
+            for worker in self._free():
+                if not todo:
+                    return
+                pid = next((p for p in todo if worker in self.where.get(p, ())), None)
+                if pid is None:
+                    held = [p for p in todo if not self.where.get(p, set()) & set(self.capacity)]
+                    pid = (held or todo)[0] if held or not self.LOCAL_ONLY else None
+                if pid is None:
+                    continue
+                todo.remove(pid)
+                copies[pid] = [self._submit(version, pid, worker, backup=False)]
+                assigned = True
+            if not assigned:
+                return
+
+    def _backups(self, version: int, copies: dict, done: dict, durations: list) -> None:
+        """Near the end of a batch, re-submit portions running unusually long on idle workers.
+
+        A portion is a straggler once its worker has been at it (:meth:`_running_since`) 1.5x
+        the median time of this batch's finished portions; its copy goes to a free slot on
+        another worker, one holding its block if there is one.  A copy whose block would have
+        to move waits that much longer: the block's bytes over Dask's bandwidth estimate (as
+        the scheduler weighs a transfer), so ordinary jitter does not copy a large block.
+        Whichever copy finishes first counts; the shards discard the other's gradient and the
+        driver its loss.
+        """
+        free = self._free()
+        if not free or not durations:
+            return
+        limit, now = 1.5 * statistics.median(durations) + 0.002, time.time()
+        for pid, runs in copies.items():
+            if pid in done or len(runs) > 1 or not free:
+                continue
+            began = self._running_since(runs[0])  # a pass over the copies in flight: last
+            if now - began < limit:
+                continue
+            others = [w for w in free if w != runs[0].worker]
+            if not others:
+                continue
+            worker = next((w for w in others if w in self.where.get(pid, ())), others[0])
+            if now - began < limit + self._moving_seconds(pid, worker):
+                continue
+            runs.append(self._submit(version, pid, worker, backup=True))
+            self.observer.event(
+                "backup_launched",
+                f"portion {pid} (on {runs[0].worker} for {now - began:.3f}s) "
+                f"copied to {worker}",
+                portion=pid, version=version, worker=worker, straggler=runs[0].worker,
+                running=now - began,
+            )  # fmt: skip
+            free = self._free()
