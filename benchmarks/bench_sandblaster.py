@@ -18,14 +18,14 @@ objective value was known: mostly data placement (scatter to the workers) for th
 Sandblaster launched. Sandblaster runs with its default portions (1 per worker thread, 2 here) and
 with 20 (10 per thread, the default before 2026-11-23), interleaved with scipy ``--repeats`` times;
 the "relayed" row runs the default through a client made with ``direct_to_workers=False``, so its
-data blocks travel through the scheduler (Dask's default for a scatter, and the placement before)
-instead of straight to the workers. The "Dask Array on cluster" row starts with the data already
-in the workers' memory, as a user who loaded it with Dask has it: 2 row blocks scattered
-round-robin before the clock starts, passed to ``fit`` as Dask Arrays (each block is then read
-into a portion on its own worker); it is the cluster's counterpart of scipy's data in memory.
+data blocks and the driver's calls to the shards travel through the scheduler (Dask's default, and
+the path before) instead of straight to the workers. The "Dask Array on cluster" row starts with
+the data already in the workers' memory, as a user who loaded it with Dask has it: 2 row blocks
+scattered round-robin before the clock starts, passed to ``fit`` as Dask Arrays (each block is then
+read into a portion on its own worker); it is the cluster's counterpart of scipy's data in memory.
 Dask receives a scattered block at an arbitrary byte offset, so that row's fit copies each block
-aligned first; the "Dask Array computed on cluster" row has each block made by a task on its
-worker (as data Dask read or generated there is), aligned already and read without a copy.
+aligned first; the "Dask Array computed on cluster" row has each block made by a task on its worker
+(as data Dask read or generated there is), aligned already and read without a copy.
 A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off costs
 (imports and allocations on the workers) that would otherwise land on one row.  The Sandblaster
 rows take turns in their order, one repeat to the next: the first fit after scipy's run places
