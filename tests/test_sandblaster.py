@@ -183,9 +183,29 @@ def test_shard_round_trips_per_iteration_do_not_grow_with_the_history(digits_bin
     space = CountingSpace(model, X, y, x0)
     result = LBFGS(space, history=history, max_iter=25, tol=0.0).minimize()
     assert result.n_iter == 25
-    # one program after every pass (the gradient's scaling) and one per accepted step, plus at
-    # most one restore per line search that expanded: no program per history pair
-    assert space.passes + result.n_iter <= space.programs <= space.passes + 2 * result.n_iter
+    # one program after every pass (the gradient's scaling, and the step's accept with it), the
+    # first gradient's, one per line search that expanded and went back to its best trial, one
+    # to undo a last trial not taken: none per history pair, none of its own per accepted step
+    assert space.passes < space.programs <= space.passes + 2 + result.n_iter // 2
+
+
+def test_a_trial_the_line_search_does_not_take_is_undone_on_the_shards(digits_binary):
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-3)
+    x0 = model.init(np.random.default_rng(0)).astype(np.float64)
+    space, events = CountingSpace(model, X, y, x0), []
+    result = LBFGS(
+        space, history=5, max_iter=30, tol=0.0,
+        log=lambda kind, detail, **data: events.append((kind, data)),
+    ).minimize()  # fmt: skip
+    trials = [d["evaluations"] for kind, d in events if kind == "line_search"]
+    assert max(trials) >= 2  # some trials were accepted speculatively and then undone
+    assert space.programs == space.passes + 1  # ... at no round trip of their own
+    x = np.concatenate([store["x"] for store in space.stores])
+    g = np.concatenate([store["g"] for store in space.stores])
+    loss, grad = serial_objective(model, x, X, y)
+    assert result.objective == pytest.approx(loss, rel=1e-10)  # x is the accepted iterate
+    np.testing.assert_allclose(g, grad, rtol=1e-8, atol=1e-12)  # ... and g its gradient
 
 
 def test_shard_counts_each_portion_once_and_discards_stale_copies():

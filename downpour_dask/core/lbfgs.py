@@ -13,11 +13,15 @@ computed anyway) and the stopping rules.  It talks to the shards through a :clas
 ``run(program)`` executes a program on every shard and returns the summed scalars;
 ``evaluate(batch, prelude)`` runs a distributed pass over one batch.  Plain numpy, free of Dask,
 so it is testable in one process.  Round trips to the shards per iteration: one per distributed
-pass (plus the pass itself) and one to accept the step, however long the history.
+pass (plus the pass itself), however long the history.  The step is accepted in the same
+program that finishes a trial's gradient, *speculatively*: the program keeps the iterate and the
+gradient (``xp``, ``gp``) before it moves them, and a trial the line search does not accept is
+undone at the start of the next program the coordinator sends (no round trip of its own).
 
 Vector names used by the coordinator: ``x`` (iterate), ``g`` (gradient at ``x``), ``d``
 (direction), ``xt`` (trial point), ``acc`` (gradient accumulator, becomes the trial gradient),
-``xb``/``gb`` (best trial kept while the line search expands), ``tmp``, ``l2mask`` (``l2`` on
+``xb``/``gb`` (best trial kept while the line search expands), ``xp``/``gp`` (the iterate and
+gradient a speculative accept replaced), ``tmp``, ``l2mask`` (``l2`` on
 penalised weights, 0 on biases) and ``s0..s{m}``, ``y0..y{m}`` (the history ring: ``m + 1``
 slots, so a new pair is written into a free slot before it is known to be kept).
 """
@@ -121,11 +125,20 @@ class LBFGS:
         self.log = log or (lambda kind, detail, **data: None)
         self.on_iteration = on_iteration or (lambda record: None)
         self.history = History(history)
+        self._pending: list[Command] = []  # undoes a speculative accept: leads the next program
+        self._speculated: tuple[int, list, list] | None = None  # an accept done with its trial
 
     # -- one distributed evaluation ---------------------------------------------------------------
+    def _run(self, program: Program) -> np.ndarray:
+        """Run ``program`` on the shards, after the undo of a speculative accept if one is due."""
+        pending, self._pending = self._pending, []
+        return self.space.run([*pending, *program])
+
     def _evaluate(self, batch: int, prelude: Program, extra: Program = ()) -> tuple[float, list]:
-        """Objective at ``xt`` on ``batch``; ``acc`` becomes its gradient (mean + L2 term)."""
-        loss_sum, n = self.space.evaluate(batch, prelude)
+        """Objective at ``xt`` on ``batch``; ``acc`` becomes its gradient (mean + L2 term).
+        ``extra`` runs on the shards right after, in the same round trip."""
+        pending, self._pending = self._pending, []
+        loss_sum, n = self.space.evaluate(batch, [*pending, *prelude])
         dots = self.space.run(
             [
                 ("scale", "acc", 1.0 / n),
@@ -142,7 +155,7 @@ class LBFGS:
         inner products with the history recorded)."""
         f, (gg,) = self._evaluate(batch, [("copy", "x", "xt")], [("dot", "acc", "acc")])
         pairs = [("g", "g"), *self.history.gradient_dots()]
-        dots = self.space.run([("copy", "acc", "g"), *self.history.program(pairs[1:])])
+        dots = self._run([("copy", "acc", "g"), *self.history.program(pairs[1:])])
         self.history.record(pairs, [gg, *dots])
         return f, gg
 
@@ -212,6 +225,8 @@ class LBFGS:
                 detail = f"relative decrease {decrease:.3g} <= tol={self.tol}"
                 reason = self._converged("relative_decrease", detail, k, f)
                 break
+        if self._pending:  # the last trial was not accepted: x and g back to the iterate
+            self._run([])
         return LBFGSResult(f, math.sqrt(gg), k, reason, records)
 
     def _converged(self, rule: str, detail: str, iteration: int, objective: float) -> str:
@@ -244,11 +259,16 @@ class LBFGS:
         while evals < self.max_evals:
             trial: list[Command] = [("copy", "x", "xt"), ("axpy", t, "d", "xt")]
             prelude = [*direction, *trial] if evals == 0 else trial
-            ft, (gtd,) = self._evaluate(batch, prelude, [("dot", "acc", "d")])
+            accept, slot, pairs = self._accept_program(t)
+            keep: list[Command] = [("copy", "x", "xp"), ("copy", "g", "gp")]
+            ft, (gtd, *accepted) = self._evaluate(
+                batch, prelude, [("dot", "acc", "d"), *keep, *accept]
+            )
+            self._pending = [("copy", "xp", "x"), ("copy", "gp", "g")]  # unless it stands
             evals += 1
             armijo = math.isfinite(ft) and ft <= f + self.c1 * t * gd
             if best is not None and (not armijo or ft >= best[0]):
-                self.space.run([("copy", "xb", "xt"), ("copy", "gb", "acc")])  # revert
+                self._run([("copy", "xb", "xt"), ("copy", "gb", "acc")])  # revert
                 ft, t = best
                 break
             if not armijo:
@@ -259,9 +279,10 @@ class LBFGS:
                 continue
             curvature = gtd >= self.c2 * gd
             if curvature or backtracked or evals > 3:
+                self._pending, self._speculated = [], (slot, pairs, accepted)  # it stands
                 break
             best = (ft, t)
-            self.space.run([("copy", "xt", "xb"), ("copy", "acc", "gb")])
+            self._run([("copy", "xt", "xb"), ("copy", "acc", "gb")])
             t *= 2.0
         else:
             return None
@@ -271,27 +292,38 @@ class LBFGS:
         )  # fmt: skip
         return ft, t, evals
 
-    def _accept(self, t: float, iteration: int = 0) -> tuple[float, float, float]:
-        """Move to the trial point; push ``s = t d``, ``y = g_new - g`` into the history ring,
-        and record the inner products the next directions need (same round trip)."""
+    def _accept_program(self, t: float) -> tuple[list[Command], int, list[tuple[str, str]]]:
+        """The program that moves to the trial point ``xt`` (step ``t`` along ``d``): it writes
+        ``s = t d`` and ``y = g_new - g`` into a free history slot and returns the inner products
+        the next directions need; also the slot and those products' names."""
         slot = self.history.free_slot()
         s, y = f"s{slot}", f"y{slot}"
         pairs = self.history.pair_dots(slot)
-        sy, yy, gg, *dots = self.space.run(
-            [
-                ("copy", "d", s),
-                ("scale", s, t),
-                ("copy", "acc", y),
-                ("axpy", -1.0, "g", y),
-                ("copy", "xt", "x"),
-                ("copy", "acc", "g"),
-                ("dot", s, y),
-                ("dot", y, y),
-                ("dot", "g", "g"),
-                *self.history.program(pairs),
-            ]
-        )
-        self.history.record([("g", "g"), *pairs], [gg, *dots])
+        program: list[Command] = [
+            ("copy", "d", s),
+            ("scale", s, t),
+            ("copy", "acc", y),
+            ("axpy", -1.0, "g", y),
+            ("copy", "xt", "x"),
+            ("copy", "acc", "g"),
+            ("dot", s, y),
+            ("dot", y, y),
+            ("dot", "g", "g"),
+            *self.history.program(pairs),
+        ]
+        return program, slot, pairs
+
+    def _accept(self, t: float, iteration: int = 0) -> tuple[float, float, float]:
+        """Move to the trial point (unless the trial's own program did, speculatively); push
+        ``s = t d``, ``y = g_new - g`` into the history ring and record the inner products the
+        next directions need."""
+        if self._speculated is not None:
+            (slot, pairs, dots), self._speculated = self._speculated, None
+        else:  # a reverted expansion: the best trial, moved to by a program of its own
+            program, slot, pairs = self._accept_program(t)
+            dots = list(self._run(program))
+        sy, yy, gg, *rest = dots
+        self.history.record([("g", "g"), *pairs], [gg, *rest])
         if sy > 1e-10 * yy and yy > 0:  # keep H positive definite
             self.history.keep(slot, float(sy), float(yy))
         else:
