@@ -46,6 +46,35 @@ def test_momentum_by_hand():
     np.testing.assert_allclose(state["velocity"], [-0.495, 2.61, 3.6], rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    ["float32", "float64", "strided", "2-d", "float64 grad on float32 params"],
+)
+@pytest.mark.parametrize("rule", [optim.sgd(0.1), optim.momentum(0.1, momentum=0.9)])
+def test_sgd_and_momentum_step_in_place_for_every_layout(rule, layout):
+    """The step goes into the caller's array itself (a shard's values, a view of a bigger
+    vector), whether BLAS takes it (contiguous float32/float64) or numpy does (the rest)."""
+    rng = np.random.default_rng(3)
+    dtype = np.float64 if layout == "float64" else np.float32
+    base = rng.standard_normal(24).astype(dtype)
+    grad = rng.standard_normal(24).astype(np.float64 if "float64" in layout else dtype)
+    params = base.copy()
+    if layout == "strided":
+        params, grad = params[::2], grad[::2]  # a view into a bigger vector
+    elif layout == "2-d":
+        params, grad = params.reshape(4, 6), grad.reshape(4, 6)
+    expected = params.astype(np.float64)
+    state = rule.init(params.size)
+    if state:
+        state = {"velocity": np.zeros(params.shape, np.float32)}
+    for _ in range(2):
+        rule.update(params, grad, state)
+    velocity = grad if not state else grad * (1 + 0.9)
+    expected = expected - 0.1 * grad - 0.1 * velocity if state else expected - 0.2 * grad
+    assert params.dtype == dtype
+    np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_adagrad_by_hand():
     # lr 0.1; the third coordinate never sees a gradient (eps only guards its 0/0)
     # acc1 = [9, 16, 0]   step1 = 0.1 * [3/3, 4/4, 0] = [0.1, 0.1, 0]     p1 = [0.9, -2.1, 0.5]
