@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import DownpourSGD, datasets, models, optim
-from downpour_dask.ps import frames, service, wire
+from downpour_dask.ps import dispatch, frames, service, wire
 from downpour_dask.ps.protocol import PullReply, PushReply
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.ps.wire import WireClient, WireError
@@ -68,6 +68,40 @@ def test_a_pull_can_land_in_the_callers_buffer(shard_and_client):
     assert pulled.values is buffer and pulled.version == 1
     with pytest.raises(ValueError, match=r"out must be a float32 array of shape \(1000,\)"):
         client.pull(out=np.zeros(10, dtype=np.float32))
+
+
+class _TakesSome:
+    """A connection whose buffers take ``room`` bytes of a send that must not wait."""
+
+    def __init__(self, room: int | None):
+        self.room, self.taken = room, b""
+
+    def sendmsg(self, parts, ancillary, flags):
+        assert flags & socket.MSG_DONTWAIT  # the shard's lock is held: it must not block
+        data = b"".join(bytes(part) for part in parts)
+        if self.room is None:
+            raise BlockingIOError
+        self.taken = data[: self.room]
+        return len(self.taken)
+
+
+@pytest.mark.parametrize("room", [None, 0, 5, 40, 61, 1000, 4003, 10**6])
+def test_an_answer_sent_straight_from_the_shard_arrives_whole_wherever_the_send_stops(room):
+    """A pull's answer goes from the shard's own values as far as the connection takes it
+    without waiting; the rest of the head and the values from that byte on (not always on an
+    element's boundary) are sent after the lock: together the same stream as a copy gives."""
+    shard, twin = make_shard(), make_shard()
+    grad = np.linspace(0, 1, 1000, dtype=np.float32)
+    head = bytearray(
+        frames.request(frames.EXCHANGE, 2, 0, 1000, seq=0, session="s")[: frames.REQUEST.size]
+    )
+    conn, out = _TakesSome(room), np.full(1000, np.nan, dtype=np.float32)
+    reply = dispatch.call_shard(conn, shard, frames.EXCHANGE, grad, out, 2, "s", head)
+    stream = conn.taken + reply.head + out.tobytes()[reply.values_from :]
+    pushed = twin.apply_push(grad, 0, 2, seq=0, session="s")
+    pulled = twin.snapshot(2, "s")
+    want = frames.OK + frames.pushed(pushed) + frames.pulled(pulled) + pulled.values.tobytes()
+    assert stream == want
 
 
 def test_pushes_are_applied_in_the_order_sent_and_a_repeat_is_refused(shard_and_client):

@@ -235,6 +235,31 @@ def test_connections_beyond_the_cap_are_refused_until_one_closes(monkeypatch):
         service.close()
 
 
+def test_a_replica_that_stops_reading_holds_up_no_other(served):
+    """A replica stopped mid-run (SIGSTOP, a debugger) leaves its answers unread; the shard's
+    thread for it blocks in its send, but never while holding the shard: other replicas'
+    pulls and pushes, over the wire and in-process, go on."""
+    service, _, _ = served
+    size = 1 << 20  # 4 MB per answer: a few fill both sockets' buffers
+    shard = ParameterServerShard(0, 0, size, np.zeros(size, np.float32), optim.make("sgd", 0.5))
+    endpoint = service.register(shard, SECRET)
+    host, port, shard_id = endpoint
+    stalled = socket.create_connection((host, port), timeout=TIMEOUT)
+    stalled.sendall(frames.hello(shard_id, SECRET))
+    frames.check_status(stalled)
+    pull = frames.request(PULL, 0, 0, 0, session="stalled")
+    stalled.sendall(pull * 16)  # 64 MB of answers that are never read
+    time.sleep(0.2)
+    other = WireClient(endpoint, TIMEOUT, SECRET)
+    grad = np.ones(size, dtype=np.float32)
+    for seq in range(3):
+        assert other.exchange(grad, 0, 1, seq=seq, session="other").result(TIMEOUT)[0].accepted
+    assert shard.apply_push(grad, 0, 2).accepted  # a replica on the shard's own worker
+    assert shard.snapshot(2).version == 4
+    other.close()
+    stalled.close()
+
+
 def test_unregister_fences_the_shard_off(served):
     """What a replacement's driver does to the old incarnation: open connections fail, new
     ones are refused, and nothing more is applied."""

@@ -10,12 +10,13 @@ This module does not import Dask.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import frames, rows_frames
 from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH
+from .protocol import PullReply
 from .rows_frames import ROWS_OPS
 
 
@@ -48,7 +49,17 @@ def read_payload(conn: Any, op: int, n_values: int, size: int, grad: np.ndarray)
     return grad
 
 
+class Reply(NamedTuple):
+    """A request's answer as :func:`call_shard` leaves it: ``head``, the bytes still to send,
+    then, for a pull, the pulled values' bytes from ``values_from`` on (of the caller's
+    ``out``; None: no values follow)."""
+
+    head: bytes
+    values_from: int | None = None
+
+
 def call_shard(
+    conn: Any,
     shard: Any,
     op: int,
     grad: np.ndarray,
@@ -56,11 +67,13 @@ def call_shard(
     replica: int,
     session: str,
     head: bytearray,
-) -> bytes:
-    """Make the checked request ``head``'s call on ``shard``; its reply but the pulled values
-    (which are left in ``out``)."""
+) -> Reply:
+    """Make the checked request ``head``'s call on ``shard``.  A pull's answer starts on
+    ``conn`` straight from the shard's values, as far as the connection takes it without
+    waiting (:meth:`~downpour_dask.ps.shard.ParameterServerShard.snapshot_through`); what
+    remains to send is returned."""
     if op in ROWS_OPS:
-        return rows_frames.answer(shard, op, grad, replica, session, head)
+        return Reply(rows_frames.answer(shard, op, grad, replica, session, head))
     _, _, seq, fetched, examples, loss, _, _ = frames.REQUEST.unpack(head)
     parts = [frames.OK]
     op = frames.SPARSE.get(op, op)  # a top-k push's gradient is a SparseGradient
@@ -69,6 +82,16 @@ def call_shard(
         parts.append(frames.pushed(shard.apply_push(grad, fetched, replica, **kw)))
     if op == POLL_WARMSTART:
         parts.append(frames.polled(shard.warmstart_state()))
-    if op in (PULL, EXCHANGE):
-        parts.append(frames.pulled(shard.snapshot_into(out, replica, session)))
-    return b"".join(parts)
+    if op not in (PULL, EXCHANGE):
+        return Reply(b"".join(parts))
+    unsent = b""
+
+    def send(live: PullReply) -> int:  # under the shard's lock: must not wait
+        nonlocal unsent
+        reply = b"".join(parts) + frames.pulled(live)
+        taken = frames.send_now(conn, [reply, live.values])
+        unsent = reply[taken:]
+        return max(0, taken - len(reply))
+
+    _, values_from = shard.snapshot_through(send, out, replica, session)
+    return Reply(unsent, values_from)

@@ -66,6 +66,7 @@ _OPS = {PULL: "pull", PUSH: "push", EXCHANGE: "exchange", POLL_WARMSTART: "warms
 #: Ask the kernel for the whole buffer in one call where it can: a 1 MB array then costs one
 #: system call and one hand-back of the GIL instead of one per arriving segment.
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
 def recv_into(sock: socket.socket, buffer: Any) -> None:
@@ -77,6 +78,16 @@ def recv_into(sock: socket.socket, buffer: Any) -> None:
         if n == 0:
             raise ConnectionError("the connection was closed by the other side")
         got += n
+
+
+def send_now(sock: socket.socket, parts: list[Any]) -> int:
+    """Hand ``parts`` (bytes-like) to ``sock`` in one call that does not wait: how many of their
+    bytes it took (0 when its buffers are full; an error is left for the next blocking send to
+    raise)."""
+    try:
+        return sock.sendmsg([memoryview(part).cast("B") for part in parts], [], _DONTWAIT)
+    except OSError:  # BlockingIOError included
+        return 0
 
 
 def recv(sock: socket.socket, n: int) -> bytes:

@@ -45,8 +45,7 @@ import numpy as np
 
 from ..core.params import DTYPE
 from . import frames
-from .dispatch import call_shard, check_request, read_payload
-from .frames import EXCHANGE, PULL
+from .dispatch import Reply, call_shard, check_request, read_payload
 
 __all__ = ["ShardService", "serve", "unregister"]
 
@@ -111,7 +110,7 @@ class ShardService:
     def register(
         self, shard: Any, secret: bytes = b"", handler: Handler | None = None
     ) -> tuple[str, int, str]:
-        """Serve ``shard`` (it needs ``values``, ``apply_push``, ``snapshot_into`` and
+        """Serve ``shard`` (it needs ``values``, ``apply_push``, ``snapshot_through`` and
         ``warmstart_state``) to connections whose hello carries ``secret``; return the endpoint
         replicas connect to: ``(host, port, shard id)``.  With ``handler``, ``shard`` may be
         any object: its connections are accepted like a shard's (the hello answered with a
@@ -340,8 +339,8 @@ class ShardService:
             with reg.gate:  # nothing in here waits on the network: unregister waits for it
                 retired, failed = reg.retired, None
                 try:
-                    call = (shard, op, payload, out, replica, session, head)
-                    reply = b"" if retired else call_shard(*call)
+                    call = (conn, shard, op, payload, out, replica, session, head)
+                    reply = Reply(b"") if retired else call_shard(*call)
                 except Exception as err:  # reported to the replica; the connection stays usable
                     failed = f"{type(err).__name__}: {err}"
             if retired:
@@ -350,9 +349,9 @@ class ShardService:
             if failed is not None:
                 frames.send_error(conn, failed)
                 continue
-            conn.sendall(reply)
-            if frames.SPARSE.get(op, op) in (PULL, EXCHANGE):
-                conn.sendall(out)
+            conn.sendall(reply.head)
+            if reply.values_from is not None:  # what did not go under the shard's lock
+                conn.sendall(out.view(np.uint8)[reply.values_from :])
 
 
 _SERVICE: ShardService | None = None

@@ -26,6 +26,7 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -169,17 +170,38 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
         with self._lock:
             return self._snapshot(out, replica, session)
 
+    def snapshot_through(
+        self, send: Callable[[PullReply], int], out: np.ndarray, replica: int, session: str
+    ) -> tuple[PullReply, int]:
+        """:meth:`snapshot_into` for a direct connection, copying only what cannot go at once.
+        Under the lock, ``send`` gets the reply holding the live values, hands on what its
+        connection takes without waiting (a stalled replica must not hold the lock) and returns
+        how many leading bytes of the values that was; only the rest is copied into ``out``
+        (the caller sends ``out``'s bytes from there).  Over loopback megabytes go at once."""
+        with self._lock:
+            live = self._describe(replica, session)
+            taken = send(live)
+            values, rest = self.values.view(np.uint8), out.view(np.uint8)
+            np.copyto(rest[taken:], values[taken:])
+        return live._replace(values=out), taken
+
     def _snapshot(self, out: np.ndarray, replica: int, session: str) -> PullReply:
         """:meth:`snapshot_into`'s work, for a caller holding the lock (e.g. ps/table.py's)."""
+        live = self._describe(replica, session)
+        np.copyto(out, self.values)
+        return live._replace(values=out)
+
+    def _describe(self, replica: int, session: str) -> PullReply:
+        """A pull's reply holding the live values, for a caller holding the lock (which it must
+        keep while it reads them)."""
         self._serving()
         if session:
             self._sessions.add(session)
-        np.copyto(out, self.values)
         if self._fetched is not None:  # DC-ASGD: what this replica computes its gradient at
             self._fetched.keep(replica, self.values)
         tracker = self._seqs.get((replica, session)) or SeqTracker()
         through, ahead = tracker.through, tuple(tracker.ahead)
-        return PullReply(out, self.version, self.stopped, through, ahead, self.generation)
+        return PullReply(self.values, self.version, self.stopped, through, ahead, self.generation)
 
     def apply_push(
         self,
@@ -286,11 +308,8 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
         self.accepted_by_replica.update(
             {int(r): int(n) for r, n in (counters.get("accepted_by_replica") or {}).items()}
         )
-        self.refused = int(counters.get("refused", 0))
-        self.duplicates = int(counters.get("duplicates", 0))
-        self.examples = int(counters.get("examples", 0))
-        self.staleness_sum = int(counters.get("staleness_sum", 0))
-        self.staleness_max = int(counters.get("staleness_max", 0))
+        for name in ("refused", "duplicates", "examples", "staleness_sum", "staleness_max"):
+            setattr(self, name, int(counters.get(name, 0)))
         self._restore_clocks(counters)
 
     async def export_state(self) -> dict[str, Any]:
@@ -378,3 +397,4 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
         """Events recorded by this shard (``time``, ``kind``, ``detail``, ``data``), from index
         ``since``; ``gradient_refused``'s data: ``replica``, ``non_finite`` (values)."""
         return self._events[since:]
+
