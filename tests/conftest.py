@@ -1,4 +1,5 @@
-"""Shared fixtures: one real local Dask cluster (two single-threaded worker processes) per session.
+"""Shared fixtures: one real local Dask cluster (two single-threaded worker processes) per test
+process (pytest-xdist runs two, each with its own cluster).
 
 Tests that kill workers or need a different topology start their own cluster (for instance with
 ``three_workers``); they, and tests that run the command as a subprocess or execute notebooks,
