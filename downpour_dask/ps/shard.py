@@ -397,4 +397,3 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
         """Events recorded by this shard (``time``, ``kind``, ``detail``, ``data``), from index
         ``since``; ``gradient_refused``'s data: ``replica``, ``non_finite`` (values)."""
         return self._events[since:]
-
