@@ -104,6 +104,14 @@ def test_an_answer_sent_straight_from_the_shard_arrives_whole_wherever_the_send_
     assert stream == want
 
 
+def test_where_a_send_cannot_be_kept_from_waiting_none_is_tried_under_the_lock(monkeypatch):
+    """A platform without MSG_DONTWAIT or sendmsg: the whole answer is copied and sent after
+    the lock, as before, rather than risking a send that waits while holding it."""
+    monkeypatch.setattr(frames, "_DONTWAIT", 0)
+    conn = _TakesSome(10**6)
+    assert frames.send_now(conn, [b"head", np.ones(4, np.float32)]) == 0 and conn.taken == b""
+
+
 def test_pushes_are_applied_in_the_order_sent_and_a_repeat_is_refused(shard_and_client):
     shard, client = shard_and_client
     grads = [np.full(1000, i, dtype=np.float32) for i in range(1, 41)]

@@ -82,8 +82,10 @@ def recv_into(sock: socket.socket, buffer: Any) -> None:
 
 def send_now(sock: socket.socket, parts: list[Any]) -> int:
     """Hand ``parts`` (bytes-like) to ``sock`` in one call that does not wait: how many of their
-    bytes it took (0 when its buffers are full; an error is left for the next blocking send to
-    raise)."""
+    bytes it took (0 when its buffers are full, or where the platform has no such call; an error
+    is left for the next blocking send to raise)."""
+    if not _DONTWAIT or not hasattr(sock, "sendmsg"):  # e.g. Windows: never risk a wait
+        return 0
     try:
         return sock.sendmsg([memoryview(part).cast("B") for part in parts], [], _DONTWAIT)
     except OSError:  # BlockingIOError included
