@@ -14,9 +14,9 @@ finish without interleaving: a pull always sees a consistent slice.  ``exchange`
 a pull in one message, so a replica that pushes and fetches on the same step pays one round trip.
 A replica running on the shard's own worker skips the messages altogether and calls
 :meth:`~ParameterServerShard.snapshot_into` and :meth:`~ParameterServerShard.apply_push`
-directly; replicas on other workers reach the same two methods over a direct connection
-(:meth:`~ParameterServerShard.open_wire`, :mod:`downpour_dask.ps.wire`) where the cluster's comm
-is plain TCP.  A lock keeps those calls atomic.
+directly; replicas on other workers reach ``apply_push`` and ``snapshot_through`` (a pull sent
+from the values) over a direct connection (:meth:`~ParameterServerShard.open_wire`,
+:mod:`downpour_dask.ps.wire`) where the comm is plain TCP.  A lock keeps those calls atomic.
 """
 
 from __future__ import annotations
