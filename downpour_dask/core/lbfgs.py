@@ -129,16 +129,19 @@ class LBFGS:
         self._speculated: tuple[int, list, list] | None = None  # an accept done with its trial
 
     # -- one distributed evaluation ---------------------------------------------------------------
+    def _after_pending(self, program: Program) -> list[Command]:
+        """``program``, led by the undo of a speculative accept if one is due (then no longer)."""
+        pending, self._pending = self._pending, []
+        return [*pending, *program]
+
     def _run(self, program: Program) -> np.ndarray:
         """Run ``program`` on the shards, after the undo of a speculative accept if one is due."""
-        pending, self._pending = self._pending, []
-        return self.space.run([*pending, *program])
+        return self.space.run(self._after_pending(program))
 
     def _evaluate(self, batch: int, prelude: Program, extra: Program = ()) -> tuple[float, list]:
         """Objective at ``xt`` on ``batch``; ``acc`` becomes its gradient (mean + L2 term).
         ``extra`` runs on the shards right after, in the same round trip."""
-        pending, self._pending = self._pending, []
-        loss_sum, n = self.space.evaluate(batch, [*pending, *prelude])
+        loss_sum, n = self.space.evaluate(batch, self._after_pending(prelude))
         dots = self.space.run(
             [
                 ("scale", "acc", 1.0 / n),
