@@ -8,6 +8,7 @@ import pytest
 from distributed import Client
 
 from downpour_dask import datasets, models
+from downpour_dask.data.dask_collections import distinct_labels
 from downpour_dask.data.schema import Schema, Shard, ShardDataError
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.sandblaster.blocks import read_block
@@ -111,6 +112,27 @@ def test_a_dask_dataframe_fit_knows_its_feature_names_and_covers_every_row(clien
     assert (pushes.groupby("version")["examples"].sum() == len(X)).all()
     assert (pushes.groupby("version").size() == 6).all()  # 6 wanted over 3 partitions: cut in 2
     assert est.score(pd.DataFrame(X, columns=columns), y) > 0.85
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        np.array([3, -1, 7, 3, 7, 7, -1, 12, 3]),
+        np.array(["cat", "dog", "cat", "eel", "dog", "ant", "cat", "eel", "dog"]),
+        np.array([0.5, 2.0, 0.5, -1.0, 2.0, 2.0, 0.5, 9.0, -1.0]),
+    ],
+    ids=["int", "str", "float"],
+)
+def test_the_label_scan_finds_exactly_the_distinct_labels_of_every_block(labels):
+    """The classes a fit on a Dask collection learns: each block's distinct values, whatever
+    their order within the block, found for an Array and a Series alike."""
+    expected = np.unique(labels)
+    as_array = distinct_labels(da.from_array(labels, chunks=4)).compute(scheduler="sync")
+    series = dd.from_pandas(pd.Series(labels, name="y"), npartitions=3)
+    as_series = distinct_labels(series).compute(scheduler="sync")
+    for found in (np.asarray(as_array), as_series.to_numpy()):
+        assert len(found) <= len(labels) and np.array_equal(np.unique(found), expected)
+    assert len(as_array) == sum(len(np.unique(labels[i : i + 4])) for i in range(0, 9, 4))
 
 
 def test_bad_dask_data_is_refused_before_any_cluster_work(digits_signed):

@@ -185,11 +185,15 @@ def _array_dataset(X: Any, y: Any, name: str | None, shuffle_buffer: int | None)
 
 def distinct_labels(labels: Any) -> Any:
     """A lazy collection of the distinct values of ``labels`` (a Dask Series or 1-D Array), each
-    block's own: compute it on the cluster and ``np.unique`` the small result."""
+    block's own: compute it on the cluster and ``np.unique`` the small result.
+
+    A block's values are found by hashing (``pandas.unique``), not by sorting the whole block
+    as ``np.unique`` does: the scan is on the critical path of every fit on a Dask collection.
+    """
     if hasattr(labels, "map_partitions"):
         return labels.map_partitions(_unique_values, meta=(labels.name, labels.dtype))
     blocks = ((np.nan,) * len(labels.chunks[0]),)
-    return labels.map_blocks(np.unique, chunks=blocks, dtype=labels.dtype)
+    return labels.map_blocks(pd.unique, chunks=blocks, dtype=labels.dtype)
 
 
 def encode_labels(labels: Any, classes: np.ndarray) -> Any:
@@ -201,7 +205,7 @@ def encode_labels(labels: Any, classes: np.ndarray) -> Any:
 
 
 def _unique_values(part: pd.Series) -> pd.Series:
-    return pd.Series(np.unique(part.to_numpy()), name=part.name)
+    return pd.Series(pd.unique(part.to_numpy()), name=part.name)
 
 
 def _encode_series(part: pd.Series, classes: np.ndarray) -> pd.Series:
