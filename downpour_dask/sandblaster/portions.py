@@ -148,6 +148,7 @@ class Portions(PortionScheduling):
         )
         version = begun[0][0]
         self.point = np.concatenate([values for _, values in begun]) if send else None
+        self._refresh()
         t_start = last_progress = time.time()
         self.observer.event(
             "batch_start", f"batch {batch}, version {version}", batch=batch, version=version
@@ -156,11 +157,6 @@ class Portions(PortionScheduling):
         done: dict[int, PortionResult] = {}
         copies: dict[int, list[PortionCopy]] = {}  # every copy submitted in this batch
         durations: list[float] = []  # submit-to-result seconds of the counted copies
-        # The portions start on the workers the last refresh saw (a copy sent to one that has
-        # left since runs elsewhere, or is collected as lost); the scheduler is asked who left
-        # or joined while they run, not before: two round trips off every pass's critical path.
-        self._dispatch(version, todo, copies)
-        self._refresh()
         while len(done) < len(self.batches[batch]):
             self._dispatch(version, todo, copies)
             if not todo and self.backup_tasks:
