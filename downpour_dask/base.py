@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-import pandas as pd
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import accuracy_score, r2_score
@@ -37,6 +36,7 @@ from .log import (
     PushRow,
     events_frame,
     plain,
+    typed_frame,
 )
 from .progress import ProgressBar
 
@@ -369,11 +369,10 @@ class RunRecorder:
 
     def experiment(self, config: dict[str, Any]) -> Experiment:
         """The run's :class:`Experiment`: push rows in time order, evaluations, events."""
-        pushes = pd.DataFrame(self.pushes, columns=list(PUSH_COLUMNS)).astype(PUSH_COLUMNS)
-        pushes = pushes.sort_values("time", kind="stable").reset_index(drop=True)
+        pushes = typed_frame(sorted(self.pushes, key=lambda row: row.time), PUSH_COLUMNS)
         columns = self.eval_columns
-        evals = pd.DataFrame(self.evals, columns=list(columns)).astype(columns)
-        return Experiment(config, pushes, evals, events_frame(self.events))
+        rows = [tuple(e.get(name, np.nan) for name in columns) for e in self.evals]
+        return Experiment(config, pushes, typed_frame(rows, columns), events_frame(self.events))
 
     # -- checkpoints -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, list]:
