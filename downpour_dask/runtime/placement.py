@@ -107,14 +107,11 @@ def place_replicas(
             for r, shards in enumerate(assign_shards(data.shards, n_replicas))
         ]
         return PlacedData(replicas, data.n_rows, data.describe())
-    subsets = list(data)
-    homes = [workers[r % len(workers)] for r in range(len(subsets))]
-    sent: dict[int, tuple] = {}
-    for address in dict.fromkeys(homes):  # one scatter per worker, not per replica
-        mine = [r for r, home in enumerate(homes) if home == address]
-        futures = send_to_workers(client, [part for r in mine for part in subsets[r]], [address])
-        sent.update({r: tuple(futures[2 * i : 2 * i + 2]) for i, r in enumerate(mine)})
-    replicas = [Placement(homes[r], sent[r], [], len(y)) for r, (_, y) in enumerate(subsets)]
+    replicas = []
+    for r, (X_part, y_part) in enumerate(data):
+        address = workers[r % len(workers)]
+        X_r, y_r = send_to_workers(client, [X_part, y_part], [address])
+        replicas.append(Placement(address, (X_r, y_r), [], len(y_part)))
     n_rows = sum(p.rows for p in replicas)
     return PlacedData(
         replicas, n_rows, {"kind": "arrays", "n_shards": len(replicas), "rows": n_rows}
