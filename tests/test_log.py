@@ -5,6 +5,8 @@ import pandas as pd
 import pytest
 
 from downpour_dask import Experiment
+from downpour_dask.base import RunRecorder
+from downpour_dask.log import EVENT_COLUMNS, PUSH_COLUMNS, PushRow
 
 
 def _experiment():
@@ -129,3 +131,28 @@ def test_a_run_directory_written_before_events_had_data_loads_with_empty_data(tm
     back = Experiment.load(path)
     assert list(back.events["data"]) == [{}, {}]
     assert list(back.events["kind"]) == ["start", "stop"] and back.summary()["duration"] == 1.2
+
+
+def test_a_recorders_experiment_has_its_documented_dtypes_rows_in_time_order():
+    """What every fit returns as ``experiment_``: each column of the documented dtype (strings
+    and event data as objects, not pandas' string dtype), pushes and events in time order with
+    ties kept in arrival order, an evaluation without its score a NaN, each event's data a copy."""
+    recorder = RunRecorder("accuracy", clock=lambda: 0.0)
+    for time_, replica in ((2.0, 0), (1.0, 1), (2.0, 2), (0.5, 3)):
+        recorder.push(PushRow(time_, replica, 1, 0.5, 32, 0, 7, True, 0, 100))
+    data = {"shard": 1, "versions": [3, 4]}
+    recorder.add_events([(3.0, "stop", "done", data), (1.0, "start", "go")])
+    recorder.evaluation(time=1.5, version=4, examples_seen=64, loss=0.7)  # scored later: never
+    run = recorder.experiment({"estimator": "test"})
+    assert run.pushes.dtypes.to_dict() == {k: np.dtype(v) for k, v in PUSH_COLUMNS.items()}
+    assert run.pushes["replica"].tolist() == [3, 1, 0, 2]
+    assert run.events.dtypes.to_dict() == {k: np.dtype(v) for k, v in EVENT_COLUMNS.items()}
+    assert run.events["kind"].tolist() == ["start", "stop"]
+    assert run.events["data"].tolist() == [{}, {"shard": 1, "versions": [3, 4]}]
+    data["shard"] = 9  # the recorder's copy, and the frame's, stay as recorded
+    assert run.events["data"].iloc[1]["shard"] == 1
+    assert run.evals.dtypes.to_dict() == {k: np.dtype(v) for k, v in recorder.eval_columns.items()}
+    assert run.evals["version"].tolist() == [4] and np.isnan(run.evals["accuracy"].iloc[0])
+    empty = RunRecorder("r2").experiment({})
+    assert len(empty.pushes) == 0 and list(empty.pushes.columns) == list(PUSH_COLUMNS)
+    assert empty.pushes.dtypes.to_dict() == {k: np.dtype(v) for k, v in PUSH_COLUMNS.items()}
