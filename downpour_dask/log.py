@@ -90,10 +90,12 @@ def typed_frame(rows: list[tuple], columns: dict[str, str]) -> pd.DataFrame:
     values = list(zip(*rows)) if rows else [()] * len(columns)
     data = {}
     for (name, dtype), column in zip(columns.items(), values):
-        array = np.empty(len(rows), dtype) if dtype == "object" else np.array(column, dtype)
         if dtype == "object":  # item by item: a dict or list must not become a dimension
+            array = np.empty(len(rows), dtype)
             for i, value in enumerate(column):
                 array[i] = value
+        else:
+            array = np.array(column, dtype)
         data[name] = pd.Series(array, dtype=dtype, copy=False)
     return pd.DataFrame(data)
 
