@@ -114,6 +114,21 @@ def test_reader_visits_every_row_once_per_epoch_shuffled_and_reproducible(
     assert np.array_equal(table.X[:, 0], np.arange(sum(sizes))) and table.y.dtype == np.int64
 
 
+@pytest.mark.parametrize("kind", ["parquet", "npy", "csv"])
+def test_a_streamed_row_carries_every_feature_and_the_label_of_its_file_row(tmp_path, kind):
+    sizes = [90, 15, 160]  # row groups of 50 read in chunks of 40: chunks split row groups
+    ds = _write(kind, tmp_path, sizes)
+    rows = pd.concat([_frame(n, sum(sizes[:i])) for i, n in enumerate(sizes)], ignore_index=True)
+    X_file, y_file = rows.drop(columns="label").to_numpy(np.float32), rows["label"].to_numpy()
+    spec = StreamSpec(ds.schema, tuple(ds.shards), 16, ds.shuffle_buffer, N_CLASSES)
+    seen = 0
+    for Xb, yb in ShardStream(spec).epoch(np.random.default_rng(0)):
+        ids = Xb[:, 0].astype(np.int64)
+        assert np.array_equal(Xb, X_file[ids]) and np.array_equal(yb, y_file[ids])
+        seen += len(yb)
+    assert seen == sum(sizes)
+
+
 def test_batches_are_float32_c_contiguous_with_int64_labels(tmp_path):
     ds = _write("parquet", tmp_path, [100])
     spec = StreamSpec(ds.schema, tuple(ds.shards), 32, 40, N_CLASSES)
