@@ -84,9 +84,13 @@ def _arrow_chunks(
 ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """Rows ``[lo, hi)`` of a stream of record batches starting at row ``pos``, as chunks.
 
-    Columns are the features in order, then the label.
+    Columns are the features in order, then the label.  Each chunk's feature columns are first
+    copied into the rows of a column-major staging buffer (contiguous copies), which is then
+    transposed into ``xbuf`` in one pass: written straight into ``xbuf``, each column would be a
+    strided pass over the whole chunk, which is larger than the cache.
     """
     n_feat, size = xbuf.shape[1], xbuf.shape[0]
+    staging = np.empty((n_feat, size), xbuf.dtype)
     for batch in _guarded(batches, where):
         b0, pos = pos, pos + batch.num_rows
         a, b = max(lo, b0), min(hi, pos)
@@ -98,10 +102,11 @@ def _arrow_chunks(
         columns = [batch.column(j).to_numpy(zero_copy_only=False) for j in range(n_feat + 1)]
         for c0 in range(a, b, size):
             r0, m = c0 - b0, min(size, b - c0)
-            X = xbuf[:m]
+            X, columns_of_X = xbuf[:m], staging[:, :m]
             with np.errstate(over="ignore", invalid="ignore"):
                 for j in range(n_feat):
-                    X[:, j] = columns[j][r0 : r0 + m]
+                    columns_of_X[j] = columns[j][r0 : r0 + m]
+            np.copyto(X, columns_of_X.T)
             yield X, columns[n_feat][r0 : r0 + m], c0
 
 
