@@ -274,6 +274,43 @@ def test_softplus_matches_logaddexp_from_underflow_to_overflow(dtype):
     np.testing.assert_allclose(got, expected, rtol=4 * np.finfo(dtype).eps, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
+def test_confident_rows_leave_no_subnormal_number_in_the_output_gradient(kind):
+    """A fitted model's wrong-class probabilities fall below float32's normal range; as
+    subnormal numbers they would slow every product of the backward pass (``exp_flushed``).
+    The output gradient holds exact zeros there instead, and equals float64's to 1e-18."""
+    margins = np.array([0.0, 5.0, 50.0, 90.0, 95.0, 100.0, 120.0])  # 88 and up underflow
+    if kind == "softmax":  # class 0 is right by the margin, class 2 by twice it
+        z64 = np.stack([margins, np.zeros_like(margins), -margins], axis=1)
+        y = np.zeros(len(margins), np.int64)
+        p = np.exp(z64 - z64.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        expected = p - np.eye(3)[y]
+        loss = -np.log(p[:, 0]).sum()
+    else:  # label 0, sigmoid output: right by the margin
+        z64 = -margins.reshape(-1, 1)
+        y = np.zeros(len(margins), np.int64)
+        expected = 1 / (1 + np.exp(-z64))
+        loss = np.logaddexp(0, z64).sum()
+    z = z64.astype(np.float32)
+    ws = dense.Workspace([z.shape[1]], len(z), np.dtype(np.float32), 1)
+    assert dense.output_loss(kind, z, y, ws, delta=True) == pytest.approx(loss, rel=1e-6)
+    subnormal = (z != 0) & (np.abs(z) < np.finfo(np.float32).tiny)
+    assert not subnormal.any(), z[subnormal]
+    np.testing.assert_allclose(z, expected, rtol=1e-6, atol=1e-18)
+
+
+def test_a_confident_models_float32_gradient_matches_its_float64_gradient():
+    model = MLP(3, (4,), 3)
+    params = model.init(np.random.default_rng(0)) * 40  # logits hundreds apart
+    X = np.random.default_rng(1).normal(size=(64, 3)).astype(np.float32)
+    y = np.argmax(model.predict_proba(params.astype(np.float64), X.astype(np.float64)), axis=1)
+    y[:4] = (y[:4] + 1) % 3  # a few rows wrong, so the gradient is not all zeros
+    _, grad64 = model.loss_and_grad(params.astype(np.float64), X.astype(np.float64), y)
+    _, grad32 = model.loss_and_grad(params, X, y)
+    np.testing.assert_allclose(grad32, grad64, rtol=1e-4, atol=1e-4 * np.abs(grad64).max())
+
+
 def test_logistic_loss_and_gradient_stay_exact_for_huge_logits():
     """Logits of +-1000 overflow exp() in a naive sigmoid: loss and gradient stay finite and
     equal the stable float64 formulas (loss |z| per wrong row, gradient sigmoid - y)."""

@@ -13,6 +13,8 @@ numpy temporary an ``mmap`` plus page faults.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 #: Hidden-layer activations the passes know.
@@ -28,7 +30,8 @@ class Workspace:
 
     A batch of ``n <= capacity`` rows uses ``buf[:n]`` of each: ``acts`` (every layer's output,
     the last one the logits), ``deltas`` (the back-propagated gradients of the hidden layers),
-    two columns for the output loss and ``scratch`` for the L2 term.
+    two columns and a mask of the logits' shape (:func:`exp_flushed`) for the output loss, and
+    ``scratch`` for the L2 term.
 
     Parameters
     ----------
@@ -48,6 +51,7 @@ class Workspace:
         self.deltas = [np.empty((capacity, w), dtype) for w in widths[:-1]]
         self.col_a = np.empty((capacity, 1), dtype)
         self.col_b = np.empty((capacity, 1), dtype)
+        self.flushed = np.empty((capacity, widths[-1]), bool)  # see exp_flushed
         self.rows = np.arange(capacity)
         self.scratch = np.empty(scratch, dtype)  # l2 * W, at most the largest weight matrix
         self.partial: np.ndarray | None = None  # a block's gradient, for batches over capacity
@@ -74,6 +78,31 @@ def softplus(z: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> np.ndarray:
     np.log1p(out, out=out)
     np.maximum(z, 0, out=tmp)
     return np.add(out, tmp, out=out)
+
+
+@functools.cache
+def log_floor(dtype: np.dtype) -> float:
+    """The log of the smallest probability the output passes keep: ``sqrt(tiny)`` of ``dtype``
+    (about 1e-19 in float32)."""
+    return 0.5 * float(np.log(np.finfo(dtype).tiny))
+
+
+def exp_flushed(z: np.ndarray, flushed: np.ndarray) -> None:
+    """``exp(z)`` in place for log-probabilities ``z``, with those below :func:`log_floor` set to
+    exactly 0 (``flushed``, a bool array of ``z``'s shape, is scratch).
+
+    Once a model is confident, most of a batch's wrong-class probabilities fall below float32's
+    smallest normal number (a logit 88 below the row's largest), and so would the gradients
+    back-propagated from them.  Arithmetic on such subnormal numbers takes a slow path on common
+    CPUs, several times slower per operation, so a fitted model's steps would slow down the
+    better it fits.  A probability below ``sqrt(tiny)`` changes no float32 gradient; as an exact
+    0 it costs nothing, and what is kept stays normal through the backward pass's products.
+    """
+    floor = log_floor(z.dtype)
+    np.less(z, floor, out=flushed)
+    np.maximum(z, floor, out=z)
+    np.exp(z, out=z)
+    np.copyto(z, 0, where=flushed)
 
 
 def times_derivative(delta: np.ndarray, a: np.ndarray, activation: str) -> None:
@@ -112,7 +141,7 @@ def output_loss(kind: str, z: np.ndarray, y: np.ndarray, ws: Workspace, delta: b
         np.max(z, axis=1, keepdims=True, out=m)
         z -= m
         picked = float(z[ws.rows[:n], y].sum(dtype=np.float64))
-        np.exp(z, out=z)
+        exp_flushed(z, ws.flushed[:n])
         np.sum(z, axis=1, keepdims=True, out=s)
         if delta:  # softmax - onehot
             z /= s
@@ -125,7 +154,7 @@ def output_loss(kind: str, z: np.ndarray, y: np.ndarray, ws: Workspace, delta: b
         total = float(sp.sum(dtype=np.float64)) - float(np.vdot(yf, z))
         if delta:  # sigmoid(z) - y, with sigmoid(z) = exp(z - softplus(z)) (no overflow)
             np.subtract(z, sp, out=z)
-            np.exp(z, out=z)
+            exp_flushed(z, ws.flushed[:n])
             z -= yf
         return total
     np.subtract(z, y.reshape(z.shape), out=z)  # residuals = d(sum)/dz
