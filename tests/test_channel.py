@@ -18,6 +18,7 @@ import pytest
 from downpour_dask import optim
 from downpour_dask.ps import wire
 from downpour_dask.ps.channel import DaskShardChannel, Done
+from downpour_dask.ps.clock import finish_clock, poll_clock
 from downpour_dask.ps.protocol import LOST_ACTOR, FencedError, PushReply, ShardLostError
 from downpour_dask.ps.shard import ParameterServerShard
 
@@ -133,6 +134,25 @@ def test_a_lost_actor_fails_its_calls_as_a_lost_shard_and_a_bug_as_itself():
     with pytest.raises(ShardLostError, match="shard 0 was lost: Worker holding Actor") as caught:
         channel.wait(call, "shard-a", 0.0)
     assert caught.value.shard == 0
+
+
+class LostActorHandle:
+    """Dask's handle of an actor whose worker was lost: it refuses even a method's lookup."""
+
+    key = "shard-a"
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"{LOST_ACTOR}.  Status: error")
+
+
+def test_a_handle_that_refuses_the_lookup_fails_a_clock_call_as_a_lost_shard():
+    """SSP's and BSP's clock calls (``ps/clock``) once failed the replica with Dask's
+    RuntimeError, raised by the lookup before the call could be made."""
+    channel = open_channel(ActorStub(make_shard(), "shard-a"), direct=False)
+    channel.actor = LostActorHandle()
+    for call in (poll_clock(channel, 2), finish_clock(channel, "run")):
+        with pytest.raises(ShardLostError, match="shard 0 was lost: Worker holding Actor"):
+            channel.wait(call, "shard-a", 0.0)
 
 
 def test_a_call_to_a_shard_replaced_meanwhile_fails_as_lost():

@@ -47,13 +47,14 @@ class Half:
         return actor_result(self.call, timeout)[self.index]
 
 
-def start(method: Any, *args: Any, local: bool = False, **kw: Any) -> Any:
-    """Call ``method(*args, **kw)`` on a shard: ``local`` (the shard object itself) returns a
-    complete :class:`Done`, otherwise the handle's pending call.  A retired shard's refusal or a
+def start(target: Any, name: str, /, *args: Any, local: bool = False, **kw: Any) -> Any:
+    """Call method ``name`` of a shard (``local``: the shard object itself, which returns a
+    complete :class:`Done`) or of its handle (the pending call).  A retired shard's refusal or a
     lost shard's handle fails the call when it is waited for; anything else (a bug) is raised
-    now."""
+    now.  The method is looked up here too: Dask's handle of an actor whose worker was lost
+    refuses the lookup itself."""
     try:
-        result = method(*args, **kw)
+        result = getattr(target, name)(*args, **kw)
     except FencedError as err:
         return Done(error=err)
     except Exception as err:

@@ -100,8 +100,8 @@ def _call(channel: Any, name: str, *args: Any) -> Any:
     message; a call its lost shard's handle refuses fails when waited for."""
     local = getattr(channel, "local", None)
     if local is not None:
-        return start(getattr(local, name), *args, local=True)
-    return start(getattr(channel.actor, name), *args)
+        return start(local, name, *args, local=True)
+    return start(channel.actor, name, *args)
 
 
 def poll_clock(channel: Any, n_replicas: int, read: bool = False, run: str = "") -> Any:

@@ -105,9 +105,9 @@ class RowsLink:
 
     def _call(self, name: str, *args: Any, **kw: Any) -> Any:
         if self.local:
-            return start(getattr(self.shard, _LOCAL[name]), *args, local=True, **kw)
+            return start(self.shard, _LOCAL[name], *args, local=True, **kw)
         target = self.wire if self.wire is not None else self.shard
-        return start(getattr(target, name), *args, **kw)
+        return start(target, name, *args, **kw)
 
     def pull(self, requests: Sequence[np.ndarray]) -> Any:
         """Start pulling the dense slice and the rows ``requests[t]`` of each table."""
