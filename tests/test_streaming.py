@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from downpour_dask import DownpourSGD, datasets, models, runs
+from downpour_dask.data import readers
 from downpour_dask.data.assignment import assign_shards
 from downpour_dask.data.schema import ShardDataError, ShardReadError
 from downpour_dask.data.stream import ShardStream, StreamSpec, prefetched
@@ -114,8 +115,13 @@ def test_reader_visits_every_row_once_per_epoch_shuffled_and_reproducible(
     assert np.array_equal(table.X[:, 0], np.arange(sum(sizes))) and table.y.dtype == np.int64
 
 
+@pytest.mark.parametrize("staging_rows", [None, 16])  # 16: a chunk transposed in 3 parts
 @pytest.mark.parametrize("kind", ["parquet", "npy", "csv"])
-def test_a_streamed_row_carries_every_feature_and_the_label_of_its_file_row(tmp_path, kind):
+def test_a_streamed_row_carries_every_feature_and_the_label_of_its_file_row(
+    tmp_path, monkeypatch, kind, staging_rows
+):
+    if staging_rows:
+        monkeypatch.setattr(readers, "STAGING_BYTES", 4 * (N_FEATURES + 1) * staging_rows)
     sizes = [90, 15, 160]  # row groups of 50 read in chunks of 40: chunks split row groups
     ds = _write(kind, tmp_path, sizes)
     rows = pd.concat([_frame(n, sum(sizes[:i])) for i, n in enumerate(sizes)], ignore_index=True)

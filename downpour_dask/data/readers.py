@@ -79,18 +79,37 @@ def _check_chunk(
     return y.astype(np.int64)
 
 
+#: Bytes of the column-major buffer that feature columns are transposed through (_rows_of).
+STAGING_BYTES = 4 << 20
+
+
+def _rows_of(columns: list[np.ndarray], r0: int, X: np.ndarray, staging: np.ndarray) -> None:
+    """Write rows ``r0 : r0 + len(X)`` of the feature ``columns`` into the row-major ``X``.
+
+    Each part of at most ``staging.shape[1]`` rows is first copied column by column into the
+    rows of the column-major ``staging`` (contiguous copies), then transposed into ``X`` in one
+    pass.  Written straight into ``X``, each column would be a strided pass over all of it,
+    which is larger than the cache.
+    """
+    step = staging.shape[1]
+    for s0 in range(0, len(X), step):
+        part = staging[:, : min(step, len(X) - s0)]
+        with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32's range
+            for j, column in enumerate(columns):
+                part[j] = column[r0 + s0 : r0 + s0 + part.shape[1]]
+        np.copyto(X[s0 : s0 + part.shape[1]], part.T)
+
+
 def _arrow_chunks(
     batches: Any, lo: int, hi: int, pos: int, xbuf: np.ndarray, where: str
 ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """Rows ``[lo, hi)`` of a stream of record batches starting at row ``pos``, as chunks.
 
-    Columns are the features in order, then the label.  Each chunk's feature columns are first
-    copied into the rows of a column-major staging buffer (contiguous copies), which is then
-    transposed into ``xbuf`` in one pass: written straight into ``xbuf``, each column would be a
-    strided pass over the whole chunk, which is larger than the cache.
+    Columns are the features in order, then the label.
     """
     n_feat, size = xbuf.shape[1], xbuf.shape[0]
-    staging = np.empty((n_feat, size), xbuf.dtype)
+    staging_rows = max(1, min(size, STAGING_BYTES // (xbuf.itemsize * n_feat)))
+    staging = np.empty((n_feat, staging_rows), xbuf.dtype)
     for batch in _guarded(batches, where):
         b0, pos = pos, pos + batch.num_rows
         a, b = max(lo, b0), min(hi, pos)
@@ -102,11 +121,8 @@ def _arrow_chunks(
         columns = [batch.column(j).to_numpy(zero_copy_only=False) for j in range(n_feat + 1)]
         for c0 in range(a, b, size):
             r0, m = c0 - b0, min(size, b - c0)
-            X, columns_of_X = xbuf[:m], staging[:, :m]
-            with np.errstate(over="ignore", invalid="ignore"):
-                for j in range(n_feat):
-                    columns_of_X[j] = columns[j][r0 : r0 + m]
-            np.copyto(X, columns_of_X.T)
+            X = xbuf[:m]
+            _rows_of(columns[:n_feat], r0, X, staging)
             yield X, columns[n_feat][r0 : r0 + m], c0
 
 
