@@ -264,14 +264,18 @@ def test_logistic_predict_proba_and_accuracy_by_hand():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_softplus_matches_logaddexp_from_underflow_to_overflow(dtype):
-    z = np.concatenate([[-1e4, -200.0, -88.0, -20.0, -1e-7, 0.0, 1e-7, 20.0, 88.0, 200.0, 1e4],
-                        np.linspace(-30, 30, 601)]).astype(dtype).reshape(-1, 1)  # fmt: skip
+def test_softplus_matches_logaddexp_down_to_sqrt_tiny_and_never_returns_a_subnormal(dtype):
+    """From underflow to overflow; below ``sqrt(tiny)`` (log_floor) it returns ``sqrt(tiny)``:
+    a subnormal result (float32's softplus(-88)) would cost many times a normal one."""
+    edges = [-1e4, -800.0, -200.0, -88.0, -20.0, -1e-7, 0.0, 1e-7, 20.0, 88.0, 200.0, 1e4]
+    z = np.concatenate([edges, np.linspace(-50, 50, 1001)]).astype(dtype).reshape(-1, 1)
     out, tmp = np.empty_like(z), np.empty_like(z)
     got = dense.softplus(z, out=out, tmp=tmp)
     assert got is out and np.isfinite(got).all()
-    expected = np.logaddexp(0, z.astype(np.float64)).astype(dtype)  # exp(-200) is 0 in float32
+    floor = np.exp(dense.log_floor(np.dtype(dtype)))
+    expected = np.maximum(np.logaddexp(0, z.astype(np.float64)), floor).astype(dtype)
     np.testing.assert_allclose(got, expected, rtol=4 * np.finfo(dtype).eps, atol=0)
+    assert not ((got != 0) & (np.abs(got) < np.finfo(dtype).tiny)).any()
 
 
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
