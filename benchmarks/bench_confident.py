@@ -10,7 +10,10 @@ two):
 1. In this process: an MLP 64-64-2's ``loss_and_grad`` on batches of 256 rows of separable data
    (labels from a linear teacher, no noise), at its initial parameters (the baseline) and after
    ``--epochs`` epochs of plain SGD have made it confident; the two in turns, ``--rounds``
-   times, medians.
+   times, medians.  Also a logistic regression's gradient over all 100,000 rows (Sandblaster's
+   kind of step), with weights along the teacher scaled so that the logits spread by 1
+   (baseline) or by 100 (as after a long fit on separable data, where most rows' logits lie
+   beyond float32's subnormal edge).
 2. On a local cluster of 2 single-threaded workers: ``DownpourSGD`` (2 replicas x 2 shards, Adam
    0.01, batch 256, n_fetch = n_push = 4) for ``--seconds`` on the separable data, and, as the
    baseline, on the same features with noisy labels (which no model fits with confidence);
@@ -40,11 +43,17 @@ from downpour_dask import DownpourSGD, models  # noqa: E402
 ROWS, FEATURES, BATCH = 100_000, 64, 256
 
 
-def data(noise: float) -> tuple[np.ndarray, np.ndarray]:
-    """Standard normal features; labels from a fixed linear teacher plus ``noise``."""
+def features_and_teacher() -> tuple[np.ndarray, np.ndarray, np.random.Generator]:
+    """Standard normal float32 features, a fixed linear teacher, and the generator after both."""
     rng = np.random.default_rng(0)
     X = rng.standard_normal((ROWS, FEATURES)).astype(np.float32)
-    score = X @ rng.standard_normal(FEATURES) + noise * rng.standard_normal(ROWS)
+    return X, rng.standard_normal(FEATURES), rng
+
+
+def data(noise: float) -> tuple[np.ndarray, np.ndarray]:
+    """The features; labels from the teacher plus ``noise``."""
+    X, teacher, rng = features_and_teacher()
+    score = X @ teacher + noise * rng.standard_normal(ROWS)
     return X, (score > 0).astype(np.int64)
 
 
@@ -69,6 +78,24 @@ def fitted(model, X: np.ndarray, y: np.ndarray, epochs: int) -> tuple[np.ndarray
             model.loss_and_grad(params, X[lo : lo + BATCH], y[lo : lo + BATCH], out=grad)
             params -= 0.5 * grad
     return params, model.loss(params, X[:10_000], y[:10_000])
+
+
+def full_batch_ms(X: np.ndarray, y: np.ndarray, margin: float, rounds: int) -> float:
+    """Median milliseconds of a logistic regression's gradient over all of ``X`` (Sandblaster's
+    kind of step) with weights along the labels' teacher, scaled so the logits' spread is
+    ``margin``: at 100, as after a long fit on separable data, most rows' logits lie beyond
+    float32's subnormal edge; at 1, none do."""
+    model = models.LogisticRegression(FEATURES)
+    params = model.layout.zeros()
+    teacher = features_and_teacher()[1]
+    model.layout.views(params)["W"][:, 0] = margin * teacher / np.linalg.norm(teacher)
+    out = np.empty_like(params)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        model.loss_and_grad(params, X, y, out=out)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def downpour_rate(client: Client, X: np.ndarray, y: np.ndarray, seconds: float) -> float:
@@ -113,6 +140,8 @@ def main() -> None:
     for _ in range(args.rounds):
         times["fresh"].append(gradient_us(model, fresh, *separable, args.steps))
         times["fitted"].append(gradient_us(model, trained, *separable, args.steps))
+    wide_ms = full_batch_ms(*separable, margin=1.0, rounds=5 * args.rounds)
+    sure_ms = full_batch_ms(*separable, margin=100.0, rounds=5 * args.rounds)
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
         as cluster,
@@ -127,6 +156,10 @@ def main() -> None:
     rows = [
         ("gradient of a batch, fresh parameters (baseline)", f"{fresh_us:.0f} us", 1.0),
         ("gradient of a batch, fitted parameters", f"{fitted_us:.0f} us", fitted_us / fresh_us),
+        (f"logistic, {ROWS:,}-row gradient, logits' spread 1 (baseline)", f"{wide_ms:.2f} ms",
+         1.0),
+        (f"logistic, {ROWS:,}-row gradient, logits' spread 100", f"{sure_ms:.2f} ms",
+         sure_ms / wide_ms),
         ("Downpour, noisy labels (baseline), examples/s", f"{noisy_rate:,.0f}", 1.0),
         ("Downpour, separable labels, examples/s", f"{separable_rate:,.0f}",
          separable_rate / noisy_rate),
