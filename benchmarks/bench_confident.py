@@ -166,9 +166,9 @@ def main() -> None:
     ]  # fmt: skip
     print(f"\nMLP {FEATURES}-64-2, batch {BATCH}; fitted: {args.epochs} SGD epochs, "
           f"training loss {loss:.2e}")  # fmt: skip
-    print(f"{'measurement':52} {'value':>12} {'vs baseline':>12}")
+    print(f"{'measurement':60} {'value':>12} {'vs baseline':>12}")
     for name, value, ratio in rows:
-        print(f"{name:52} {value:>12} {ratio:>11.2f}x")
+        print(f"{name:60} {value:>12} {ratio:>11.2f}x")
     print("load average at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
