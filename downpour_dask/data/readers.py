@@ -93,11 +93,12 @@ def _rows_of(columns: list[np.ndarray], r0: int, X: np.ndarray, staging: np.ndar
     """
     step = staging.shape[1]
     for s0 in range(0, len(X), step):
-        part = staging[:, : min(step, len(X) - s0)]
+        k = min(step, len(X) - s0)
+        part, lo = staging[:, :k], r0 + s0
         with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32's range
             for j, column in enumerate(columns):
-                part[j] = column[r0 + s0 : r0 + s0 + part.shape[1]]
-        np.copyto(X[s0 : s0 + part.shape[1]], part.T)
+                part[j] = column[lo : lo + k]
+        np.copyto(X[s0 : s0 + k], part.T)
 
 
 def _arrow_chunks(
