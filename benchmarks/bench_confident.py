@@ -80,14 +80,15 @@ def fitted(model, X: np.ndarray, y: np.ndarray, epochs: int) -> tuple[np.ndarray
     return params, model.loss(params, X[:10_000], y[:10_000])
 
 
-def full_batch_ms(X: np.ndarray, y: np.ndarray, margin: float, rounds: int) -> float:
+def full_batch_ms(
+    X: np.ndarray, y: np.ndarray, teacher: np.ndarray, margin: float, rounds: int
+) -> float:
     """Median milliseconds of a logistic regression's gradient over all of ``X`` (Sandblaster's
-    kind of step) with weights along the labels' teacher, scaled so the logits' spread is
+    kind of step) with weights along the labels' ``teacher``, scaled so the logits' spread is
     ``margin``: at 100, as after a long fit on separable data, most rows' logits lie beyond
     float32's subnormal edge; at 1, none do."""
     model = models.LogisticRegression(FEATURES)
     params = model.layout.zeros()
-    teacher = features_and_teacher()[1]
     model.layout.views(params)["W"][:, 0] = margin * teacher / np.linalg.norm(teacher)
     out = np.empty_like(params)
     times = []
@@ -140,8 +141,9 @@ def main() -> None:
     for _ in range(args.rounds):
         times["fresh"].append(gradient_us(model, fresh, *separable, args.steps))
         times["fitted"].append(gradient_us(model, trained, *separable, args.steps))
-    wide_ms = full_batch_ms(*separable, margin=1.0, rounds=5 * args.rounds)
-    sure_ms = full_batch_ms(*separable, margin=100.0, rounds=5 * args.rounds)
+    teacher = features_and_teacher()[1]
+    wide_ms = full_batch_ms(*separable, teacher, margin=1.0, rounds=5 * args.rounds)
+    sure_ms = full_batch_ms(*separable, teacher, margin=100.0, rounds=5 * args.rounds)
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
         as cluster,
