@@ -475,6 +475,22 @@ def test_large_finite_features_whose_float32_sum_overflows_are_accepted():
         CLF.check_data(X)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_one_non_finite_feature_anywhere_is_found(dtype, bad, order):
+    """The check sums the rows by BLAS (a C-contiguous matrix) or by numpy (anything else):
+    either way one NaN or infinity in the first, a middle or the last row and column shows."""
+    X = np.asarray(np.random.default_rng(0).standard_normal((3000, 7)), dtype, order=order)
+    assert validation.all_finite(X) and validation.all_finite(X[:, :1])
+    for row, col in [(0, 0), (1234, 3), (2999, 6)]:
+        bad_X = X.copy(order=order)
+        bad_X[row, col] = bad
+        assert not validation.all_finite(bad_X)
+        assert not validation.all_finite(bad_X[:, col : col + 1])  # one column
+        assert not validation.all_finite(bad_X[row])  # one row
+
+
 @pytest.mark.parametrize(
     "make, exc, match",
     [
