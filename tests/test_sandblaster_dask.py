@@ -5,7 +5,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import Client
+from distributed import Client, get_task_stream
 
 from downpour_dask import datasets, models
 from downpour_dask.data.dask_collections import distinct_labels
@@ -69,6 +69,27 @@ def test_a_dask_array_fit_matches_the_in_memory_fit_and_no_feature_row_moves(
     assert (pushes.groupby("version")["examples"].sum() == len(X)).all()
     assert (pushes.groupby("version").size() == n_parts).all()  # a portion per partition
     assert est.score(X, y) == pytest.approx(ref.score(X, y))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("known", [True, False], ids=["known-chunks", "unknown-chunks"])
+def test_partition_lengths_are_counted_on_the_workers_only_when_the_chunks_do_not_say(
+    client, digits_signed, known
+):
+    X, y = digits_signed
+    Xd, yd = da.from_array(X, chunks=(500, 64)), da.from_array(y, chunks=500)
+    if not known:  # a boolean mask leaves the row chunks unknown (NaN) until computed
+        keep = da.from_array(np.ones(len(X), bool), chunks=500)
+        Xd, yd = Xd[keep], yd[keep]
+        assert np.isnan(Xd.chunks[0]).all()
+    with get_task_stream(client) as tasks:
+        est = SandblasterLBFGS(
+            models.LogisticRegression(64, l2=3e-2), max_iter=3, random_state=0
+        ).fit(Xd, yd, client=client)
+    counted = [t["key"] for t in tasks.data if str(t["key"]).startswith("len-")]
+    assert bool(counted) is not known  # a round trip to the workers only where needed
+    pushes = est.experiment_.pushes
+    assert (pushes.groupby("version")["examples"].sum() == len(X)).all()  # every row, once
 
 
 def test_an_array_block_is_a_view_of_float32_rows_and_checked_like_a_file():

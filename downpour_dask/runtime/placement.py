@@ -19,6 +19,7 @@ returned :class:`PlacedData`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,7 +180,11 @@ def persist_partitions(client: Client, ds: DaskDataset, timeout: float) -> Persi
     """
     collection, parts, names = _persist(client, ds, timeout)
     heavy = parts if ds.kind == "frame" else [x for x, _ in parts]  # where the rows are
-    lengths = client.gather(client.map(len, heavy, pure=False))
+    known = () if ds.kind == "frame" else collection[0].chunks[0]  # NaN where not known
+    if known and not any(math.isnan(n) for n in known):
+        lengths = list(known)  # a Dask Array's row chunks: no task to count them
+    else:
+        lengths = client.gather(client.map(len, heavy, pure=False))
     placed = ds.with_partitions(collection, [int(n) for n in lengths], names)
     who_has = client.who_has(heavy)
     holders = {s.part: _holder(who_has, heavy[s.part]) for s in placed.shards}
