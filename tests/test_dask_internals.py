@@ -8,6 +8,7 @@ When one of these fails after a Dask upgrade, ``dask_internals.py`` (or ``ps/pro
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ from downpour_dask.runtime.dask_internals import (
     actor_result,
     direct_actor,
     local_actor,
+    on_worker_loop,
     scheduler_workers,
     task_cancelled,
 )
@@ -203,3 +205,27 @@ def test_task_cancelled_tells_a_running_task_that_its_client_let_it_go(client):
     assert not Event(seen, client=client).is_set()  # running, not cancelled: no claim
     future.cancel()
     assert Event(seen, client=client).wait(timeout=TIMEOUT)
+
+
+def _on_the_loop() -> tuple[str, bool]:
+    """A task: run a coroutine on its worker's event loop; where did it run?"""
+
+    async def where() -> str:
+        return threading.current_thread().name
+
+    here = threading.current_thread().name
+    return on_worker_loop(where()).result(timeout=TIMEOUT), here
+
+
+def test_on_worker_loop_runs_a_coroutine_on_the_workers_event_loop(client):
+    ran, task_thread = client.submit(_on_the_loop, pure=False).result(timeout=TIMEOUT)
+    loop_thread = client.run(lambda: threading.current_thread().name)  # runs on the loop
+    assert ran != task_thread and ran in loop_thread.values()
+
+    async def never() -> None:  # outside a worker it refuses, and the coroutine is closed
+        raise AssertionError("ran")
+
+    coroutine = never()
+    with pytest.raises(RuntimeError, match="not a running asyncio loop"):
+        on_worker_loop(coroutine)
+    assert coroutine.cr_frame is None  # closed: no "never awaited" warning

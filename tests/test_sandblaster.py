@@ -310,6 +310,44 @@ def test_accumulated_gradient_equals_the_serial_full_data_gradient(client, backu
     assert est.experiment_.pushes["examples"].sum() == train.n_rows
 
 
+def _count_accumulate_messages(dask_worker) -> None:
+    """Count the ``accumulate`` actor messages this worker receives."""
+    received = dask_worker.handlers["actor_execute"]
+    dask_worker.accumulate_messages = 0
+
+    async def counting(**message):
+        dask_worker.accumulate_messages += message.get("function") == "accumulate"
+        return await received(**message)
+
+    dask_worker.handlers["actor_execute"] = counting
+
+
+def _stop_counting(dask_worker) -> int:
+    dask_worker.handlers["actor_execute"] = dask_worker.actor_execute
+    return dask_worker.accumulate_messages
+
+
+@pytest.mark.timeout(120)
+def test_a_portion_adds_to_a_shard_in_its_own_process_without_an_actor_message(
+    client, digits_binary
+):
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-2)
+    client.run(_count_accumulate_messages)
+    try:
+        est = SandblasterLBFGS(
+            model, n_shards=2, portions_per_batch=4, max_iter=2, backup_tasks=False,
+            random_state=0,
+        ).fit(X, y, client=client)  # fmt: skip
+    finally:
+        messages = sum(client.run(_stop_counting).values())
+    calls = 2 * len(est.experiment_.pushes)  # every counted portion called both shards
+    assert messages < calls  # the calls to a shard on the portion's own worker were direct
+    loss, grad = serial_objective(model, est.params_, X, y)  # ... and counted exactly once
+    np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
+    assert est.objective_ == pytest.approx(loss, rel=1e-6)
+
+
 def _fail_fetches(dask_worker) -> None:
     """Make every Sandblaster shard on this worker fail a fetch of the published point."""
 

@@ -14,6 +14,8 @@ imports); the same test pins it.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from typing import Any
 
 from distributed import Actor, Client, Future, get_worker
@@ -60,6 +62,28 @@ def local_actor(key: str) -> Any | None:
     except (ValueError, AttributeError):
         return None
     return actors.get(key) if isinstance(actors, dict) else None
+
+
+def on_worker_loop(coroutine: Any) -> concurrent.futures.Future:
+    """Run ``coroutine`` on this worker's event loop, from one of its task threads; return a
+    future of its result.
+
+    A coroutine method of an actor in this process then runs where Dask would run an actor
+    message -- on the loop, one call at a time with the others -- without the message itself
+    (its framing, the loopback round trip and the dispatch on the way back).
+
+    Relies on ``Worker.loop`` being a tornado ``IOLoop`` over asyncio whose ``asyncio_loop`` is
+    the running asyncio loop (checked: distributed 2024.x to 2026.8, tornado 6.x).  Raises
+    ``RuntimeError`` when that is not so; the caller then sends an ordinary actor message.
+    """
+    try:
+        loop = getattr(getattr(get_worker(), "loop", None), "asyncio_loop", None)
+    except ValueError:  # not on a worker
+        loop = None
+    if not isinstance(loop, asyncio.AbstractEventLoop) or not loop.is_running():
+        coroutine.close()
+        raise RuntimeError("this worker's event loop is not a running asyncio loop")
+    return asyncio.run_coroutine_threadsafe(coroutine, loop)
 
 
 def task_cancelled() -> bool:

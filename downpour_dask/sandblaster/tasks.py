@@ -24,7 +24,9 @@ from ..core import protocol
 from ..core.params import DTYPE
 from ..core.protocol import TrainableModel
 from ..ps.server import ParameterServer
+from ..runtime.dask_internals import local_actor, on_worker_loop
 from ..runtime.malloc import tune_malloc
+from .shard import SandblasterShard
 
 _CACHE: dict[str, tuple[int, np.ndarray]] = {}  # run token -> (version, parameters)
 _CACHE_LOCK = threading.Lock()
@@ -33,6 +35,24 @@ _ENDED: set[str] = set()  # runs whose fit ended: their straggling portions stop
 
 class _RunEnded(Exception):
     """The fit of this portion ended; its shards are gone."""
+
+
+def _call(shard: Any, method: str, *args: Any) -> Any:
+    """Start a call of a :class:`SandblasterShard` method; a future of its result.
+
+    A shard in this worker's process runs the call on the worker's event loop, where Dask would
+    run the actor message, one call at a time with the others; the message itself (its
+    serialisation, the loopback round trip to the same process, the dispatch) is skipped.  A
+    shard elsewhere gets an actor message.  The arguments must not change until the call is
+    done: a local call reads them, not a copy.
+    """
+    local = local_actor(shard.key)
+    if isinstance(local, SandblasterShard):
+        try:
+            return on_worker_loop(getattr(local, method)(*args))
+        except RuntimeError:  # no running asyncio loop to run it on: send a message
+            pass
+    return getattr(shard, method)(*args)
 
 
 def _check_running(token: str) -> None:
@@ -77,7 +97,7 @@ def _params_for(
         if hit is not None and hit[0] > version:
             return None
         _check_running(token)
-        calls = [shard.fetch(version) for shard in server.shards]
+        calls = [_call(shard, "fetch", version) for shard in server.shards]
         pieces = [_reply(call, token, timeout) for call in calls]
         if any(p is None for p in pieces):
             return None
@@ -132,7 +152,8 @@ def run_portion(
         time.sleep(delay[address])
     try:
         _check_running(token)  # a straggler (or a delayed copy) of a fit that ended
-        if backup and not _reply(server.shards[0].wanted(version, portion), token, timeout):
+        first = server.shards[0]
+        if backup and not _reply(_call(first, "wanted", version, portion), token, timeout):
             return PortionResult(portion, version, "skipped", 0.0, 0, address)
         if params is None:
             params = _params_for(server, token, version, timeout)
@@ -149,7 +170,7 @@ def run_portion(
     try:
         _check_running(token)
         calls = [
-            shard.accumulate(version, portion, grad[lo:hi], n)
+            _call(shard, "accumulate", version, portion, grad[lo:hi], n)
             for shard, (lo, hi) in zip(server.shards, server.ranges)
         ]
         for call in calls:  # the driver may count this portion only once every shard has it
@@ -170,7 +191,7 @@ def evaluate_task(
     that worker could not start.
     """
     server = server.opened()  # actor handles from the references the task was given
-    calls = [shard.vector("xe") for shard in server.shards]
+    calls = [_call(shard, "vector", "xe") for shard in server.shards]
     params = np.concatenate([_reply(c, token, timeout) for c in calls]).astype(DTYPE)
     X, y = data
     return protocol.loss(model, params, X, y), model.score(params, X, y)
