@@ -18,6 +18,7 @@ from distributed.client import FutureCancelledError
 from downpour_dask.core.params import split_range
 from downpour_dask.core.vectors import VectorStore
 from downpour_dask.sandblaster.portions import PortionCopy, Portions
+from downpour_dask.sandblaster.shard import Finished, SandblasterShard
 from downpour_dask.sandblaster.tasks import PortionResult, _newest, forget_run
 
 
@@ -56,6 +57,7 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions._restore_blocks = lambda: restored.append(1)
     portions.blocks = [SimpleNamespace(key=f"block-{pid}", status="pending") for pid in range(10)]
     portions.nbytes, portions.metrics = {}, {}  # blocks of 0 bytes unless a test says otherwise
+    portions.finished = {}
     return portions
 
 
@@ -239,3 +241,46 @@ def test_a_task_given_its_point_computes_only_if_its_worker_saw_no_later_version
     assert not _newest("run-a", 2, point)  # a copy of an earlier batch: its batch is over
     assert _newest("run-a", 4, point) and _newest("run-b", 1, point)  # runs are apart
     forget_run("run-a"), forget_run("run-b")
+
+
+class _FinishedServer:
+    """The shards' side of ``_finish_results``: what each shard's finish program gave."""
+
+    def __init__(self, results: list) -> None:
+        self.results, self.asked = results, 0
+        self.n_shards = len(results)
+
+    def call_all(self, method, version, timeout):
+        assert method is SandblasterShard.finished
+        self.asked += 1
+        return self.results
+
+
+def test_a_batch_whose_completing_copy_was_not_collected_asks_the_shards_for_its_finish():
+    """A shard's finish result comes with the copy that completed its batch; when that copy is
+    a backup the pass has not collected (it counted the other copy), the shards are asked."""
+    results = [
+        Finished([1.0, 2.0], [np.array([0.0, 1.0])]),
+        Finished([10.0, 20.0], [np.array([2.0])]),
+    ]
+    portions = _portions([])
+    portions.server, portions.kept = _FinishedServer(results), {}
+    portions.finished = {0: results[0], 1: results[1]}  # both came with collected copies
+    assert portions._finish_results(3, ("x",)).tolist() == [11.0, 22.0]
+    assert portions.server.asked == 0
+    portions.finished = {1: results[1]}  # shard 0's completing copy is still out
+    assert portions._finish_results(3, ("x",)).tolist() == [11.0, 22.0]
+    assert portions.server.asked == 1
+    np.testing.assert_array_equal(portions.kept["x"], [0.0, 1.0, 2.0])  # in shard order
+
+
+def test_a_copy_of_the_current_batch_brings_its_finish_results_counted_or_not():
+    portions = _portions([])
+    done = Finished([1.0], [])
+    counted: dict = {}
+    for shard, worker in enumerate(["w1", "w2"]):  # the copy on w2 is a discarded duplicate
+        result = PortionResult(7, 3, "done", 2.5, 10, worker, ((shard, done),))
+        future = _FakeFuture("finished", result)
+        _add(portions, future, version=3, portion=7, worker=worker)
+        assert portions._collect(future, 3, [], counted, []) is (worker == "w1")
+    assert portions.finished == {0: done, 1: done}

@@ -16,12 +16,13 @@ from downpour_dask.core.lbfgs import LBFGS
 from downpour_dask.core.params import split_range
 from downpour_dask.core.vectors import VectorStore, sum_replies, written
 from downpour_dask.ps.protocol import ShardLostError
+from downpour_dask.ps.server import ParameterServer
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.sandblaster import portions as portions_module
 from downpour_dask.sandblaster.coordinator import Coordinator
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
 from downpour_dask.sandblaster.portions import Portions
-from downpour_dask.sandblaster.shard import SandblasterShard
+from downpour_dask.sandblaster.shard import Finish, SandblasterShard
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +59,19 @@ class InProcessSpace:
         self.X, self.y = X.astype(np.float64), y
 
     def run(self, program):
+        return self._on_shards(program)
+
+    def _on_shards(self, program):
         return sum_replies([store.run(program) for store in self.stores])
 
-    def evaluate(self, batch, prelude):
-        self.run(prelude)
+    def evaluate(self, batch, prelude, finish):
+        self._on_shards(prelude)
         xt = np.concatenate([store["xt"] for store in self.stores])
         loss, grad = self.model.loss_and_grad(xt, self.X, self.y)
-        n = len(self.X)
         for store, (lo, hi) in zip(self.stores, self.ranges):
-            store.set("acc", grad[lo:hi] * n)
-        return loss * n, n
+            store.set("acc", grad[lo:hi])  # the mean gradient, as the shards leave it
+        n = len(self.X)
+        return loss * n, n, self._on_shards(finish)
 
 
 # -- the vector machine and the coordinator, in one process ---------------------------------------
@@ -165,15 +169,9 @@ class CountingSpace(InProcessSpace):
         self.programs += 1
         return super().run(program)
 
-    def evaluate(self, batch, prelude):
-        self.passes += 1
-        self.run(prelude)
-        self.programs -= 1  # the prelude travels with the pass
-        xt = np.concatenate([store["xt"] for store in self.stores])
-        loss, grad = self.model.loss_and_grad(xt, self.X, self.y)
-        for store, (lo, hi) in zip(self.stores, self.ranges):
-            store.set("acc", grad[lo:hi] * len(self.X))
-        return loss * len(self.X), len(self.X)
+    def evaluate(self, batch, prelude, finish):
+        self.passes += 1  # the prelude and the finish travel with the pass
+        return super().evaluate(batch, prelude, finish)
 
 
 @pytest.mark.parametrize("history", [2, 10])
@@ -184,10 +182,10 @@ def test_shard_round_trips_per_iteration_do_not_grow_with_the_history(digits_bin
     space = CountingSpace(model, X, y, x0)
     result = LBFGS(space, history=history, max_iter=25, tol=0.0).minimize()
     assert result.n_iter == 25
-    # one program after every pass (the gradient's scaling, and the step's accept with it), the
-    # first gradient's, one per line search that expanded and went back to its best trial, one
-    # to undo a last trial not taken: none per history pair, none of its own per accepted step
-    assert space.passes < space.programs <= space.passes + 2 + result.n_iter // 2
+    # none after a pass (the gradient's scaling and the step's accept run with it): the first
+    # gradient's, one per line search that expanded and went back to its best trial, one to undo
+    # a last trial not taken; none per history pair, none of its own per accepted step
+    assert space.programs <= 2 + result.n_iter // 2
 
 
 def test_a_trial_the_line_search_does_not_take_is_undone_on_the_shards(digits_binary):
@@ -201,7 +199,7 @@ def test_a_trial_the_line_search_does_not_take_is_undone_on_the_shards(digits_bi
     ).minimize()  # fmt: skip
     trials = [d["evaluations"] for kind, d in events if kind == "line_search"]
     assert max(trials) >= 2  # some trials were accepted speculatively and then undone
-    assert space.programs == space.passes + 1  # ... at no round trip of their own
+    assert space.programs == 1  # ... at no round trip of their own (the first gradient's)
     x = np.concatenate([store["x"] for store in space.stores])
     g = np.concatenate([store["g"] for store in space.stores])
     loss, grad = serial_objective(model, x, X, y)
@@ -214,13 +212,31 @@ def test_shard_counts_each_portion_once_and_discards_stale_copies():
     version, values = asyncio.run(shard.begin([("copy", "x", "xt")]))
     assert values is None  # sent only when asked
     grad = np.array([1.0, 2.0, 3.0], np.float32)
-    assert asyncio.run(shard.accumulate(version, 7, grad, 10))
-    assert not asyncio.run(shard.accumulate(version, 7, grad, 10))  # the backup copy
-    assert not asyncio.run(shard.accumulate(version - 1, 8, grad, 10))  # an earlier batch's copy
+    assert asyncio.run(shard.accumulate(version, 7, grad, 10)) == (True, None)
+    assert asyncio.run(shard.accumulate(version, 7, grad, 10)) == (False, None)  # a backup copy
+    assert asyncio.run(shard.accumulate(version - 1, 8, grad, 10)) == (False, None)  # an older one
     np.testing.assert_array_equal(asyncio.run(shard.vector("acc")), 10 * grad)
     assert shard.duplicates == 2 and shard.examples == 10
     assert asyncio.run(shard.fetch(version - 1)) is None
     assert asyncio.run(shard.fetch(version)) is not None
+
+
+def test_the_portion_completing_a_batch_runs_its_finish_on_the_shard_and_brings_the_result():
+    shard = SandblasterShard(0, 0, 3, np.zeros(3, np.float32), optim.sgd(1.0), l2mask=np.zeros(3))
+    program = [("dot", "acc", "acc"), ("copy", "acc", "x")]
+    ending = Finish(frozenset({4, 5}), program, ("x",))
+    version, _ = asyncio.run(shard.begin([("copy", "x", "xt")], "xt", False, ending))
+    grad = np.array([1.0, 2.0, 3.0], np.float32)
+    assert asyncio.run(shard.accumulate(version, 4, grad, 10)) == (True, None)
+    assert asyncio.run(shard.finished(version)) is None  # portion 5 is still out
+    accepted, done = asyncio.run(shard.accumulate(version, 5, 3 * grad, 30))
+    mean = (10 * grad + 90 * grad) / 40  # acc is the mean gradient when the program runs
+    assert accepted and done.dots == pytest.approx([mean @ mean])
+    np.testing.assert_allclose(done.copies[0], mean)  # x as the program left it
+    assert asyncio.run(shard.accumulate(version, 5, grad, 10)) == (False, None)  # runs once
+    assert asyncio.run(shard.finished(version)) is done
+    np.testing.assert_allclose(asyncio.run(shard.vector("acc")), mean)
+    assert asyncio.run(shard.finished(version - 1)) is None  # only the current batch's
 
 
 @pytest.mark.parametrize(
@@ -330,6 +346,31 @@ def test_a_pass_looks_at_the_cluster_only_when_the_last_look_is_older_than_refre
         assert len(looks) < passes // 2
     else:
         assert len(looks) >= passes + 1
+
+
+@pytest.mark.timeout(120)
+def test_a_pass_ends_on_the_shards_with_no_call_of_the_coordinator_after_it(
+    client, digits_binary, monkeypatch
+):
+    """The gradient's scaling, the step's accept and their dot products run on each shard once
+    its batch is complete, and come back with the portion that completed it."""
+    (X, y), _ = digits_binary
+    calls, call_all = [], ParameterServer.call_all
+
+    def counting(self, method, *args, **kwargs):
+        calls.append(method.__name__)
+        return call_all(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(ParameterServer, "call_all", counting)
+    model = models.LogisticRegression(64, l2=1e-2)
+    est = SandblasterLBFGS(model, max_iter=8, tol=0.0, random_state=0).fit(X, y, client=client)
+    passes = calls.count("begin")
+    assert passes >= 8
+    programs = calls.count("run") + calls.count("run_and_copy")
+    assert programs <= 2 + passes // 2  # the first gradient's, and expansions gone back on
+    loss, grad = serial_objective(model, est.params_, X, y)
+    np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
+    assert est.objective_ == pytest.approx(loss, rel=1e-6)
 
 
 def _count_accumulate_messages(dask_worker) -> None:

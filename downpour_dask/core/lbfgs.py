@@ -11,12 +11,13 @@ only scalars back (partial dot products, which it sums over shards).
 condition (and the curvature condition, checked for free because the trial point's gradient is
 computed anyway) and the stopping rules.  It talks to the shards through a :class:`Space`:
 ``run(program)`` executes a program on every shard and returns the summed scalars;
-``evaluate(batch, prelude)`` runs a distributed pass over one batch.  Plain numpy, free of Dask,
-so it is testable in one process.  Round trips to the shards per iteration: one per distributed
-pass (plus the pass itself), however long the history.  The step is accepted in the same
-program that finishes a trial's gradient, *speculatively*: the program keeps the iterate and the
-gradient (``xp``, ``gp``) before it moves them, and a trial the line search does not accept is
-undone at the start of the next program the coordinator sends (no round trip of its own).
+``evaluate(batch, prelude, finish)`` runs a distributed pass over one batch, with a program
+before it and one after it that the shards run as part of the pass.  Plain numpy, free of Dask,
+so it is testable in one process.  Round trips to the shards per iteration: the pass itself,
+however long the history.  The step is accepted in the program that finishes a trial's
+gradient, *speculatively*: the program keeps the iterate and the gradient (``xp``, ``gp``)
+before it moves them, and a trial the line search does not accept is undone at the start of
+the next program the coordinator sends (no round trip of its own).
 
 Vector names used by the coordinator: ``x`` (iterate), ``g`` (gradient at ``x``), ``d``
 (direction), ``xt`` (trial point), ``acc`` (gradient accumulator, becomes the trial gradient),
@@ -46,9 +47,10 @@ class Space(Protocol):
     def run(self, program: Program) -> np.ndarray:
         """Run ``program`` on every shard; return its dot products summed over shards."""
 
-    def evaluate(self, batch: int, prelude: Program) -> tuple[float, int]:
+    def evaluate(self, batch: int, prelude: Program, finish: Program) -> tuple[float, int, list]:
         """Run ``prelude`` on every shard, then evaluate the data loss at vector ``xt`` on
-        ``batch``: leave ``sum_i grad loss_i`` in ``acc`` and return ``(sum_i loss_i, n)``."""
+        ``batch``: leave the mean gradient ``sum_i grad loss_i / n`` in ``acc``, run ``finish``
+        on every shard and return ``(sum_i loss_i, n, finish's summed dot products)``."""
 
 
 @dataclass
@@ -140,17 +142,14 @@ class LBFGS:
 
     def _evaluate(self, batch: int, prelude: Program, extra: Program = ()) -> tuple[float, list]:
         """Objective at ``xt`` on ``batch``; ``acc`` becomes its gradient (mean + L2 term).
-        ``extra`` runs on the shards right after, in the same round trip."""
-        loss_sum, n = self.space.evaluate(batch, self._after_pending(prelude))
-        dots = self.space.run(
-            [
-                ("scale", "acc", 1.0 / n),
-                ("mul", "l2mask", "xt", "tmp"),
-                ("axpy", 1.0, "tmp", "acc"),
-                ("dot", "tmp", "xt"),  # l2 * ||W||^2
-                *extra,
-            ]
-        )
+        ``extra`` runs on the shards right after, as part of the pass (no round trip)."""
+        finish: list[Command] = [
+            ("mul", "l2mask", "xt", "tmp"),
+            ("axpy", 1.0, "tmp", "acc"),
+            ("dot", "tmp", "xt"),  # l2 * ||W||^2
+            *extra,
+        ]
+        loss_sum, n, dots = self.space.evaluate(batch, self._after_pending(prelude), finish)
         return loss_sum / n + 0.5 * float(dots[0]), [float(v) for v in dots[1:]]
 
     def _gradient_at_x(self, batch: int) -> tuple[float, float]:

@@ -9,20 +9,20 @@ Everything the fit records -- events with structured data, one push row per coun
 one evaluation row per iteration, progress snapshots -- goes through a
 :class:`~downpour_dask.base.RunRecorder`.
 
-**Shard loss.**  After every iteration the coordinator keeps the iterate ``x`` (one vector, the
-only one it ever gathers during the fit; it comes back with the reply of the program that
-accepted the step, no call of its own).  When a shard is lost (its worker dies or stops
-answering: :class:`~downpour_dask.ps.protocol.ShardLostError` from a pass, see
-:mod:`~downpour_dask.sandblaster.portions`), it starts new shards holding that iterate, records
-a ``shard_restored`` event and continues L-BFGS from there with the iterations and seconds
-left.  The curvature history and the search direction were on the lost shard's range too, so
-the restarted L-BFGS begins with an empty history (its first step is a gradient step); nothing
-already counted is lost, but the iterations after a restore may differ from an undisturbed
-run's.  After :attr:`Coordinator.MAX_RESTORES` restores the error is raised.  The new shards,
-data blocks and evaluation data go only to workers the scheduler lists that never held a lost
-shard: the scheduler may still list a worker that was just killed, and an actor placed there
-never starts.  The evaluation data lives on one worker; when that worker dies it is scattered
-again from the driver's copy (``data_restored`` event), as the training blocks are.
+**Shard loss.** After every iteration the coordinator keeps the iterate ``x`` (one vector, the only
+one it ever gathers during the fit; it comes back with the program that accepted the step, which the
+shards run as they finish the pass: no call of its own).  When a shard is lost (its worker dies or
+stops answering: :class:`~downpour_dask.ps.protocol.ShardLostError` from a pass, see
+:mod:`~downpour_dask.sandblaster.portions`), it starts new shards holding that iterate, records a
+``shard_restored`` event and continues L-BFGS from there with the iterations and seconds left.  The
+curvature history and the search direction were on the lost shard's range too, so the restarted
+L-BFGS begins with an empty history (its first step is a gradient step); nothing already counted is
+lost, but the iterations after a restore may differ from an undisturbed run's.  After
+:attr:`Coordinator.MAX_RESTORES` restores the error is raised.  The new shards, data blocks and
+evaluation data go only to workers the scheduler lists that never held a lost shard: the scheduler
+may still list a worker that was just killed, and an actor placed there never starts.  The
+evaluation data lives on one worker; when that worker dies it is scattered again from the driver's
+copy (``data_restored`` event), as the training blocks are.
 """
 
 from __future__ import annotations

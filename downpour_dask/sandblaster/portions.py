@@ -1,13 +1,16 @@
 """Sandblaster's distributed passes: portions handed to workers as they free up, backup tasks.
 
-:class:`Portions` is the coordinator's side of one distributed pass over a batch (the ``Space``
-that :class:`~downpour_dask.core.lbfgs.LBFGS` evaluates through).  It hands portions to worker
-slots as they free up (faster workers take more, data-local portions first), launches backup
-copies of stragglers near the end of a batch on idle workers (the rules are in
+:class:`Portions` is the coordinator's side of one distributed pass over a batch (the ``Space`` that
+:class:`~downpour_dask.core.lbfgs.LBFGS` evaluates through).  It hands portions to worker slots as
+they free up (faster workers take more, data-local portions first), launches backup copies of
+stragglers near the end of a batch on idle workers (the rules are in
 :mod:`~downpour_dask.sandblaster.scheduling`), re-sends data blocks lost with a worker, and counts
-every portion once (the tasks are in :mod:`~downpour_dask.sandblaster.tasks`).
-What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the tests): events
-with structured data, and each counted portion.
+every portion once (the tasks are in :mod:`~downpour_dask.sandblaster.tasks`).  A pass ends on the
+shards: each runs the coordinator's *finish* program as soon as it holds every portion's gradient,
+and the task whose gradient completed it brings the program's dot products back with its result, so
+the coordinator learns the objective, the slope and the next step's inner products without a round
+trip of its own.  What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the
+tests): events with structured data, and each counted portion.
 
 A lost *shard* is not a lost portion: when a shard's worker leaves, a portion fails, or a batch
 runs out of time while a shard does not answer, the pass raises
@@ -35,7 +38,7 @@ from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
 from .blocks import ArrayBlocks, ShardBlocks
 from .scheduling import PortionCopy, PortionScheduling
-from .shard import SandblasterShard
+from .shard import Finish, Finished, SandblasterShard
 from .tasks import PortionResult, run_portion
 
 
@@ -81,9 +84,10 @@ class Portions(PortionScheduling):
         The workers the data blocks are first scattered to (default: any); the coordinator
         leaves out a worker whose shard was lost, which the scheduler may still list.
     keep : sequence of str
-        Vectors whose latest values the driver keeps: a program that writes one of them brings
-        it back in the same round trip, into :attr:`kept` (the coordinator keeps ``x``, the
-        point a lost shard is restored at, without a call of its own after each iteration).
+        Vectors whose latest values the driver keeps: a program (or a pass's finish program)
+        that writes one of them brings it back with its dot products, into :attr:`kept` (the
+        coordinator keeps ``x``, the point a lost shard is restored at, without a call of its
+        own after each iteration).
     """
 
     #: A model whose parameters take at most this many bytes has each batch's point sent with
@@ -129,6 +133,7 @@ class Portions(PortionScheduling):
         self.nbytes: dict[str, int] = {}  # block key -> bytes, as the scheduler counts them
         self.examples_seen = 0
         self.point: np.ndarray | None = None  # the batch's point, if sent with its tasks
+        self.finished: dict[int, Finished] = {}  # the batch's finish results, by shard index
         self._refresh(first=True)
 
     # -- Space protocol -----------------------------------------------------------------------
@@ -146,11 +151,21 @@ class Portions(PortionScheduling):
             self.kept[name] = np.concatenate([vectors[i] for _, vectors in replies])
         return sum_replies([dots for dots, _ in replies])
 
-    def evaluate(self, batch: int, prelude: Program) -> tuple[float, int]:
-        """One distributed pass over ``batch`` at the point ``xt`` (after ``prelude``)."""
+    def evaluate(
+        self, batch: int, prelude: Program, finish: Program = ()
+    ) -> tuple[float, int, np.ndarray]:
+        """One distributed pass over ``batch`` at the point ``xt`` (after ``prelude``); the
+        shards then make ``acc`` the mean gradient and run ``finish`` themselves, and the task
+        whose gradient completed a shard's batch brings its dot products back (no call of the
+        coordinator's own after the pass).  Returns the summed loss, the examples and the
+        summed dot products; the vectors of :attr:`keep` that ``finish`` writes go to
+        :attr:`kept`."""
         send = self.server.size * np.dtype(DTYPE).itemsize <= self.INLINE_POINT_BYTES
+        names = tuple(name for name in self.keep if name in written(finish))
+        ending = Finish(frozenset(self.batches[batch]), list(finish), names)
+        self.finished = {}
         begun = self.server.call_all(
-            SandblasterShard.begin, prelude, "xt", send, timeout=self.timeout
+            SandblasterShard.begin, prelude, "xt", send, ending, timeout=self.timeout
         )
         version = begun[0][0]
         self.point = np.concatenate([values for _, values in begun]) if send else None
@@ -201,7 +216,29 @@ class Portions(PortionScheduling):
             f"batch {batch}, version {version}, {len(done)} portions",
             batch=batch, version=version, portions=len(done),
         )  # fmt: skip
-        return sum(r.loss_sum for r in done.values()), sum(r.examples for r in done.values())
+        dots = self._finish_results(version, names)
+        return sum(r.loss_sum for r in done.values()), sum(r.examples for r in done.values()), dots
+
+    def _finish_results(self, version: int, names: tuple[str, ...]) -> np.ndarray:
+        """The finish programs' summed dot products (and kept vectors) of batch ``version``.
+
+        Every shard has run its finish program once the pass counted every portion; the copy
+        that completed a shard's batch is usually a counted one, whose result brought it.  A
+        copy not collected yet (a backup discarded on the other shards, say) did not: then
+        the shards are asked.
+        """
+        if len(self.finished) < self.server.n_shards:
+            replies = self.server.call_all(
+                SandblasterShard.finished, version, timeout=self.timeout
+            )
+            for i, reply in enumerate(replies):
+                if reply is None:
+                    raise RuntimeError(f"shard {i} did not finish batch version {version}")
+                self.finished.setdefault(i, reply)
+        ordered = [self.finished[i] for i in range(self.server.n_shards)]
+        for k, name in enumerate(names):
+            self.kept[name] = np.concatenate([done.copies[k] for done in ordered])
+        return sum_replies([done.dots for done in ordered])
 
     def _collect(
         self, future: Future, version: int, todo: list, done: dict, durations: list
@@ -221,6 +258,8 @@ class Portions(PortionScheduling):
                 result = future.result(timeout=self.timeout)
             except CancelledError:  # finished, but its worker died before we got the result
                 pass
+        if result is not None and result.version == version:  # counted or not
+            self.finished.update(result.finished)
         if result is None:  # cancelled or lost with its data block: run it again
             self._restore_blocks()
             running = any(

@@ -15,11 +15,29 @@ shard's range of a model with millions of parameters holds the loop for its dura
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..core import optim
 from ..core.vectors import Program, VectorStore
 from ..ps.shard import ParameterServerShard
+
+
+class Finish(NamedTuple):
+    """How a batch ends on a shard: when every portion in ``portions`` is accepted, ``acc`` is
+    divided by the examples accepted, then ``program`` runs; copies of ``names`` are kept."""
+
+    portions: frozenset[int]
+    program: Program
+    names: tuple[str, ...] = ()
+
+
+class Finished(NamedTuple):
+    """A finish program's partial dot products, and copies of the vectors it was to keep."""
+
+    dots: list[float]
+    copies: list[np.ndarray]
 
 
 class SandblasterShard(ParameterServerShard):
@@ -47,6 +65,9 @@ class SandblasterShard(ParameterServerShard):
         self.store.set("l2mask", l2mask)
         self.store.run([("zero", "acc")])
         self._accepted: set[int] = set()
+        self._batch_examples = 0  # examples accepted in the current version
+        self._finish: Finish | None = None  # how the current batch ends, if the shard ends it
+        self._finished: Finished | None = None
         self._scratch = np.empty(stop - start, np.float64)
 
     async def run(self, program: Program) -> list[float]:
@@ -61,15 +82,26 @@ class SandblasterShard(ParameterServerShard):
         return self.store.run(program), [self.store[name].copy() for name in names]
 
     async def begin(
-        self, prelude: Program, publish: str = "xt", send: bool = False
+        self,
+        prelude: Program,
+        publish: str = "xt",
+        send: bool = False,
+        finish: Finish | None = None,
     ) -> tuple[int, np.ndarray | None]:
         """Run ``prelude``, zero the accumulator and publish vector ``publish`` as a new version;
         return the version and, with ``send``, a copy of the published values (so that a small
-        model's point can travel with the portion tasks instead of being fetched by them)."""
+        model's point can travel with the portion tasks instead of being fetched by them).
+
+        With ``finish``, the batch ends on the shard itself: once every portion it names is
+        accepted, ``acc`` becomes the mean gradient and the program runs (see
+        :meth:`accumulate`), with no call from the coordinator.
+        """
         self.store.run([*prelude, ("zero", "acc")])
         np.copyto(self.values, self.store[publish], casting="same_kind")
         self.version += 1
         self._accepted = set()
+        self._batch_examples = 0
+        self._finish, self._finished = finish, None
         return self.version, (self.values.copy() if send else None)
 
     async def fetch(self, version: int) -> np.ndarray | None:
@@ -83,22 +115,38 @@ class SandblasterShard(ParameterServerShard):
     def _wanted(self, version: int, portion: int) -> bool:
         return version == self.version and portion not in self._accepted
 
-    async def accumulate(self, version: int, portion: int, grad: np.ndarray, examples: int) -> bool:
+    async def accumulate(
+        self, version: int, portion: int, grad: np.ndarray, examples: int
+    ) -> tuple[bool, Finished | None]:
         """Add ``examples * grad`` (a portion's summed gradient) to ``acc``, once per portion.
 
         A copy of a portion already counted, or of an earlier batch, is discarded and counted in
         ``duplicates``; both copies of a portion compute the same gradient from the same
         parameters, so deduplicating on every shard independently is still exactly-once.
+
+        Returns whether it was accepted and, from the call that completed a batch begun with a
+        ``finish``, what the finish program gave (also kept for :meth:`finished`).
         """
         if not self._wanted(version, portion):
             self.duplicates += 1
-            return False
+            return False, None
         np.multiply(grad, float(examples), out=self._scratch)
         acc = self.store["acc"]
         acc += self._scratch
         self._accepted.add(portion)
         self.examples += int(examples)
-        return True
+        self._batch_examples += int(examples)
+        if self._finish is not None and self._accepted >= self._finish.portions:
+            program, names = self._finish.program, self._finish.names
+            self._finish = None
+            dots = self.store.run([("scale", "acc", 1.0 / self._batch_examples), *program])
+            self._finished = Finished(dots, [self.store[name].copy() for name in names])
+            return True, self._finished
+        return True, None
+
+    async def finished(self, version: int) -> Finished | None:
+        """What the finish program of batch ``version`` gave, or None if it has not run."""
+        return self._finished if version == self.version else None
 
     async def vector(self, name: str) -> np.ndarray:
         """A copy of this shard's range of vector ``name`` (e.g. ``xe``, for an evaluation)."""

@@ -26,7 +26,7 @@ from ..core.protocol import TrainableModel
 from ..ps.server import ParameterServer
 from ..runtime.dask_internals import local_actor, on_worker_loop
 from ..runtime.malloc import tune_malloc
-from .shard import SandblasterShard
+from .shard import Finished, SandblasterShard
 
 _CACHE: dict[str, tuple[int, np.ndarray]] = {}  # run token -> (version, parameters)
 _CACHE_LOCK = threading.Lock()
@@ -84,6 +84,9 @@ class PortionResult(NamedTuple):
     loss_sum: float  # sum of per-example data losses
     examples: int
     worker: str
+    #: (shard index, what its finish program gave) for each shard whose batch this portion's
+    #: gradient completed (see :meth:`SandblasterShard.accumulate`)
+    finished: tuple[tuple[int, Finished], ...] = ()
 
 
 def _params_for(
@@ -173,11 +176,12 @@ def run_portion(
             _call(shard, "accumulate", version, portion, grad[lo:hi], n)
             for shard, (lo, hi) in zip(server.shards, server.ranges)
         ]
-        for call in calls:  # the driver may count this portion only once every shard has it
-            _reply(call, token, timeout)
+        # the driver may count this portion only once every shard has it
+        replies = [_reply(call, token, timeout) for call in calls]
     except _RunEnded:
         return PortionResult(portion, version, "stale", 0.0, 0, address)
-    return PortionResult(portion, version, "done", float(loss) * n, n, address)
+    finished = tuple((i, done) for i, (_, done) in enumerate(replies) if done is not None)
+    return PortionResult(portion, version, "done", float(loss) * n, n, address, finished)
 
 
 def evaluate_task(
