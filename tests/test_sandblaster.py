@@ -18,7 +18,6 @@ from downpour_dask.core.vectors import VectorStore, sum_replies, written
 from downpour_dask.ps.protocol import ShardLostError
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.runtime.cluster import cluster_workers
-from downpour_dask.sandblaster import portions as portions_module
 from downpour_dask.sandblaster.coordinator import Coordinator
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
 from downpour_dask.sandblaster.portions import Portions
@@ -325,27 +324,6 @@ def test_accumulated_gradient_equals_the_serial_full_data_gradient(client, backu
     np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
     assert est.objective_ == pytest.approx(loss, rel=1e-6)
     assert est.experiment_.pushes["examples"].sum() == train.n_rows
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("seconds", [0.0, 3600.0])
-def test_a_pass_looks_at_the_cluster_only_when_the_last_look_is_older_than_refresh_seconds(
-    client, digits_binary, monkeypatch, seconds
-):
-    """A look at the workers is two scheduler round trips between one pass and the next."""
-    (X, y), _ = digits_binary
-    looks, look = [], portions_module.cluster_workers
-    monkeypatch.setattr(portions_module, "cluster_workers", lambda c: looks.append(1) or look(c))
-    monkeypatch.setattr(Portions, "REFRESH_SECONDS", seconds)
-    est = SandblasterLBFGS(
-        models.LogisticRegression(64, l2=1e-2), max_iter=8, tol=0.0, random_state=0
-    ).fit(X, y, client=client)  # fmt: skip
-    passes = int((est.experiment_.events["kind"] == "batch_start").sum())
-    assert passes >= 8
-    if seconds:  # the look when the pass machinery starts, and one per pass that stalled 1 s
-        assert len(looks) < passes // 2
-    else:
-        assert len(looks) >= passes + 1
 
 
 @pytest.mark.timeout(120)

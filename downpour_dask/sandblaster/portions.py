@@ -95,12 +95,6 @@ class Portions(PortionScheduling):
     #: trip to every shard.  Larger points stay off the driver, as the paper has it.
     INLINE_POINT_BYTES = 256 * 2**10
 
-    #: A pass starts by re-reading the cluster's workers (joined, left, where the blocks are)
-    #: only when the last look is older than this.  A look is two round trips to the scheduler,
-    #: on the path between one pass and the next; a pass that makes no progress for a second
-    #: looks again anyway, and a lost shard fails the pass's first call to it.
-    REFRESH_SECONDS = 0.5
-
     def __init__(
         self,
         client: Client,
@@ -169,8 +163,7 @@ class Portions(PortionScheduling):
         )
         version = begun[0][0]
         self.point = np.concatenate([values for _, values in begun]) if send else None
-        if time.monotonic() - self.refreshed >= self.REFRESH_SECONDS:
-            self._refresh()
+        self._refresh()
         t_start = last_progress = time.time()
         self.observer.event(
             "batch_start", f"batch {batch}, version {version}", batch=batch, version=version
@@ -316,7 +309,6 @@ class Portions(PortionScheduling):
         """Re-read the live workers (a killed one disappears, its restarted successor appears);
         raise :class:`ShardLostError` if one of them held a shard."""
         workers = cluster_workers(self.client)
-        self.refreshed = time.monotonic()
         if not first:
             for gone in set(self.capacity) - set(workers):
                 self.observer.event(
