@@ -236,6 +236,11 @@ def test_the_portion_completing_a_batch_runs_its_finish_on_the_shard_and_brings_
     assert asyncio.run(shard.finished(version)) is done
     np.testing.assert_allclose(asyncio.run(shard.vector("acc")), mean)
     assert asyncio.run(shard.finished(version - 1)) is None  # only the current batch's
+    shard.RETURNED_COPY_BYTES = 8  # a large model's iterate stays on the shard until asked
+    version, _ = asyncio.run(shard.begin([], "xt", False, Finish(frozenset({0}), program, ("x",))))
+    accepted, done = asyncio.run(shard.accumulate(version, 0, grad, 1))
+    assert accepted and done.copies == [] and done.dots == pytest.approx([grad @ grad])
+    np.testing.assert_allclose(asyncio.run(shard.finished(version)).copies[0], grad)
 
 
 @pytest.mark.parametrize(
@@ -341,7 +346,8 @@ def test_a_pass_ends_on_the_shards_with_no_call_of_the_coordinator_after_it(
 
     monkeypatch.setattr(ParameterServer, "call_all", counting)
     model = models.LogisticRegression(64, l2=1e-2)
-    est = SandblasterLBFGS(model, max_iter=8, tol=0.0, random_state=0).fit(X, y, client=client)
+    fit = SandblasterLBFGS(model, max_iter=8, tol=0.0, random_state=0).fit
+    est = fit(X, y, client=client)
     passes = calls.count("begin")
     assert passes >= 8
     programs = calls.count("run") + calls.count("run_and_copy")
@@ -349,6 +355,19 @@ def test_a_pass_ends_on_the_shards_with_no_call_of_the_coordinator_after_it(
     loss, grad = serial_objective(model, est.params_, X, y)
     np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
     assert est.objective_ == pytest.approx(loss, rel=1e-6)
+    calls.clear()
+    client.run(_copies_stay_on_the_shards, 0)  # as a large model's iterate would
+    try:
+        large = fit(X, y, client=client)
+    finally:
+        client.run(_copies_stay_on_the_shards, SandblasterShard.RETURNED_COPY_BYTES)
+    # the iterate fetched after each pass that moved it: all but the first gradient's
+    assert calls.count("finished") == calls.count("begin") - 1
+    np.testing.assert_array_equal(large.params_, est.params_)  # the same fit either way
+
+
+def _copies_stay_on_the_shards(limit: int) -> None:
+    SandblasterShard.RETURNED_COPY_BYTES = limit
 
 
 def _count_accumulate_messages(dask_worker) -> None:

@@ -216,19 +216,20 @@ class Portions(PortionScheduling):
         """The finish programs' summed dot products (and kept vectors) of batch ``version``.
 
         Every shard has run its finish program once the pass counted every portion; the copy
-        that completed a shard's batch is usually a counted one, whose result brought it.  A
-        copy not collected yet (a backup discarded on the other shards, say) did not: then
-        the shards are asked.
+        that completed a shard's batch is usually a counted one, whose result brought it.  The
+        shards are asked when a copy not collected yet (a backup discarded on the other shards,
+        say) brought it, or when the vectors to keep were too large to travel with a task.
         """
-        if len(self.finished) < self.server.n_shards:
+        brought = {i: done for i, done in self.finished.items() if len(done.copies) == len(names)}
+        if len(brought) < self.server.n_shards:
             replies = self.server.call_all(
                 SandblasterShard.finished, version, timeout=self.timeout
             )
             for i, reply in enumerate(replies):
                 if reply is None:
                     raise RuntimeError(f"shard {i} did not finish batch version {version}")
-                self.finished.setdefault(i, reply)
-        ordered = [self.finished[i] for i in range(self.server.n_shards)]
+                brought.setdefault(i, reply)
+        ordered = [brought[i] for i in range(self.server.n_shards)]
         for k, name in enumerate(names):
             self.kept[name] = np.concatenate([done.copies[k] for done in ordered])
         return sum_replies([done.dots for done in ordered])

@@ -48,6 +48,11 @@ class SandblasterShard(ParameterServerShard):
     The inherited update rule is unused: L-BFGS moves the parameters by vector programs.
     """
 
+    #: A finish program's copies go back with the portion task that completed the batch only
+    #: up to this size; larger ones (a large model's iterate) would travel twice, shard to
+    #: task to coordinator, so the coordinator fetches them from the shard (:meth:`finished`).
+    RETURNED_COPY_BYTES = 256 * 2**10
+
     def __init__(
         self,
         shard_id: int,
@@ -125,7 +130,8 @@ class SandblasterShard(ParameterServerShard):
         parameters, so deduplicating on every shard independently is still exactly-once.
 
         Returns whether it was accepted and, from the call that completed a batch begun with a
-        ``finish``, what the finish program gave (also kept for :meth:`finished`).
+        ``finish``, what the finish program gave (also kept for :meth:`finished`; its copies
+        only up to :attr:`RETURNED_COPY_BYTES`).
         """
         if not self._wanted(version, portion):
             self.duplicates += 1
@@ -141,6 +147,8 @@ class SandblasterShard(ParameterServerShard):
             self._finish = None
             dots = self.store.run([("scale", "acc", 1.0 / self._batch_examples), *program])
             self._finished = Finished(dots, [self.store[name].copy() for name in names])
+            if sum(copy.nbytes for copy in self._finished.copies) > self.RETURNED_COPY_BYTES:
+                return True, Finished(dots, [])  # the coordinator fetches them from here
             return True, self._finished
         return True, None
 
