@@ -266,7 +266,9 @@ def test_a_cli_run_killed_after_a_checkpoint_resumes_and_finishes(tmp_path):
     out = tmp_path / "runs"
     command = [sys.executable, "-m", "downpour_dask", "train", "--quiet"]
     settings = ["--dataset", "digits", "--model", "mlp:32", "--n-replicas", "2", "--out", str(out)]
-    settings += ["--name", "job", "--max-epochs", "none", "--max-seconds", "6"]
+    # 8 s: the kill (1 s after the first checkpoint) must leave the resumed run time to push;
+    # with 6 s, a start slowed by other jobs once left it none (the versions did not move)
+    settings += ["--name", "job", "--max-epochs", "none", "--max-seconds", "8"]
     settings += ["--checkpoint-every", "0.5", "--seed", "1"]
     partial = out / ".job.partial"
     # its own session: SIGKILL takes the driver and its embedded cluster down together
