@@ -11,8 +11,7 @@ import math
 import numpy as np
 
 from .optim import SGD, Adagrad, UpdateRule
-
-_BLAS = (np.dtype(np.float32), np.dtype(np.float64))
+from .params import BLAS_DTYPES
 
 
 def sum_of_squares(array: np.ndarray) -> float:
@@ -24,7 +23,7 @@ def sum_of_squares(array: np.ndarray) -> float:
     path of every push a shard applies.  A sum of non-negative terms is never rounded below its
     largest term, so no element's square exceeds it (what :class:`GuardedUpdate` relies on).
     """
-    if array.dtype in _BLAS and array.flags.c_contiguous:
+    if array.dtype in BLAS_DTYPES and array.flags.c_contiguous:
         flat = array.reshape(-1)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer here
             return float(np.dot(flat, flat))
@@ -135,11 +134,11 @@ class GuardedUpdate:
 #: Rounding slack on the bounds (float32 rounds by 6e-8 per operation).
 _SLACK = 1.001
 #: The bounds must stay below these: far from overflowing, whatever rounding does.
-_LIMIT: dict[np.dtype, float] = {d: float(np.finfo(d).max) / 16 for d in _BLAS}
+_LIMIT: dict[np.dtype, float] = {d: float(np.finfo(d).max) / 16 for d in BLAS_DTYPES}
 
 
 def _largest_magnitude(array: np.ndarray) -> float:
-    if array.dtype not in _BLAS:
+    if array.dtype not in BLAS_DTYPES:
         return math.inf  # no bound
     return float(max(array.max(), -array.min())) if array.size else 0.0
 

@@ -16,6 +16,10 @@ import numpy as np
 
 DTYPE = np.float32
 
+#: The float dtypes BLAS computes in (a dot product or a matrix product of these runs at memory
+#: speed; other dtypes take numpy's generic loops).
+BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
 
 class ParamLayout:
     """Names and shapes of a model's parameters inside one flat vector.

@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .params import DTYPE
+from .params import BLAS_DTYPES, DTYPE
 
 _FINITE_BLOCK = 8192  # rows checked for NaN/inf at a time: no bool temporary the size of X
-_BLAS = (np.dtype(np.float32), np.dtype(np.float64))  # dtypes whose matrices BLAS sums
 
 
 def require_int(name: str, value: Any, minimum: int) -> int:
@@ -80,7 +79,7 @@ def all_finite(arr: np.ndarray) -> bool:
 def _sum(arr: np.ndarray) -> float:
     """The sum of ``arr``'s elements: row sums by BLAS, then their sum, for a C-contiguous
     float32 or float64 matrix of at least two columns; numpy's sum otherwise."""
-    if arr.ndim == 2 and arr.shape[1] > 1 and arr.dtype in _BLAS and arr.flags.c_contiguous:
+    if arr.ndim == 2 and arr.shape[1] > 1 and arr.dtype in BLAS_DTYPES and arr.flags.c_contiguous:
         return np.dot(arr, np.ones(arr.shape[1], arr.dtype)).sum()
     return arr.sum()
 
