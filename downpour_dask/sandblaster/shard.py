@@ -72,6 +72,7 @@ class SandblasterShard(ParameterServerShard):
         self._accepted: set[int] = set()
         self._batch_examples = 0  # examples accepted in the current version
         self._finish: Finish | None = None  # how the current batch ends, if the shard ends it
+        self._missing = 0  # portions of the finish still to be accepted
         self._finished: Finished | None = None
         self._scratch = np.empty(stop - start, np.float64)
 
@@ -107,6 +108,7 @@ class SandblasterShard(ParameterServerShard):
         self._accepted = set()
         self._batch_examples = 0
         self._finish, self._finished = finish, None
+        self._missing = 0 if finish is None else len(finish.portions)
         return self.version, (self.values.copy() if send else None)
 
     async def fetch(self, version: int) -> np.ndarray | None:
@@ -142,7 +144,9 @@ class SandblasterShard(ParameterServerShard):
         self._accepted.add(portion)
         self.examples += int(examples)
         self._batch_examples += int(examples)
-        if self._finish is not None and self._accepted >= self._finish.portions:
+        if self._finish is not None and portion in self._finish.portions:
+            self._missing -= 1  # a count, not a set comparison on every portion's call
+        if self._finish is not None and not self._missing:
             program, names = self._finish.program, self._finish.names
             self._finish = None
             dots = self.store.run([("scale", "acc", 1.0 / self._batch_examples), *program])
