@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import optim
+from downpour_dask.core import optim as optim_module
 from downpour_dask.core.optim import OPTIMIZERS, from_config, make
 
 
@@ -100,6 +101,45 @@ def test_adam_by_hand():
     np.testing.assert_allclose(state["m"], [0.09, -0.76], rtol=1e-6)
     np.testing.assert_allclose(state["v"], [0.000999, 0.031984], rtol=1e-6)
     assert state["t"].shape == () and state["t"].dtype == np.int64 and int(state["t"]) == 2
+
+
+def _reference(name: str, params: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:
+    """AdaGrad's or Adam's steps (lr 0.1, default hyperparameters) on whole vectors in
+    float64, written from the formulas."""
+    p, acc, m, v = (params.astype(np.float64), *(np.zeros(params.shape) for _ in range(3)))
+    for t, g in enumerate(grads, start=1):
+        if name == "adagrad":
+            acc += g * g
+            p -= 0.1 * g / (np.sqrt(acc) + 1e-8)
+        else:
+            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+            p -= 0.1 * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+    return p
+
+
+@pytest.mark.parametrize("layout", ["float32", "strided", "2-d", "float64 grad on float32 params"])
+@pytest.mark.parametrize("name", ["adagrad", "adam"])
+def test_adagrad_and_adam_in_blocks_match_the_formula(name, layout, monkeypatch):
+    """AdaGrad and Adam go through a shard's slice a cache-sized block at a time (here 7
+    elements, so 50 elements make whole blocks and a partial last one): every block, the last
+    one too, gets the formula's step, in the caller's array, for every layout."""
+    monkeypatch.setattr(optim_module, "BLOCK", 7)
+    rng = np.random.default_rng(4)
+    size = 100 if layout == "strided" else 50
+    params = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size) for _ in range(3)]
+    grads = [g.astype(np.float64 if "float64" in layout else np.float32) for g in grads]
+    if layout == "strided":
+        params, grads = params[::2], [g[::2] for g in grads]
+    elif layout == "2-d":
+        params, grads = params.reshape(5, 10), [g.reshape(5, 10) for g in grads]
+    expected = _reference(name, params, grads)
+    rule = make(name, 0.1)
+    state = {k: a.reshape(params.shape) if a.ndim else a for k, a in rule.init(params.size).items()}
+    for g in grads:
+        rule.update(params, g, state)
+    assert params.dtype == np.float32
+    np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -40,10 +40,16 @@ def _scratch(like: np.ndarray) -> np.ndarray:
 _AXPY = {np.dtype(np.float32): blas.saxpy, np.dtype(np.float64): blas.daxpy}
 
 
+#: Elements a rule with several passes (AdaGrad, Adam) updates at a time: its passes over a
+#: block that stays in the CPU cache are cheaper than the same passes over a whole shard.
+BLOCK = 1 << 17
+
+
 def _axpy(a: float, x: np.ndarray, y: np.ndarray) -> None:
     """``y += a * x`` in place: one pass of BLAS over both vectors where it applies (same
     float dtype, contiguous), which reads and writes half the memory of numpy's ``y -=
-    np.multiply(x, -a)``; numpy with a scratch vector otherwise."""
+    np.multiply(x, -a)``; numpy with the scratch vector otherwise (``x`` may be that
+    vector's first ``y.size`` elements: it is then scaled in place)."""
     axpy = _AXPY.get(y.dtype)
     if axpy is not None and x.dtype == y.dtype and x.flags.c_contiguous and y.flags.c_contiguous:
         axpy(x.reshape(-1), y.reshape(-1), a=a)  # in place: y has BLAS's dtype and layout
@@ -195,22 +201,17 @@ class Adagrad(UpdateRule):
     def _state(self, size):
         return {"sum_sq": np.zeros(size, np.float32)}
 
-    #: Elements updated per block: six passes over a block that stays in the CPU cache are
-    #: cheaper than six passes over a whole shard of tens of MB.
-    BLOCK = 1 << 17
-
     def _step(self, params, grad, state, lr):
         params, grad, acc = params.reshape(-1), grad.reshape(-1), state["sum_sq"].reshape(-1)
-        scratch = _scratch(params[: self.BLOCK])
-        for lo in range(0, params.size, self.BLOCK):
-            hi = min(lo + self.BLOCK, params.size)
+        scratch = _scratch(params[:BLOCK])
+        for lo in range(0, params.size, BLOCK):
+            hi = min(lo + BLOCK, params.size)
             g, tmp = grad[lo:hi], scratch[: hi - lo]
             acc[lo:hi] += np.multiply(g, g, out=tmp)
             np.sqrt(acc[lo:hi], out=tmp)
             tmp += self.eps
             np.divide(g, tmp, out=tmp)
-            tmp *= lr
-            params[lo:hi] -= tmp
+            _axpy(-lr, tmp, params[lo:hi])
 
 
 class Adam(UpdateRule):
@@ -237,22 +238,26 @@ class Adam(UpdateRule):
         }
 
     def _step(self, params, grad, state, lr):
-        m, v, t, tmp = state["m"], state["v"], state["t"], _scratch(params)
-        t += 1
-        step = int(t)
-        m *= self.beta1
-        m += np.multiply(grad, 1.0 - self.beta1, out=tmp)
-        v *= self.beta2
-        np.multiply(grad, grad, out=tmp)
-        tmp *= 1.0 - self.beta2
-        v += tmp
+        state["t"] += 1  # in place: the 0-d array the shard checkpoints
+        step = int(state["t"])
         # p -= lr * m_hat / (sqrt(v_hat) + eps), with m_hat = m / (1 - beta1**t) etc.
-        np.sqrt(v, out=tmp)
-        tmp *= 1.0 / math.sqrt(1.0 - self.beta2**step)
-        tmp += self.eps
-        np.divide(m, tmp, out=tmp)
-        tmp *= lr / (1.0 - self.beta1**step)
-        params -= tmp
+        unbias_v = 1.0 / math.sqrt(1.0 - self.beta2**step)
+        rate = -lr / (1.0 - self.beta1**step)
+        params, grad = params.reshape(-1), grad.reshape(-1)
+        m, v = state["m"].reshape(-1), state["v"].reshape(-1)
+        scratch = _scratch(params[:BLOCK])
+        for lo in range(0, params.size, BLOCK):
+            hi = min(lo + BLOCK, params.size)
+            g, mb, vb, tmp = grad[lo:hi], m[lo:hi], v[lo:hi], scratch[: hi - lo]
+            mb *= self.beta1
+            _axpy(1.0 - self.beta1, g, mb)
+            vb *= self.beta2
+            _axpy(1.0 - self.beta2, np.multiply(g, g, out=tmp), vb)
+            np.sqrt(vb, out=tmp)
+            tmp *= unbias_v
+            tmp += self.eps
+            np.divide(mb, tmp, out=tmp)
+            _axpy(rate, tmp, params[lo:hi])
 
 
 class WrappedRule(UpdateRule):
