@@ -111,9 +111,13 @@ def exp_flushed(z: np.ndarray, flushed: np.ndarray) -> None:
 
 def times_derivative(delta: np.ndarray, a: np.ndarray, activation: str) -> None:
     """``delta *= act'(z)`` from the activation ``a = act(z)``, in place and without
-    temporaries: ``a`` is overwritten with the derivative, so it must not be needed again."""
+    temporaries: ``a`` is overwritten with the derivative, so it must not be needed again.
+
+    relu' is ``a > 0`` written as 1.0 / 0.0 into ``a``: numpy's ``sign`` gives the same values
+    but is many times slower when it writes over its own input.
+    """
     if activation == "relu":
-        np.sign(a, out=a)
+        np.greater(a, 0, out=a)
     else:  # tanh' = 1 - tanh**2
         np.multiply(a, a, out=a)
         np.subtract(1, a, out=a)
