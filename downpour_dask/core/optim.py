@@ -42,7 +42,7 @@ _AXPY = {np.dtype(np.float32): blas.saxpy, np.dtype(np.float64): blas.daxpy}
 
 #: Elements a rule with several passes (AdaGrad, Adam) updates at a time: its passes over a
 #: block that stays in the CPU cache are cheaper than the same passes over a whole shard.
-BLOCK = 1 << 17
+BLOCK = 1 << 16
 
 
 def _axpy(a: float, x: np.ndarray, y: np.ndarray) -> None:
