@@ -38,7 +38,10 @@ def test_arrays_that_cannot_hold_non_finite_values_and_empty_ones_are_finite():
     assert all_finite(np.array(3.0))
 
 
-@pytest.mark.parametrize("rule", [optim.sgd(1.0), optim.adagrad(0.1)], ids=["sgd", "adagrad"])
+RULES = [optim.sgd(1.0), optim.adagrad(0.1), optim.adam(0.1)]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=["sgd", "adagrad", "adam"])
 def test_a_guarded_update_that_would_overflow_leaves_parameters_and_state_as_they_were(rule):
     params = np.full(1000, 3e38, dtype=np.float32)
     state = rule.init(1000)
@@ -53,7 +56,9 @@ def test_a_guarded_update_that_would_overflow_leaves_parameters_and_state_as_the
     assert guard.apply(params, np.full(1000, 1.0, np.float32), state) is None  # and goes on
 
 
-@pytest.mark.parametrize("rule", [optim.sgd(0.05), optim.adagrad(0.1)], ids=["sgd", "adagrad"])
+@pytest.mark.parametrize(
+    "rule", [optim.sgd(0.05), optim.adagrad(0.1), optim.adam(0.01)], ids=["sgd", "adagrad", "adam"]
+)
 def test_updates_the_bounds_prove_safe_skip_the_check_and_equal_the_bare_rule(rule):
     rng = np.random.default_rng(0)
     params = rng.standard_normal(5000).astype(np.float32)
@@ -68,6 +73,35 @@ def test_updates_the_bounds_prove_safe_skip_the_check_and_equal_the_bare_rule(ru
     np.testing.assert_array_equal(params, bare_params)
     for key, value in state.items():
         np.testing.assert_array_equal(value, bare_state[key])
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_the_bounds_an_unchecked_update_relies_on_hold_through_any_gradients(name):
+    """The guard skips its check only while its bounds of each array's largest magnitude cover
+    the arrays: pushes of every scale -- tiny ones that underflow Adam's second moment, huge
+    ones, zero -- must keep every array within its bound (else an overflow could pass
+    unchecked)."""
+    rng = np.random.default_rng(5)
+    rule = optim.make(name, 0.5)
+    params, state = np.zeros(300, np.float32), rule.init(300)  # bounds of 0 to start from
+    guard = GuardedUpdate(rule, params, state)
+    for scale in [1e-30, 1.0, 1e4, 0.0, 1e-3, 1e12, 1e-25, 1.0] * 4:
+        grad = (rng.standard_normal(300) * scale).astype(np.float32)
+        assert guard.apply(params, grad, state) is None
+        for key, array in {"": params, **state}.items():
+            if array.dtype.kind == "f":  # (Adam's step count is an integer)
+                assert np.abs(array).max() <= guard._bounds[key], (key, scale)
+    assert guard.unchecked == 32
+
+
+def test_an_adam_update_the_bounds_cannot_clear_is_checked_and_applied_when_finite():
+    rule = optim.adam(1e27)  # the bound of a step, lr |m| / ((1 - beta1) eps), is 1e36 here
+    params, state = np.full(100, 2.1e37, np.float32), rule.init(100)  # near float32's limit
+    guard = GuardedUpdate(rule, params, state)
+    assert guard.apply(params, np.ones(100, np.float32), state) is None  # moved by 1e27 only
+    assert guard.unchecked == 0  # checked in full, and applied
+    np.testing.assert_allclose(state["m"], 0.1, rtol=1e-6)
+    assert int(state["t"]) == 1 and np.isfinite(params).all()
 
 
 def test_a_learning_rate_whose_steps_could_overflow_is_checked_and_refused_when_they_do():

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from .optim import SGD, Adagrad, UpdateRule
+from .optim import SGD, Adagrad, Adam, UpdateRule
 from .params import BLAS_DTYPES
 
 
@@ -51,11 +51,12 @@ class GuardedUpdate:
     of the slice and of its state before the update (kept in preallocated buffers) and a
     finiteness check of each after it.
 
-    For plain SGD and Adagrad that price is mostly avoided: how far one update can move any
-    element is known from the gradient's norm (:func:`sum_of_squares`, which the caller's
+    For plain SGD, Adagrad and Adam that price is mostly avoided: how far one update can move
+    any element is known from the gradient's norm (:func:`sum_of_squares`, which the caller's
     finiteness check of the gradient computes anyway): ``lr * |g|`` for SGD, ``lr`` for
     Adagrad's parameters (its step is ``lr * g / sqrt(sum of squares including g**2)``) and
-    ``|g|**2`` for its sum of squares.  The guard keeps an upper bound of every array's largest
+    ``|g|**2`` for its sum of squares; for Adam see :func:`_largest_moves`.  The guard keeps an
+    upper bound of every float array's largest
     magnitude (measured once, then grown by each update's largest move); while the bounds stay
     far below the dtype's largest value no update can overflow, and it is applied without copy
     and check.  Otherwise -- another rule, a bound too high -- the update is checked as above.
@@ -115,16 +116,19 @@ class GuardedUpdate:
     ) -> bool:
         """Whether the bounds prove that this update leaves every array finite (if so, they
         are grown by it)."""
-        moves = _largest_moves(self.rule, grad, grad_sq)
-        if moves is None or not set(moves) <= set(arrays):
+        if type(self.rule) not in _BOUNDED:
             return False
-        if self._bounds is None:
+        floats = {name: array for name, array in arrays.items() if array.dtype.kind not in "iub"}
+        if self._bounds is None:  # (an integer array -- Adam's step count -- cannot overflow)
             if self._skip_measuring:
                 self._skip_measuring -= 1
                 return False
-            self._bounds = {name: _largest_magnitude(array) for name, array in arrays.items()}
+            self._bounds = {name: _largest_magnitude(array) for name, array in floats.items()}
+        moves = _largest_moves(self.rule, grad, grad_sq, self._bounds)
+        if moves is None or not set(moves) <= set(floats):
+            return False
         grown = {name: bound + moves.get(name, 0.0) for name, bound in self._bounds.items()}
-        if all(grown[name] < _LIMIT[array.dtype] for name, array in arrays.items()):
+        if all(grown[name] < _LIMIT.get(array.dtype, 0.0) for name, array in floats.items()):
             self._bounds = grown  # (a NaN bound fails the comparison)
             return True
         self._bounds, self._skip_measuring = None, self.REMEASURE_AFTER
@@ -133,6 +137,8 @@ class GuardedUpdate:
 
 #: Rounding slack on the bounds (float32 rounds by 6e-8 per operation).
 _SLACK = 1.001
+#: Above the largest element whose square underflows in a float32 sum of squares (~1.1e-19).
+_UNDERFLOW = 1e-18
 #: The bounds must stay below these: far from overflowing, whatever rounding does.
 _LIMIT: dict[np.dtype, float] = {d: float(np.finfo(d).max) / 16 for d in BLAS_DTYPES}
 
@@ -143,21 +149,38 @@ def _largest_magnitude(array: np.ndarray) -> float:
     return float(max(array.max(), -array.min())) if array.size else 0.0
 
 
-def _largest_moves(rule: UpdateRule, grad: np.ndarray, grad_sq: float | None) -> dict | None:
-    """How far one update by ``rule`` can move any element of each array it changes, or None
-    when not known (only plain SGD and Adagrad are: a subclass or a wrapper may do anything)."""
-    kind = type(rule)
-    if kind is not SGD and kind is not Adagrad:
-        return None
+#: The rules whose largest moves :func:`_largest_moves` knows (a subclass or a wrapper may do
+#: anything, so the type must be one of these exactly).
+_BOUNDED = (SGD, Adagrad, Adam)
+
+
+def _largest_moves(
+    rule: UpdateRule, grad: np.ndarray, grad_sq: float | None, bounds: dict[str, float]
+) -> dict | None:
+    """How far one update by ``rule`` can move any element of each array it changes, given
+    ``bounds`` of the arrays' largest magnitudes, or None when a non-finite or huge gradient
+    leaves it unknown."""
     norm_sq = sum_of_squares(grad) if grad_sq is None else float(grad_sq)
-    if not math.isfinite(norm_sq):  # a non-finite or huge gradient: check the update
+    if not math.isfinite(norm_sq):
         return None
-    if kind is SGD:
-        return {"": rule.learning_rate * math.sqrt(norm_sq) * _SLACK}
-    # Adagrad: |g| / (sqrt(sum_sq + g**2) + eps) <= 1, unless g**2 underflowed (|g| < 1e-18):
-    # then it is at most 1e-18 / eps.
-    step = rule.learning_rate * max(1.0, 1e-18 / rule.eps) * _SLACK
-    return {"": step, "sum_sq": norm_sq * _SLACK}
+    # An element whose square underflowed in the sum is missing from it: no element exceeds
+    # the norm or _UNDERFLOW, whichever is larger.
+    g_max = max(math.sqrt(norm_sq), _UNDERFLOW)
+    if type(rule) is SGD:
+        return {"": rule.learning_rate * g_max * _SLACK}
+    if type(rule) is Adagrad:
+        # |g| / (sqrt(sum_sq + g**2) + eps) <= 1, unless g**2 underflowed: then it is at most
+        # _UNDERFLOW / eps.
+        step = rule.learning_rate * max(1.0, _UNDERFLOW / rule.eps) * _SLACK
+        return {"": step, "sum_sq": g_max**2 * _SLACK}
+    # Adam: |m'| <= |m| + (1 - beta1) |g| and |v'| <= |v| + (1 - beta2) g**2; the step
+    # lr / (1 - beta1**t) * m' / (sqrt(v' / (1 - beta2**t)) + eps) is at most
+    # lr * |m'| / ((1 - beta1) eps) for any t >= 1 and any v' >= 0.  Loose (eps is small),
+    # but it needs nothing of the state's history, and it stays far below overflow.
+    m_move = (1.0 - rule.beta1) * g_max
+    m_largest = bounds.get("m", math.inf) + m_move
+    step = rule.learning_rate * m_largest / ((1.0 - rule.beta1) * rule.eps)
+    return {"": step * _SLACK, "m": m_move * _SLACK, "v": (1.0 - rule.beta2) * g_max**2 * _SLACK}
 
 
 def clip_norm(grad: np.ndarray, max_norm: float) -> float:
