@@ -56,11 +56,11 @@ class GuardedUpdate:
     finiteness check of the gradient computes anyway): ``lr * |g|`` for SGD, ``lr`` for
     Adagrad's parameters (its step is ``lr * g / sqrt(sum of squares including g**2)``) and
     ``|g|**2`` for its sum of squares; for Adam see :func:`_largest_moves`.  The guard keeps an
-    upper bound of every float array's largest
-    magnitude (measured once, then grown by each update's largest move); while the bounds stay
-    far below the dtype's largest value no update can overflow, and it is applied without copy
-    and check.  Otherwise -- another rule, a bound too high -- the update is checked as above.
-    The arrays must change only through :meth:`apply` (a shard's do).
+    upper bound of every float array's largest magnitude (measured once, then grown by each
+    update's largest move); while the bounds stay far below the dtype's largest value no
+    update can overflow, and it is applied without copy and check.  Otherwise -- another
+    rule, a bound too high -- the update is checked as above.  The arrays must change only
+    through :meth:`apply` (a shard's do).
 
     Parameters
     ----------
