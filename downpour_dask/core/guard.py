@@ -78,6 +78,10 @@ class GuardedUpdate:
         self.rule = rule
         self._undo = {"": np.empty_like(params)}
         self._undo.update({name: np.empty_like(array) for name, array in state.items()})
+        # how large each float array's bound may grow (an integer array -- Adam's step count --
+        # cannot overflow): worked out once, not on every push
+        arrays = {"": params, **state}.items()
+        self._limits = {n: _LIMIT.get(a.dtype, 0.0) for n, a in arrays if a.dtype.kind not in "iub"}
         self._bounds: dict[str, float] | None = None  # of each array's largest magnitude
         self._skip_measuring = 0
         self.unchecked = 0  # updates applied on the bounds alone (diagnostics, tests)
@@ -118,17 +122,16 @@ class GuardedUpdate:
         are grown by it)."""
         if type(self.rule) not in _BOUNDED:
             return False
-        floats = {name: array for name, array in arrays.items() if array.dtype.kind not in "iub"}
-        if self._bounds is None:  # (an integer array -- Adam's step count -- cannot overflow)
+        if self._bounds is None:
             if self._skip_measuring:
                 self._skip_measuring -= 1
                 return False
-            self._bounds = {name: _largest_magnitude(array) for name, array in floats.items()}
+            self._bounds = {name: _largest_magnitude(arrays[name]) for name in self._limits}
         moves = _largest_moves(self.rule, grad, grad_sq, self._bounds)
-        if moves is None or not set(moves) <= set(floats):
+        if moves is None or not moves.keys() <= self._limits.keys():
             return False
         grown = {name: bound + moves.get(name, 0.0) for name, bound in self._bounds.items()}
-        if all(grown[name] < _LIMIT.get(array.dtype, 0.0) for name, array in floats.items()):
+        if all(grown[name] < limit for name, limit in self._limits.items()):
             self._bounds = grown  # (a NaN bound fails the comparison)
             return True
         self._bounds, self._skip_measuring = None, self.REMEASURE_AFTER
