@@ -297,6 +297,10 @@ def _fit(client, n_replicas):
 def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, tmp_path):
     # Calibrated on a run with replicas on both workers: one reaches the shard over the wire.
     two, four = _fit(client, 2), _fit(client, 4)
+    if calibration.measured(two)["step_cv"] >= 2.0:
+        # Intervals between pushes spread this wide mean the machine stalled the run (the other
+        # test process starting a cluster, say): not a run to calibrate from, so fit again.
+        two, four = _fit(client, 2), _fit(client, 4)
     fitted = calibration.calibrate(two, cores=2, repeats=5)
     fitted.save(tmp_path)
     again = calibration.load(tmp_path)
@@ -308,6 +312,7 @@ def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, t
     predicted = predict(calibration.setup_of(four), again.timing)
     # Generous: the machine is shared and busy (see benchmarks/README.md for measured errors).
     ratio = predicted.examples_per_s / seen["examples_per_s"]
+    print(f"calibration run's step spread {fitted.fit['measured']['step_cv']:.2f}")
     print(f"throughput ratio {ratio:.2f}; staleness {predicted.staleness_mean:.2f} (predicted)")
     print(f"vs {seen['staleness_mean']:.2f} (real)")
     assert 0.33 < ratio < 3, (fitted.timing, fitted.fit)
