@@ -8,6 +8,15 @@ Dask actor messages too (``transport="dask"``) to show what the direct connectio
 further row runs the serial loop on both workers at once with no communication at all: the
 ceiling any data-parallel trainer could reach on this machine, and each row's share of it.
 
+A last row per n_fetch = n_push is the least a parameter server must add to that ceiling: the
+same loop on both workers, each also holding half the parameters as a shard, with no library at
+all.  Every n steps a replica applies its half in place and sends the other half's gradient over
+a raw TCP connection to the other worker, whose thread applies it (one ``axpy``) and sends its
+half's values straight back into the replica's parameters; the replica takes them between two
+steps once they arrive (one push in flight).  What separates Downpour from that row is the
+library; what separates that row from the ceiling is the bytes every step moves through the
+kernel, on the same two cores that compute the gradients.
+
 The script runs in rounds, each running every row once (the serial loop too), so that drift of
 the machine falls on all rows alike; it reports each row's median over the rounds, ratios of
 medians against the serial loop, and the range of the row's runs against that median.
@@ -25,11 +34,15 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import platform  # noqa: E402
+import select  # noqa: E402
+import socket  # noqa: E402
 import statistics  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
+import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from distributed import Client, LocalCluster, Variable  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
 from downpour_dask.data.datasets import minibatches  # noqa: E402
@@ -83,6 +96,97 @@ def no_communication_examples_per_s(client, model, X, y, seconds: float) -> floa
     return rate
 
 
+def _receive_into(conn: socket.socket, target: np.ndarray) -> bool:
+    """Fill ``target`` from ``conn``; False if the peer closed the connection first."""
+    view, got = memoryview(target).cast("B"), 0
+    while got < view.nbytes:
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=0.01) -> float:
+    """One worker's half of the minimal parameter server (see the module docstring): a replica
+    loop and a thread serving this worker's shard to the other worker's replica."""
+    from downpour_dask.runtime.malloc import tune_malloc
+
+    tune_malloc()
+    X, y = (np.require(a, requirements=["C", "A"]) for a in (X, y))
+    params = model.init(np.random.default_rng(0))
+    cut = params.size // 2
+    own, far = (slice(0, cut), slice(cut, None)) if me == 0 else (slice(cut, None), slice(0, cut))
+    shard = params[own].copy()
+    server = socket.create_server(("127.0.0.1", 0))
+    Variable(names[me]).set(server.getsockname()[1])
+    out = socket.create_connection(("127.0.0.1", Variable(names[1 - me]).get(timeout=60)))
+    served, _ = server.accept()
+
+    lock = threading.Lock()  # a shard applies one push at a time, as Downpour's does
+
+    def serve() -> None:  # the shard: a gradient in, one axpy, its values back
+        grad = np.empty_like(shard)
+        while _receive_into(served, grad):
+            with lock:
+                np.subtract(shard, grad, out=shard)
+                served.sendall(memoryview(shard).cast("B"))
+        served.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    step, accrued = np.empty_like(params), np.empty_like(params)
+    rng = np.random.default_rng(me)
+    examples, steps, start, pending = 0, 0, time.perf_counter(), False
+    while time.perf_counter() - start < seconds:
+        for Xb, yb in minibatches(X, y, BATCH, rng):
+            if pending and select.select([out], [], [], 0)[0]:  # the far half's values arrived
+                pending = not _receive_into(out, params[far])
+            first = steps % every == 0  # an accrual's first step writes into it, as Downpour's
+            g = accrued if first else step
+            model.loss_and_grad(params, Xb, yb, out=g, scale=learning_rate)
+            params -= g
+            if not first:
+                accrued += g
+            examples, steps = examples + len(yb), steps + 1
+            if steps % every == 0:  # push both halves, fetch both back
+                with lock:  # the own half first: no lock is wanted while a reply is due
+                    shard -= accrued[own]
+                    params[own] = shard
+                if pending:  # one push in flight at a time
+                    _receive_into(out, params[far])
+                out.sendall(memoryview(accrued[far]).cast("B"))
+                pending = True
+            if time.perf_counter() - start >= seconds:
+                break
+    rate = examples / (time.perf_counter() - start)
+    if pending:
+        _receive_into(out, params[far])
+    out.shutdown(socket.SHUT_WR)  # the peer's shard thread ends; then wait for ours
+    thread.join(timeout=60)
+    out.close()
+    server.close()
+    return rate
+
+
+def minimal_ps_examples_per_s(client, model, X, y, seconds: float, every: int) -> float:
+    """The minimal parameter server on both workers at once: the sum of their examples/s."""
+    workers = sorted(client.scheduler_info()["workers"])
+    data = client.scatter([X, y], broadcast=True, hash=False)
+    names = [f"bench-minimal-ps-{uuid.uuid4().hex}" for _ in workers]
+    futures = [
+        client.submit(
+            _minimal_ps_on_worker, model, *data, seconds, every, me, names, workers=[w], pure=False
+        )
+        for me, w in enumerate(workers)
+    ]
+    rate = sum(client.gather(futures))
+    client.cancel(data)
+    for name in names:
+        Variable(name, client=client).delete()
+    return rate
+
+
 def downpour_examples_per_s(
     client, model, train, replicas: int, every: int, seconds: float, shards: int = 2, **extra
 ) -> float:
@@ -132,6 +236,7 @@ def main() -> None:
     )
     serial_name = "serial numpy loop (1 thread, in process)"
     ceiling_name = "serial loop on both workers at once, no communication"
+    minimal_name = "minimal parameter server, raw sockets, no library"
     runs: dict[tuple[str, str], list[float]] = {}
     with (
         LocalCluster(
@@ -148,6 +253,9 @@ def main() -> None:
                 no_communication_examples_per_s(client, model, train.X, train.y, args.seconds)
             )
             for every in (1, 4):
+                runs.setdefault((minimal_name, str(every)), []).append(
+                    minimal_ps_examples_per_s(client, model, train.X, train.y, args.seconds, every)
+                )
                 for replicas, shards, transport in CONFIGURATIONS:
                     name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
                     name += ", actor messages" if transport == "dask" else ""
@@ -164,14 +272,16 @@ def main() -> None:
     )
     print(
         f"{'configuration':55} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs serial':>10} "
-        f"{'of ceiling':>10}  {'runs, vs serial':>15}"
+        f"{'of ceiling':>10} {'of minimal':>10}  {'runs, vs serial':>15}"
     )
     for (name, every), rates in runs.items():
         rate = statistics.median(rates)
         spread = f"{min(rates) / serial:.2f}-{max(rates) / serial:.2f}x"
+        minimal = runs.get((minimal_name, every))
+        of_minimal = f"{rate / statistics.median(minimal):.0%}" if minimal else "-"
         print(
             f"{name:55} {every:>14} {rate:>11,.0f} {rate / serial:>9.2f}x {rate / ceiling:>9.0%}"
-            f"  {spread:>15}"
+            f" {of_minimal:>10}  {spread:>15}"
         )
 
 
