@@ -23,12 +23,14 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 from downpour_dask import models, optim  # noqa: E402
+from downpour_dask.core.guard import sum_of_squares  # noqa: E402
 
 #: (name, model, rows per batch): the models of bench_downpour.py, bench_large.py,
 #: bench_model_parallel.py (the whole model; a partition computes half of it) and Sandblaster's
@@ -43,6 +45,11 @@ GRADIENTS = [
 #: (rule, parameters): a shard of bench_downpour.py's model, and a partition's shard of
 #: bench_model_parallel.py's.
 UPDATES = [(name, size) for name in ("sgd", "adagrad", "adam") for size in (101_765, 10_510_341)]
+#: The norm a shard takes of every pushed gradient (``guard.sum_of_squares``), on a shard of
+#: bench_downpour.py's model: alone, and while another thread of the process runs Python, as a
+#: worker's wire and event-loop threads do (a call that lets go of the GIL may wait that long
+#: to get it back).
+NORM_SIZE = 101_765
 
 
 def gradient_call(model, rows: int, seed: int = 0) -> Callable[[], None]:
@@ -62,6 +69,33 @@ def update_call(name: str, size: int, seed: int = 0) -> Callable[[], None]:
     params, state = rng.standard_normal(size, dtype=np.float32), rule.init(size)
     grad = rng.standard_normal(size, dtype=np.float32)
     return lambda: rule.update(params, grad, state)
+
+
+def norm_call(size: int, seed: int = 0) -> Callable[[], None]:
+    """A call of the guard's gradient norm on ``size`` float32 values."""
+    grad = np.random.default_rng(seed).standard_normal(size, dtype=np.float32)
+    return lambda: sum_of_squares(grad)
+
+
+def beside_python(call: Callable[[], None]) -> Callable[[], float]:
+    """``timed(call)`` while another thread of this process runs Python the whole time."""
+
+    def run() -> float:
+        stop = threading.Event()
+
+        def spin() -> None:
+            while not stop.is_set():
+                pass
+
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        try:
+            return timed(call)
+        finally:
+            stop.set()
+            spinner.join(timeout=60)
+
+    return run
 
 
 def timed(call: Callable[[], None], budget: float = 0.2) -> float:
@@ -86,10 +120,15 @@ def main() -> None:
         (f"update: {name}, {size:,} parameters", update_call(name, size), None)
         for name, size in UPDATES
     ]
+    norm = norm_call(NORM_SIZE)
+    rows += [
+        (f"gradient norm (guard), {NORM_SIZE:,} parameters", norm, None),
+        (f"gradient norm (guard), {NORM_SIZE:,}, beside a thread running Python", norm, None),
+    ]
     times: dict[str, list[float]] = {label: [] for label, _, _ in rows}
     for _ in range(args.repeats):
         for label, call, _ in rows:
-            times[label].append(timed(call))
+            times[label].append(beside_python(call)() if "beside" in label else timed(call))
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"python {platform.python_version()}, numpy {np.__version__}; one BLAS thread"
