@@ -1,11 +1,13 @@
 """core/guard.py in process: the finiteness check every push goes through, and the guarded update
 that refuses a push which would make a shard non-finite without changing it."""
 
+import warnings
+
 import numpy as np
 import pytest
 
 from downpour_dask.core import optim
-from downpour_dask.core.guard import GuardedUpdate, all_finite
+from downpour_dask.core.guard import HOLD_GIL_UP_TO, GuardedUpdate, all_finite, sum_of_squares
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -30,6 +32,23 @@ def test_huge_finite_values_are_finite_although_their_sum_of_squares_overflows(d
     assert all_finite(x)
     x[7] = np.nan
     assert not all_finite(x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size", [1000, HOLD_GIL_UP_TO, HOLD_GIL_UP_TO + 1])
+def test_the_norm_answers_alike_whether_it_holds_the_gil_or_lets_it_go(dtype, size):
+    # up to HOLD_GIL_UP_TO elements scipy's BLAS takes the product, above it numpy's
+    x = np.random.default_rng(0).standard_normal(size).astype(dtype)
+    assert sum_of_squares(x) == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-4)
+    for bad, expected in ((np.inf, np.inf), (np.nan, None)):
+        y = x.copy()
+        y[size // 2] = bad
+        result = sum_of_squares(y)
+        assert result == expected if expected is not None else np.isnan(result)
+    huge = np.full(size, np.finfo(dtype).max / 4, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow is an answer here, not a warning
+        assert sum_of_squares(huge) == np.inf
 
 
 def test_arrays_that_cannot_hold_non_finite_values_and_empty_ones_are_finite():

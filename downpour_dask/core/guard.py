@@ -17,6 +17,9 @@ from .params import BLAS_DTYPES
 #: BLAS's dot product for each dtype it has one for (see :func:`sum_of_squares`).
 _DOT = {np.dtype(np.float32): blas.sdot, np.dtype(np.float64): blas.ddot}
 
+#: Elements up to which :func:`sum_of_squares` holds the GIL through the product.
+HOLD_GIL_UP_TO = 1 << 20
+
 
 def sum_of_squares(array: np.ndarray) -> float:
     """The sum of the squares of ``array``'s elements, fast: NaN if any element is NaN, inf if
@@ -24,17 +27,20 @@ def sum_of_squares(array: np.ndarray) -> float:
 
     For a contiguous float32/float64 array it is BLAS's dot product of the array with itself,
     which runs at memory speed, 2-4x faster than numpy's pairwise ``add.reduce``; it is on the
-    path of every push a shard applies.  scipy's BLAS wrapper, not ``np.dot``: numpy releases
-    the GIL around the product, and in a worker where other threads run Python (the wire's,
-    the event loop) taking it back can wait out the whole GIL switch interval (5 ms) for a
-    product of a few microseconds; scipy's holds it.  A sum of non-negative terms is never
-    rounded below its largest term, so no element's square exceeds it (what
-    :class:`GuardedUpdate` relies on).
+    path of every push a shard applies.  Up to :data:`HOLD_GIL_UP_TO` elements through scipy's
+    BLAS wrapper, which holds the GIL: ``np.dot`` lets it go around the product, and in a worker
+    where other threads run Python (the wire's, the event loop, other replicas) taking it back
+    can wait out the whole GIL switch interval (5 ms) for a product of microseconds.  A longer
+    product (a model-parallel partition's shard) is worth letting the GIL go for: the worker's
+    other threads run meanwhile.  A sum of non-negative terms is never rounded below its
+    largest term, so no element's square exceeds it (what :class:`GuardedUpdate` relies on).
     """
-    dot = _DOT.get(array.dtype)
-    if dot is not None and array.flags.c_contiguous and array.size:
+    if array.dtype in BLAS_DTYPES and array.flags.c_contiguous and array.size:
         flat = array.reshape(-1)
-        return float(dot(flat, flat))  # BLAS raises no floating-point warnings on overflow
+        if flat.size <= HOLD_GIL_UP_TO:
+            return float(_DOT[flat.dtype](flat, flat))  # BLAS warns of no overflow
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer here
+            return float(np.dot(flat, flat))
     return float(np.add.reduce(np.square(array, dtype=np.float64), axis=None))
 
 
