@@ -14,8 +14,9 @@ all.  Every n steps a replica applies its half in place and sends the other half
 a raw TCP connection to the other worker, whose thread applies it (one ``axpy``) and sends its
 half's values straight back into the replica's parameters; the replica takes them between two
 steps once they arrive (one push in flight).  What separates Downpour from that row is the
-library; what separates that row from the ceiling is the bytes every step moves through the
-kernel, on the same two cores that compute the gradients.
+library; what separates that row from the ceiling is the work any parameter server adds to a
+step (the accrual, the shard's update, both halves through the kernel and into the parameters),
+on the same two cores that compute the gradients.
 
 The script runs in rounds, each running every row once (the serial loop too), so that drift of
 the machine falls on all rows alike; it reports each row's median over the rounds, ratios of
