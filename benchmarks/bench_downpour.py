@@ -34,6 +34,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import platform  # noqa: E402
 import select  # noqa: E402
 import socket  # noqa: E402
@@ -47,6 +48,7 @@ from distributed import Client, LocalCluster, Variable  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
 from downpour_dask.data.datasets import minibatches  # noqa: E402
+from downpour_dask.ps import frames  # noqa: E402
 
 BATCH = 128
 
@@ -97,17 +99,6 @@ def no_communication_examples_per_s(client, model, X, y, seconds: float) -> floa
     return rate
 
 
-def _receive_into(conn: socket.socket, target: np.ndarray) -> bool:
-    """Fill ``target`` from ``conn``; False if the peer closed the connection first."""
-    view, got = memoryview(target).cast("B"), 0
-    while got < view.nbytes:
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
 def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=0.01) -> float:
     """One worker's half of the minimal parameter server (see the module docstring): a replica
     loop and a thread serving this worker's shard to the other worker's replica."""
@@ -128,10 +119,12 @@ def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=
 
     def serve() -> None:  # the shard: a gradient in, one axpy, its values back
         grad = np.empty_like(shard)
-        while _receive_into(served, grad):
-            with lock:
-                np.subtract(shard, grad, out=shard)
-                served.sendall(memoryview(shard).cast("B"))
+        with contextlib.suppress(ConnectionError):  # the replica's end closed: the run is over
+            while True:
+                frames.recv_into(served, grad)
+                with lock:
+                    np.subtract(shard, grad, out=shard)
+                    served.sendall(memoryview(shard).cast("B"))
         served.close()
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -142,7 +135,8 @@ def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=
     while time.perf_counter() - start < seconds:
         for Xb, yb in minibatches(X, y, BATCH, rng):
             if pending and select.select([out], [], [], 0)[0]:  # the far half's values arrived
-                pending = not _receive_into(out, params[far])
+                frames.recv_into(out, params[far])
+                pending = False
             first = steps % every == 0  # an accrual's first step writes into it, as Downpour's
             g = accrued if first else step
             model.loss_and_grad(params, Xb, yb, out=g, scale=learning_rate)
@@ -155,14 +149,14 @@ def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=
                     shard -= accrued[own]
                     params[own] = shard
                 if pending:  # one push in flight at a time
-                    _receive_into(out, params[far])
+                    frames.recv_into(out, params[far])
                 out.sendall(memoryview(accrued[far]).cast("B"))
                 pending = True
             if time.perf_counter() - start >= seconds:
                 break
     rate = examples / (time.perf_counter() - start)
     if pending:
-        _receive_into(out, params[far])
+        frames.recv_into(out, params[far])
     out.shutdown(socket.SHUT_WR)  # the peer's shard thread ends; then wait for ours
     thread.join(timeout=60)
     out.close()
