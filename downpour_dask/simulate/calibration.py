@@ -67,6 +67,9 @@ FILENAME = "simulation.json"
 LATENCY_GRID = tuple(float(x) for x in np.geomspace(1e-6, 1e-1, 61))
 #: Weight of :func:`fit_costs`' prior against one run's log step error.
 PRIOR_WEIGHT = 0.05
+#: The largest spread of step times (``step_cv``) a calibration takes from a run's log: beyond
+#: it the log shows the machine stalling the run, not the steps.
+STEP_CV_CAP = 2.0
 
 
 @dataclass(frozen=True)
@@ -338,7 +341,7 @@ def calibrate(
         [(s, steady_step(s, m)) for s, m in runs],
         Timing(
             step_seconds=min(bench["step"], min(steady_step(s, m) for s, m in runs)),
-            step_cv=min(float(np.median([m["step_cv"] for _, m in runs])), 2.0),
+            step_cv=min(float(np.median([m["step_cv"] for _, m in runs])), STEP_CV_CAP),
             push_fixed=bench["push_fixed"],
             push_per_param=bench["push_per_param"],
             pull_fixed=bench["pull_fixed"],
