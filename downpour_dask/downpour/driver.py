@@ -206,7 +206,10 @@ class Driver:
         config["shard_incarnations"] = recovery.incarnations()
         self.experiment = recorder.experiment(config)
         evals = recorder.evals
-        check_finite(self.params, evals[-1]["loss"] if evals else None)
+        if evals:
+            check_finite(self.params, evals[-1]["loss"], evals[0]["loss"])
+        else:
+            check_finite(self.params)
 
     def _initial(self, recorder: RunRecorder) -> tuple[np.ndarray, list[dict] | None, int]:
         """The server's starting vector (partition by partition with model parallelism), the
