@@ -16,13 +16,16 @@ half's values straight back into the replica's parameters; the replica takes the
 steps once they arrive (one push in flight).  What separates Downpour from that row is the
 library; what separates that row from the ceiling is the work any parameter server adds to a
 step (the accrual, the shard's update, both halves through the kernel and into the parameters),
-on the same two cores that compute the gradients.
+on the same two cores that compute the gradients.  With ``--token-bound`` the same server runs
+once more with a 1-byte token in place of each array (the shard applies a gradient it holds, the
+replica installs nothing): what is left without the transfer, the bound of any same-host
+transport that would skip the kernel's copies.
 
 The script runs in rounds, each running every row once (the serial loop too), so that drift of
 the machine falls on all rows alike; it reports each row's median over the rounds, ratios of
 medians against the serial loop, and the range of the row's runs against that median.
 
-    python benchmarks/bench_downpour.py [--seconds 4] [--repeats 3]
+    python benchmarks/bench_downpour.py [--seconds 4] [--repeats 3] [--token-bound]
 """
 
 from __future__ import annotations
@@ -99,9 +102,13 @@ def no_communication_examples_per_s(client, model, X, y, seconds: float) -> floa
     return rate
 
 
-def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=0.01) -> float:
+def _minimal_ps_on_worker(
+    model, X, y, seconds, every, me, names, payload=True, learning_rate=0.01
+) -> float:
     """One worker's half of the minimal parameter server (see the module docstring): a replica
-    loop and a thread serving this worker's shard to the other worker's replica."""
+    loop and a thread serving this worker's shard to the other worker's replica.  Without
+    ``payload`` only a 1-byte token crosses the socket each way: the shard applies a gradient it
+    already holds and the replica installs nothing, the bound of any same-host transport."""
     from downpour_dask.runtime.malloc import tune_malloc
 
     tune_malloc()
@@ -117,14 +124,23 @@ def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=
 
     lock = threading.Lock()  # a shard applies one push at a time, as Downpour's does
 
+    def receive(sock: socket.socket, into: np.ndarray) -> None:
+        if payload:
+            frames.recv_into(sock, into)
+        elif not sock.recv(1):
+            raise ConnectionError("closed")
+
+    def send(sock: socket.socket, values: np.ndarray) -> None:
+        sock.sendall(memoryview(values).cast("B") if payload else b"x")
+
     def serve() -> None:  # the shard: a gradient in, one axpy, its values back
-        grad = np.empty_like(shard)
+        grad = np.zeros_like(shard)
         with contextlib.suppress(ConnectionError):  # the replica's end closed: the run is over
             while True:
-                frames.recv_into(served, grad)
+                receive(served, grad)
                 with lock:
                     np.subtract(shard, grad, out=shard)
-                    served.sendall(memoryview(shard).cast("B"))
+                    send(served, shard)
         served.close()
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -135,7 +151,7 @@ def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=
     while time.perf_counter() - start < seconds:
         for Xb, yb in minibatches(X, y, BATCH, rng):
             if pending and select.select([out], [], [], 0)[0]:  # the far half's values arrived
-                frames.recv_into(out, params[far])
+                receive(out, params[far])
                 pending = False
             first = steps % every == 0  # an accrual's first step writes into it, as Downpour's
             g = accrued if first else step
@@ -149,14 +165,14 @@ def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=
                     shard -= accrued[own]
                     params[own] = shard
                 if pending:  # one push in flight at a time
-                    frames.recv_into(out, params[far])
-                out.sendall(memoryview(accrued[far]).cast("B"))
+                    receive(out, params[far])
+                send(out, accrued[far])
                 pending = True
             if time.perf_counter() - start >= seconds:
                 break
     rate = examples / (time.perf_counter() - start)
     if pending:
-        frames.recv_into(out, params[far])
+        receive(out, params[far])
     out.shutdown(socket.SHUT_WR)  # the peer's shard thread ends; then wait for ours
     thread.join(timeout=60)
     out.close()
@@ -164,15 +180,18 @@ def _minimal_ps_on_worker(model, X, y, seconds, every, me, names, learning_rate=
     return rate
 
 
-def minimal_ps_examples_per_s(client, model, X, y, seconds: float, every: int) -> float:
+def minimal_ps_examples_per_s(
+    client, model, X, y, seconds: float, every: int, payload: bool = True
+) -> float:
     """The minimal parameter server on both workers at once: the sum of their examples/s."""
     workers = sorted(client.scheduler_info()["workers"])
     data = client.scatter([X, y], broadcast=True, hash=False)
     names = [f"bench-minimal-ps-{uuid.uuid4().hex}" for _ in workers]
     futures = [
         client.submit(
-            _minimal_ps_on_worker, model, *data, seconds, every, me, names, workers=[w], pure=False
-        )
+            _minimal_ps_on_worker, model, *data, seconds, every, me, names, payload,
+            workers=[w], pure=False,
+        )  # fmt: skip
         for me, w in enumerate(workers)
     ]
     rate = sum(client.gather(futures))
@@ -222,6 +241,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--token-bound", action="store_true",
+        help="also run the minimal server with 1-byte tokens instead of its arrays",
+    )  # fmt: skip
     args = parser.parse_args()
     train, _ = datasets.load("mnist5k")
     model = models.MLP(784, (256,), 10)
@@ -232,6 +255,7 @@ def main() -> None:
     serial_name = "serial numpy loop (1 thread, in process)"
     ceiling_name = "serial loop on both workers at once, no communication"
     minimal_name = "minimal parameter server, raw sockets, no library"
+    token_name = "minimal parameter server, 1-byte tokens, no arrays"
     runs: dict[tuple[str, str], list[float]] = {}
     with (
         LocalCluster(
@@ -251,6 +275,12 @@ def main() -> None:
                 runs.setdefault((minimal_name, str(every)), []).append(
                     minimal_ps_examples_per_s(client, model, train.X, train.y, args.seconds, every)
                 )
+                if args.token_bound:
+                    runs.setdefault((token_name, str(every)), []).append(
+                        minimal_ps_examples_per_s(
+                            client, model, train.X, train.y, args.seconds, every, payload=False
+                        )
+                    )
                 for replicas, shards, transport in CONFIGURATIONS:
                     name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
                     name += ", actor messages" if transport == "dask" else ""
