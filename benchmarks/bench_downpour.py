@@ -52,6 +52,7 @@ from distributed import Client, LocalCluster, Variable  # noqa: E402
 from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
 from downpour_dask.data.datasets import minibatches  # noqa: E402
 from downpour_dask.ps import frames  # noqa: E402
+from downpour_dask.runtime.malloc import tune_malloc  # noqa: E402
 
 BATCH = 128
 
@@ -74,14 +75,16 @@ def serial_examples_per_s(model, X, y, seconds: float, learning_rate: float = 0.
     return examples / (time.perf_counter() - start)
 
 
-def _serial_on_worker(model, X, y, seconds: float) -> float:
-    """The serial loop as a Dask task, set up as a replica sets itself up: the worker's allocator
-    tuned, and the received arrays copied into aligned memory (see ``stream.ArraySource``)."""
-    from downpour_dask.runtime.malloc import tune_malloc
-
+def _set_up_as_a_replica(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What a replica does first on its worker: the allocator tuned, and the received arrays
+    copied into aligned memory (see ``stream.ArraySource``)."""
     tune_malloc()
-    X, y = (np.require(a, requirements=["C", "A"]) for a in (X, y))
-    return serial_examples_per_s(model, X, y, seconds)
+    return np.require(X, requirements=["C", "A"]), np.require(y, requirements=["C", "A"])
+
+
+def _serial_on_worker(model, X, y, seconds: float) -> float:
+    """The serial loop as a Dask task, set up as a replica sets itself up."""
+    return serial_examples_per_s(model, *_set_up_as_a_replica(X, y), seconds)
 
 
 def no_communication_examples_per_s(client, model, X, y, seconds: float) -> float:
@@ -109,10 +112,7 @@ def _minimal_ps_on_worker(
     loop and a thread serving this worker's shard to the other worker's replica.  Without
     ``payload`` only a 1-byte token crosses the socket each way: the shard applies a gradient it
     already holds and the replica installs nothing, the bound of any same-host transport."""
-    from downpour_dask.runtime.malloc import tune_malloc
-
-    tune_malloc()
-    X, y = (np.require(a, requirements=["C", "A"]) for a in (X, y))
+    X, y = _set_up_as_a_replica(X, y)
     params = model.init(np.random.default_rng(0))
     cut = params.size // 2
     own, far = (slice(0, cut), slice(cut, None)) if me == 0 else (slice(cut, None), slice(0, cut))

@@ -26,6 +26,7 @@ import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from functools import partial  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -77,25 +78,21 @@ def norm_call(size: int, seed: int = 0) -> Callable[[], None]:
     return lambda: sum_of_squares(grad)
 
 
-def beside_python(call: Callable[[], None]) -> Callable[[], float]:
+def timed_beside_python(call: Callable[[], None]) -> float:
     """``timed(call)`` while another thread of this process runs Python the whole time."""
+    stop = threading.Event()
 
-    def run() -> float:
-        stop = threading.Event()
+    def spin() -> None:
+        while not stop.is_set():
+            pass
 
-        def spin() -> None:
-            while not stop.is_set():
-                pass
-
-        spinner = threading.Thread(target=spin)
-        spinner.start()
-        try:
-            return timed(call)
-        finally:
-            stop.set()
-            spinner.join(timeout=60)
-
-    return run
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        return timed(call)
+    finally:
+        stop.set()
+        spinner.join(timeout=60)
 
 
 def timed(call: Callable[[], None], budget: float = 0.2) -> float:
@@ -112,23 +109,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
+    # (label, a measurement in microseconds per call, rows per call or None)
     rows = [
-        (f"gradient: {name}, batch {batch:,}", gradient_call(m, batch), batch)
+        (f"gradient: {name}, batch {batch:,}", partial(timed, gradient_call(m, batch)), batch)
         for name, m, batch in GRADIENTS
     ]
     rows += [
-        (f"update: {name}, {size:,} parameters", update_call(name, size), None)
+        (f"update: {name}, {size:,} parameters", partial(timed, update_call(name, size)), None)
         for name, size in UPDATES
     ]
     norm = norm_call(NORM_SIZE)
     rows += [
-        (f"gradient norm (guard), {NORM_SIZE:,} parameters", norm, None),
-        (f"gradient norm (guard), {NORM_SIZE:,}, beside a thread running Python", norm, None),
-    ]
+        (f"gradient norm (guard), {NORM_SIZE:,} parameters", partial(timed, norm), None),
+        (f"gradient norm (guard), {NORM_SIZE:,}, beside a thread running Python",
+         partial(timed_beside_python, norm), None),
+    ]  # fmt: skip
     times: dict[str, list[float]] = {label: [] for label, _, _ in rows}
     for _ in range(args.repeats):
-        for label, call, _ in rows:
-            times[label].append(beside_python(call)() if "beside" in label else timed(call))
+        for label, measure, _ in rows:
+            times[label].append(measure())
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"python {platform.python_version()}, numpy {np.__version__}; one BLAS thread"
