@@ -10,6 +10,7 @@ error that names the file.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ from downpour_dask import DownpourSGD, datasets, models, runs
 from downpour_dask.data import readers
 from downpour_dask.data.assignment import assign_shards
 from downpour_dask.data.schema import ShardDataError, ShardReadError
-from downpour_dask.data.stream import ShardStream, StreamSpec, prefetched
+from downpour_dask.data.stream import Handoff, ShardStream, StreamSpec, prefetched
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.runtime.placement import place_replicas
 
@@ -166,6 +167,43 @@ def test_prefetch_reraises_the_readers_error_and_stops_when_left_early():
     time.sleep(0.3)
     assert threading.active_count() == before  # the reader thread has ended
     assert len(produced) <= 3 + 2 + 1  # bounded read-ahead
+
+
+def test_a_full_handoff_wakes_its_producer_only_at_the_low_water_mark():
+    """The prefetch thread, once ahead, sleeps until half the batches were taken and then
+    refills in a burst: a thread switch per half-queue, not per batch.  Order is kept, at most
+    ``depth`` items wait, and a sleeping producer gives up when told to stop."""
+    stop = threading.Event()
+    items = Handoff(depth=4, resume_at=2, stop=stop, poll=0.05)
+    assert all(items.put(i) for i in range(4))
+    fifth = threading.Event()
+    producer = threading.Thread(target=lambda: items.put(4) and fifth.set(), daemon=True)
+    producer.start()
+    assert items.get() == 0
+    # 3 left: above the mark, so the producer sleeps on (a plain queue.Queue would let it in)
+    assert not fifth.wait(0.3) and len(items) == 3
+    assert items.get() == 1
+    assert fifth.wait(10) and len(items) == 3  # 2 left: it resumed
+    assert [items.get() for _ in range(3)] == [2, 3, 4]
+    with pytest.raises(queue.Empty):
+        items.get()
+
+    assert all(items.put(i) for i in range(4))
+    stopped = []
+    producer = threading.Thread(target=lambda: stopped.append(items.put(9)), daemon=True)
+    producer.start()
+    stop.set()
+    producer.join(10)
+    assert stopped == [False] and len(items) == 4
+    with pytest.raises(ValueError, match=r"resume_at must be in \[0, depth\), got 4 for depth 4"):
+        Handoff(depth=4, resume_at=4, stop=stop)
+
+
+def test_the_read_ahead_is_about_8_mib_of_batches_between_2_and_32(tmp_path):
+    ds = datasets.from_parquet(_write_parquet(tmp_path, [30]))
+    small = StreamSpec(ds.schema, tuple(ds.shards), 32, 64, N_CLASSES)
+    huge = StreamSpec(ds.schema, tuple(ds.shards), 10**6, 10**6, N_CLASSES)
+    assert (small.prefetch, huge.prefetch) == (32, 2)
 
 
 def _parquet_with(tmp_path: Path, name: str, frame: pd.DataFrame, **kw) -> str:

@@ -10,8 +10,10 @@ Reading goes in three stages:
    version of tf.data's buffer); at the end the rest is drained in random order.  Every row is
    emitted exactly once per epoch.
 3. A **prefetch thread** (:func:`prefetched`) runs stages 1-2 ahead of the training loop through a
-   bounded queue, so reading overlaps the gradient computation.  Every get/put polls a stop flag,
-   the consumer re-raises the reader's exception, and leaving the loop early stops the thread.
+   bounded queue, so reading overlaps the gradient computation.  Once the queue is full the thread
+   sleeps until the loop has taken half of it, then refills it in one burst (:class:`Handoff`).
+   Every get/put polls a stop flag, the consumer re-raises the reader's exception, and leaving
+   the loop early stops the thread.
 
 :class:`ArraySource` is the in-memory path (exactly :func:`~downpour_dask.data.arrays.minibatches`);
 :class:`ShardStream` the streaming one.  Both offer ``epoch(rng)``, all a replica needs, and
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +40,8 @@ from .shards import ShardedDataset
 CHUNK_BYTES = 4 << 20  # rows read at a time: ~4 MiB of float32 features
 BUFFER_BYTES = 32 << 20  # default shuffle buffer: ~32 MiB of float32 features
 MAX_BUFFER_ROWS = 65536
+PREFETCH_BYTES = 8 << 20  # batches read ahead: ~8 MiB of float32 features, 2 to MAX_PREFETCH
+MAX_PREFETCH = 32
 
 
 def default_buffer(n_features: int, batch_size: int) -> int:
@@ -57,12 +62,17 @@ class StreamSpec:
     batch_size: int
     shuffle_buffer: int
     n_classes: int | None
-    prefetch: int = 2
 
     @property
     def chunk_rows(self) -> int:
         """Rows read at a time: ~4 MiB of float32 features, at most the shuffle buffer."""
         return max(1, min(self.shuffle_buffer, CHUNK_BYTES // (4 * self.schema.n_features)))
+
+    @property
+    def prefetch(self) -> int:
+        """Batches the prefetch thread may hold ready: ~8 MiB of features, 2 to 32."""
+        batch_bytes = 4 * self.schema.n_features * self.batch_size
+        return max(2, min(MAX_PREFETCH, PREFETCH_BYTES // batch_bytes))
 
 
 def replica_spec(
@@ -167,37 +177,82 @@ class _Failure:
         self.error = error
 
 
+class Handoff:
+    """A bounded FIFO from one producer thread to one consumer, with a low-water mark.
+
+    A producer that finds ``depth`` items waiting sleeps until at most ``resume_at`` are left,
+    then refills in a burst; each side wakes the other only when that one sleeps.  So a
+    producer that keeps ahead costs a thread switch per ``depth - resume_at`` items, where
+    :class:`queue.Queue` wakes a waiting producer on every ``get``: one switch per item, which
+    on a busy process costs the consumer more than the handing over itself.  Never more than
+    ``depth`` items wait.  Every wait lasts at most ``poll`` seconds.
+    """
+
+    def __init__(self, depth: int, resume_at: int, stop: threading.Event, poll: float = 0.1):
+        if not 0 <= resume_at < depth:
+            raise ValueError(f"resume_at must be in [0, depth), got {resume_at} for depth {depth}")
+        self.depth, self.resume_at, self.stop, self.poll = depth, resume_at, stop, poll
+        self._items: deque = deque()
+        self._changed = threading.Condition()
+        self._producer_sleeps = self._consumer_sleeps = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: Any) -> bool:
+        """Append ``item`` (waiting while the FIFO is full); False if ``stop`` was set first."""
+        with self._changed:
+            if len(self._items) >= self.depth:
+                self._producer_sleeps = True
+                while len(self._items) > self.resume_at and not self.stop.is_set():
+                    self._changed.wait(self.poll)
+                self._producer_sleeps = False
+            if self.stop.is_set():
+                return False
+            self._items.append(item)
+            if self._consumer_sleeps:
+                self._changed.notify()
+            return True
+
+    def get(self) -> Any:
+        """The oldest item; :class:`queue.Empty` if none came within ``poll`` seconds."""
+        with self._changed:
+            if not self._items:
+                self._consumer_sleeps = True
+                self._changed.wait(self.poll)
+                self._consumer_sleeps = False
+                if not self._items:
+                    raise queue.Empty
+            item = self._items.popleft()
+            if self._producer_sleeps and len(self._items) <= self.resume_at:
+                self._changed.notify()
+            return item
+
+
 def prefetched(
     produce: Callable[[], Iterator[Any]], depth: int = 2, poll: float = 0.1
 ) -> Iterator[Any]:
-    """Run the iterator ``produce()`` in a background thread, ``depth`` items ahead.
+    """Run the iterator ``produce()`` in a background thread, up to ``depth`` items ahead.
 
-    The thread's exception is re-raised here; closing this generator (or leaving a ``for`` loop
-    over it) stops the thread.  Every queue operation waits at most ``poll`` seconds before
+    The items go through a :class:`Handoff` that lets the thread resume once half of them were
+    taken.  The thread's exception is re-raised here; closing this generator (or leaving a
+    ``for`` loop over it) stops the thread.  Every wait lasts at most ``poll`` seconds before
     checking the stop flag or whether the thread is still alive, so nothing can block forever.
     """
-    items: queue.Queue = queue.Queue(maxsize=max(1, depth))
     stop = threading.Event()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                items.put(item, timeout=poll)
-                return True
-            except queue.Full:
-                continue
-        return False
+    depth = max(1, depth)
+    items = Handoff(depth, depth // 2, stop, poll)
 
     def work() -> None:
         source = None
         try:
             source = produce()
             for item in source:
-                if not put(item):
+                if not items.put(item):
                     return
-            put(_END)
+            items.put(_END)
         except BaseException as err:  # handed to the consumer, which re-raises it
-            put(_Failure(err))
+            items.put(_Failure(err))
         finally:
             if source is not None and hasattr(source, "close"):
                 with contextlib.suppress(Exception):
@@ -208,9 +263,9 @@ def prefetched(
     try:
         while True:
             try:
-                item = items.get(timeout=poll)
+                item = items.get()
             except queue.Empty:
-                if not thread.is_alive() and items.empty():
+                if not thread.is_alive() and not items:
                     raise RuntimeError("the prefetch thread ended without a result") from None
                 continue
             if item is _END:
