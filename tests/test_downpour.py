@@ -1,5 +1,7 @@
 """DownpourSGD end to end on a real local cluster with two worker processes."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -7,6 +9,8 @@ from downpour_dask import DownpourSGD, Experiment, datasets, models, optim
 from downpour_dask.checkpoint import ShardState, write_checkpoint
 from downpour_dask.core.params import split_range
 from downpour_dask.data.datasets import minibatches
+from downpour_dask.downpour.replica_loop import ReplicaLoop
+from downpour_dask.ps.channel import DaskShardChannel
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.runtime import cluster
 
@@ -409,6 +413,66 @@ def test_replicas_a_failed_driver_let_go_stop_even_if_its_stop_never_reached_the
     )  # fmt: skip
     with pytest.raises(KeyboardInterrupt):
         est.fit(train, client=client, callback=interrupt)
+
+
+class _Enough(Exception):
+    """Raised by a callback to stop a fit in the middle of its training."""
+
+
+def _stop_after_20k_examples(progress) -> None:
+    if progress.examples >= 20_000:
+        raise _Enough
+
+
+def _look_for_replacements_every(seconds: float) -> None:
+    DaskShardChannel.CHECK_EVERY = seconds
+
+
+def _take_last_acknowledgements_late(seconds: float | None) -> None:
+    """Make a stopping replica wait ``seconds`` before its last acknowledgements (None: as
+    before), as one finishing a step or closing its reader does."""
+    original = getattr(ReplicaLoop, "_original_ack", ReplicaLoop._ack)
+    ReplicaLoop._original_ack = original
+    if seconds is None:
+        ReplicaLoop._ack = original
+        return
+
+    def _ack(self, p, wait=False):
+        if wait and self.stop:
+            time.sleep(seconds)
+        return original(self, p, wait)
+
+    ReplicaLoop._ack = _ack
+
+
+def _replicas_running(dask_worker) -> list[str]:
+    return [str(key) for key in dask_worker.active_threads.values() if "replica" in str(key)]
+
+
+@pytest.mark.slow
+def test_the_replicas_of_a_fit_its_callback_stopped_end_with_the_fit(client, digits):
+    """Replicas a failed driver stops still take their last acknowledgements, and the fencing
+    look-up on a reply reads the variable naming the shard's replacement.  The fit waits for
+    them before it deletes those variables: a replica let go first found its variable gone and
+    waited out its timeout (60 s here) at every look, a thread left running on its worker long
+    after ``fit`` returned.  Here every reply looks, and the last acknowledgements come late."""
+    train, _ = digits
+    client.run(_look_for_replacements_every, 0.0)
+    client.run(_take_last_acknowledgements_late, 0.5)
+    try:
+        est = DownpourSGD(
+            models.SoftmaxRegression(64, 10), n_replicas=2, max_seconds=60, timeout=60,
+            random_state=0,
+        )  # fmt: skip
+        with pytest.raises(_Enough):
+            est.fit(train, client=client, callback=_stop_after_20k_examples)
+        deadline = time.monotonic() + 10
+        while any(client.run(_replicas_running).values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(client.run(_replicas_running).values())
+    finally:
+        client.run(_take_last_acknowledgements_late, None)
+        client.run(_look_for_replacements_every, DaskShardChannel.CHECK_EVERY)
 
 
 def _actors(dask_worker) -> int:

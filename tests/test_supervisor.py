@@ -10,6 +10,7 @@ without a cluster.  ``tests/test_failures.py`` checks the same story for real, w
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -681,3 +682,32 @@ def test_the_stop_is_recorded_after_finish_with_its_versions_and_the_rows_are_co
     assert run.recorder.evals[-1]["version"] == 7
     assert [row.partition for row in run.recorder.pushes] == [0, 0]  # 8- and 9-field rows
     assert not math.isnan(run.recorder.last_score())
+
+
+# -- the end of a fit ------------------------------------------------------------------------------
+
+
+def test_a_failed_fit_stops_its_replicas_and_lets_them_go_only_once_they_ended():
+    """A stopping replica still takes its last acknowledgements, which need the shards and the
+    variables naming their replacements: the fit lets its tasks go (and then deletes those)
+    only once they ended, or once ``wait`` seconds passed."""
+    run = _run(["w0", "w1"], ["w0"], ["w0", "w1"])
+    ended_when_let_go = []
+    for task in run.tasks.tasks:
+        task.cancel = lambda task=task: ended_when_let_go.append(task.done())
+
+    def stop() -> None:  # the shards stop the replicas; they end a moment later
+        threading.Timer(0.1, _finish_all, [run]).start()
+
+    run.tasks.end(stop, wait=60)
+    assert ended_when_let_go == [True, True]
+
+    stuck = _run(["w0", "w1"], ["w0"], ["w0", "w1"])  # replicas that never end
+    stuck.tasks.end(lambda: None, wait=0.1)
+    assert stuck.tasks.running() and all(task.cancelled for task in stuck.tasks.tasks)
+
+    done = _run(["w0", "w1"], ["w0"], ["w0", "w1"])  # a fit that ended: nothing to stop
+    _finish_all(done)
+    stops = []
+    done.tasks.end(lambda: stops.append(1))
+    assert stops == [] and all(task.cancelled for task in done.tasks.tasks)

@@ -12,7 +12,6 @@ name.  The decisions of the run are its collaborators': :mod:`.supervisor`,
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import secrets
@@ -188,11 +187,8 @@ class Driver:
             loop.collect_rows(force=True)  # the replicas' last rows, before they are forgotten
             loop.record_stop(versions)  # last: a shard restored in the calls above comes first
             results = tasks.ordered_results()
-        finally:
-            if tasks.running():  # the driver failed: let the replicas finish
-                with contextlib.suppress(Exception):
-                    view.request_stop(fit.timeout)
-            tasks.cancel_all()
+        finally:  # a failed driver stops the replicas first: they end against live shards
+            tasks.end(functools.partial(view.request_stop, fit.timeout))
             if publication is not None:
                 publication.unpublish()
             self.cluster.forget()

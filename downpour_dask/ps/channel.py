@@ -307,6 +307,8 @@ class DaskShardChannel:
         if self.replacements is None or now - self._checked < self.CHECK_EVERY:
             return False
         self._checked = now
+        if task_cancelled():  # let go: the fit may have deleted the variable, which would block
+            return False
         future = self._published(self.timeout)
         if future is None or future.key == key:
             return False
