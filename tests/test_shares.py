@@ -69,13 +69,15 @@ def test_a_replica_reads_its_smaller_share_from_its_next_epoch_not_in_the_middle
 
 
 def test_streamed_files_not_yet_read_go_to_the_joined_replica_only(tmp_path):
-    paths, start = [], 0
-    for i in range(6):  # six files of 100 rows, ids 0..599 (a replica reads ahead < 1 file)
-        frame = pd.DataFrame({"rid": np.arange(start, start + 100, dtype=np.float32), "f": 1.0})
+    paths, start, rows = [], 0, 400
+    # six files of 400 rows, ids 0..2399: a replica reads ahead less than a file (its shuffle
+    # buffer of 20 rows and up to 32 batches of 5)
+    for i in range(6):
+        frame = pd.DataFrame({"rid": np.arange(start, start + rows, dtype=np.float32), "f": 1.0})
         frame["label"] = 0
         paths.append(str(tmp_path / f"part-{i}.csv"))
         frame.to_csv(paths[-1], index=False)
-        start += 100
+        start += rows
     data = datasets.from_csv(paths, shuffle_buffer=20)
     specs = [replica_spec(data, data.shards[:3], 5, 2), replica_spec(data, data.shards[3:], 5, 2)]
     shares = DataShares(specs, seed=1)
@@ -90,10 +92,10 @@ def test_streamed_files_not_yet_read_go_to_the_joined_replica_only(tmp_path):
     assert len(spec.shards) == 2 and {len(v) for v in changed.values()} == {2}
     read += [int(v) for Xb, _ in batches for v in Xb[:, 0]]
     read += _ids(old[1]) + _ids(SharedSource(ShardStream(spec), lambda: None))
-    files = Counter(i // 100 for i in read)
+    files = Counter(i // rows for i in read)
     # the file replica 0 had opened is read by it, whole, and by the new replica if it got it;
     # every other file exactly once
-    opened = read[0] // 100
-    twice = {f for f, n in files.items() if n == 200}
+    opened = read[0] // rows
+    twice = {f for f, n in files.items() if n == 2 * rows}
     assert set(files) == set(range(6)) and twice <= {opened}
-    assert all(n == 100 for f, n in files.items() if f != opened)
+    assert all(n == rows for f, n in files.items() if f != opened)
