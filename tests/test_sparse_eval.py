@@ -259,3 +259,28 @@ def test_the_callback_gets_the_progress_and_what_it_raises_ends_the_fit(client, 
     while any(client.processing().values()):
         assert time.monotonic() < deadline, client.processing()
         time.sleep(0.1)
+
+
+def _replicas_running(dask_worker) -> list[str]:
+    return [str(key) for key in dask_worker.active_threads.values() if "replica" in str(key)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_replicas_of_a_fit_its_callback_stopped_in_mid_training_end_with_it(client):
+    """The fit stops its replicas through the shards and waits for them before it lets the
+    shards go.  It used to let the shards go at once, and the replicas trained on against them
+    for the rest of their epochs, on threads left running long after ``fit`` raised."""
+
+    def stop(progress):
+        if progress.examples >= 20_000:
+            raise Stop("enough")
+
+    with pytest.raises(Stop, match="enough"):
+        fit_sparse(SparseLogisticRegression(500, 4, n_numeric=2), click_data(n=20_000),
+                   client=client, n_shards=2, batch_size=10, max_epochs=100, callback=stop,
+                   timeout=60)
+    deadline = time.monotonic() + 10
+    while any(client.run(_replicas_running).values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(client.run(_replicas_running).values())

@@ -382,7 +382,8 @@ def fit_sparse(
         if checkpoint_dir is not None:
             fit.checkpoint(checkpoint_dir)
         monitor.finish()
-    except BaseException:
+    except BaseException:  # the replicas end first: they would train on against the shards
+        replicas.release(lambda: server.request_stop(timeout))
         fit.close()
         raise
     finally:

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .wind_down import wind_down
+
 #: Push records of this worker process's sparse replicas, per (run, task key): the list the
 #: replica appends to, and how many of its records the driver has taken.
 _KEPT: dict[tuple[str, str], list[Any]] = {}
@@ -192,8 +194,12 @@ class SparseTasks:
             out.extend(self.results[r])
         return out
 
-    def release(self) -> None:
-        """At the end (or on failure): let every task go, and what the workers kept."""
+    def release(self, request_stop: Callable[[], Any] | None = None) -> None:
+        """At the end (or on failure): let every task go, and what the workers kept.  With
+        ``request_stop`` (a failed fit), first stop the replicas and wait for them to end
+        (:func:`~.wind_down.wind_down`)."""
+        if request_stop is not None:
+            wind_down(self.tasks, request_stop)
         for task in self.tasks:
             task.cancel()
         self.cluster.collect(forget_records, self.cluster.run)

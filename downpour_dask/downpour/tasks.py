@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +23,7 @@ from ..core.protocol import TrainableModel
 from .model_parallel import Mailbox, Peers, run_partition
 from .protocols import Cluster, Server, Task
 from .replica import ReplicaConfig, run_replica
-
-#: Seconds a failed fit waits for its replicas to stop before letting them go (:meth:`end`).
-WIND_DOWN = 5.0
+from .wind_down import WIND_DOWN, wind_down
 
 
 class ReplicaTasks:
@@ -51,9 +48,6 @@ class ReplicaTasks:
         (its old copy died with its worker); None for streamed data, which replicas read
         themselves wherever they run.
     """
-
-    #: Seconds between two looks at whether the tasks ended, in :meth:`end`.
-    POLL = 0.02
 
     def __init__(
         self,
@@ -224,22 +218,11 @@ class ReplicaTasks:
             self.tasks[i] = self._submit(i, start_step)
 
     def end(self, request_stop: Callable[[], Any], wait: float = WIND_DOWN) -> None:
-        """At the end of a fit, let every task go (:meth:`cancel_all`).  If some still run (the
-        fit failed), first ask the shards to stop them (``request_stop``) and wait up to
-        ``wait`` seconds for them to end.
-
-        A stopping replica still takes its last acknowledgements, and the fencing look-up on a
-        reply reads the variable naming its shard's replacement.  Let go at once, it would find
-        that variable deleted and wait out its timeout at every look: a thread left running on
-        its worker long after ``fit`` returned.
-        """
+        """At the end of a fit, let every task go (:meth:`cancel_all`); if some still run (the
+        fit failed), only once they ended or ``wait`` seconds passed after ``request_stop()``
+        (:func:`~.wind_down.wind_down`: why)."""
         try:
-            if self.running():
-                with contextlib.suppress(Exception):
-                    request_stop()
-                deadline = time.monotonic() + wait
-                while self.running() and time.monotonic() < deadline:
-                    time.sleep(self.POLL)
+            wind_down(self.tasks, request_stop, wait)
         finally:
             self.cancel_all()
 
