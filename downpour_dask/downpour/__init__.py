@@ -6,8 +6,9 @@ the ``supervisor`` notices failures and restarts replicas or has ``shard_recover
 back; ``elastic`` follows workers that join and leave (heard through ``membership``'s Dask
 plugins; ``shares`` re-splits the data for a joined replica, ``replica_count`` resolves
 ``n_replicas="auto"``); ``divergence`` checks the result; ``checkpoints`` keeps the shards'
-state; a fit that fails lets its replicas end first (``wind_down``).  The driver reaches Dask only through the
-``protocols`` that ``dask_cluster`` implements, so it is unit-tested with fakes.  On the workers,
+state; a fit that fails lets its replicas end first (``wind_down``).  The driver reaches Dask
+only through the ``protocols`` that ``dask_cluster`` implements, so it is unit-tested with
+fakes.  On the workers,
 ``replica`` runs ``replica_loop`` (with ``pushes``' bookkeeping; ``clocked_loop`` for SSP/BSP,
 ``easgd_loop`` for EASGD; its settings in ``config``) over one
 :class:`~downpour_dask.ps.protocol.ShardChannel` per shard, and leaves what must outlive it in
