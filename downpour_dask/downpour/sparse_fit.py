@@ -383,7 +383,7 @@ def fit_sparse(
             fit.checkpoint(checkpoint_dir)
         monitor.finish()
     except BaseException:  # the replicas end first: they would train on against the shards
-        replicas.release(lambda: server.request_stop(timeout))
+        replicas.stop(lambda: server.request_stop(timeout))
         fit.close()
         raise
     finally:

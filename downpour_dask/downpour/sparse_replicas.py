@@ -194,12 +194,13 @@ class SparseTasks:
             out.extend(self.results[r])
         return out
 
-    def release(self, request_stop: Callable[[], Any] | None = None) -> None:
-        """At the end (or on failure): let every task go, and what the workers kept.  With
-        ``request_stop`` (a failed fit), first stop the replicas and wait for them to end
-        (:func:`~.wind_down.wind_down`)."""
-        if request_stop is not None:
-            wind_down(self.tasks, request_stop)
+    def stop(self, request_stop: Callable[[], Any]) -> None:
+        """A failed fit: stop the replicas (``request_stop``) and wait for them to end, before
+        :meth:`release` and the shards go (:func:`~.wind_down.wind_down`)."""
+        wind_down(self.tasks, request_stop)
+
+    def release(self) -> None:
+        """At the end (or on failure): let every task go, and what the workers kept."""
         for task in self.tasks:
             task.cancel()
         self.cluster.collect(forget_records, self.cluster.run)
