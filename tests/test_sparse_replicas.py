@@ -19,10 +19,10 @@ from downpour_dask.downpour.sparse_loop import run_sparse_replica
 from downpour_dask.downpour.sparse_recovery import SparseSaved
 from downpour_dask.downpour.sparse_replicas import (
     SparseTasks,
-    drain_records,
     fill_gap,
     forget_records,
     keep_records,
+    records_after,
 )
 from downpour_dask.downpour.supervisor import Supervisor
 from downpour_dask.ps.rows import RowsLink
@@ -58,6 +58,7 @@ class FakeCluster:
 
     def __init__(self, alive):
         self.alive, self.scattered = list(alive), []
+        self.late = 0  # how many of the next collections' answers arrive too late (are lost)
 
     def workers(self, fresh=True):
         return list(self.alive)
@@ -67,7 +68,11 @@ class FakeCluster:
         return [f"{values[0]}@{worker}"]
 
     def collect(self, function, *args):
-        return {"w": function(*args)}
+        found = {"w": function(*args)}
+        if self.late:
+            self.late -= 1
+            return {"w": TimeoutError("no answer in time")}
+        return found
 
 
 class FakeServer:
@@ -151,7 +156,23 @@ def test_a_replica_whose_worker_left_restarts_after_its_pushes_with_its_share_an
                       "transport": "wire", **{k: v for k, v in pushes[2].items() if k not in (
                           "session", "seq")}, "time": 2.5}
     replicas.release()
-    assert drain_records(cluster.run) == {}  # released: nothing kept on the workers
+    assert records_after(cluster.run, {}) == {}  # released: nothing kept on the workers
+
+
+def test_records_in_a_collections_answer_that_came_too_late_are_collected_at_the_next():
+    cluster, replicas, _, _, _, _ = fit_of([{0: 0, 1: 0}])
+    key = replicas.tasks[0].key
+    records = [{"replica": 0, "step": 1, "shard": 0, "seq": 0}]
+    keep_records(cluster.run, key, records)
+    try:
+        cluster.late = 1
+        replicas.collect(force=True)  # it ran on the worker; its answer was lost
+        records.append({"replica": 0, "step": 2, "shard": 0, "seq": 1})
+        replicas.collect(force=True)
+        replicas.collect(force=True)
+        assert [r["step"] for r in replicas.kept[key]] == [1, 2]  # each once
+    finally:
+        forget_records(cluster.run)
 
 
 def test_an_error_of_the_replica_itself_stops_the_shards_and_fails_the_fit():

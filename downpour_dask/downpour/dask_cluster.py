@@ -34,16 +34,17 @@ from .membership import (
     membership_topic,
     plugin_name,
 )
+from .outbox import Taken
 from .registry import (
     acked_version,
     assign_share,
-    drain_rows,
     fetched_copy,
     forget_run,
     mark_leaving,
     release,
+    returned_after,
+    rows_after,
     shard_variable,
-    take_returned,
 )
 
 #: Seconds a cached worker list may be old (asking costs a scheduler round trip).
@@ -66,6 +67,7 @@ class DaskCluster:
         self._skip: dict[str, float] = {}  # unresponsive worker -> until when it is skipped
         self._heard: deque[dict[str, Any]] = deque()  # membership events not yet taken
         self._watching = False
+        self._rows_taken, self._returned_taken = Taken(), Taken()  # (see .outbox)
 
     def workers(self, fresh: bool = True) -> list[str]:
         now = time.monotonic()
@@ -131,8 +133,15 @@ class DaskCluster:
         return max(versions, default=None)
 
     def drain_rows(self) -> list[tuple]:
-        found = self._run_each(drain_rows, self.run)
-        return [tuple(row) for rows in found.values() if isinstance(rows, list) for row in rows]
+        rows = []
+        for worker in self.workers(fresh=False):
+            rows.extend(self._take(rows_after, self._rows_taken, worker))
+        return [tuple(row) for row in rows]
+
+    def _take(self, after: Callable[..., Any], taken: Taken, worker: str) -> list[Any]:
+        """The items of ``worker``'s outbox the driver does not hold yet (:mod:`.outbox`)."""
+        reply = self._run_each(after, self.run, *taken.of(worker), workers=[worker]).get(worker)
+        return taken.receive(worker, reply)
 
     def announce_shard(self, shard: int, future: Any, generation: int = 0) -> None:
         if shard not in self.variables:
@@ -183,8 +192,7 @@ class DaskCluster:
 
     def returned(self, worker: str) -> list[dict[str, Any]]:
         """Results of the replicas that stopped on leaving ``worker`` (each handed over once)."""
-        found = self._run_each(take_returned, self.run, workers=[worker]).get(worker)
-        return found if isinstance(found, list) else []
+        return self._take(returned_after, self._returned_taken, worker)
 
     def release(self, worker: str) -> None:
         """Let leaving ``worker`` close: the driver took what it needed off it."""

@@ -3,9 +3,10 @@
 Replicas leave three things here that must outlive them: the freshest shard values they fetched
 (the driver restores a lost shard from the newest copy, :func:`fetched_copy`), the newest
 version each shard actor acknowledged (:func:`acked_version`: how many updates a lost shard had
-acknowledged) and their push-log rows not yet collected (:func:`drain_rows`), so a worker that
+acknowledged) and their push-log rows not yet collected (:func:`rows_after`), so a worker that
 dies loses only its newest rows.  The driver reads them with ``client.run`` and clears them
-with :func:`forget_run`.
+with :func:`forget_run`.  Rows and results are handed over through an :class:`~.outbox.Outbox`:
+kept until the driver says it holds them, so an answer that arrives too late loses nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 import numpy as np
 
 from ..log import PushRow
+from .outbox import Outbox, answer
 
 #: The freshest shard values any replica of this worker process fetched, per (run, shard, actor
 #: key): (version, values).  The driver reads it (``fetched_copy``) to restore a lost shard.
@@ -58,22 +60,23 @@ def acked_version(run: str, shard: int, key: str) -> int | None:
         return _ACKED.get((run, shard, key))
 
 
-#: Push-log rows of this process's replicas not yet collected by the driver, per run: the driver
-#: drains them every few seconds (``drain_rows``), so the log keeps the pushes of a replica
+#: Push-log rows of this process's replicas not yet held by the driver, per run: the driver
+#: takes them every few seconds (``rows_after``), so the log keeps the pushes of a replica
 #: whose worker later dies and, through checkpoints, those made before a driver was killed.
-_ROWS: dict[str, list[PushRow]] = {}
+_ROWS: dict[str, Outbox] = {}
 
 
 def keep_row(run: str, row: PushRow) -> None:
-    """Keep one push-log row of ``run`` until the driver drains it."""
+    """Keep one push-log row of ``run`` until the driver holds it."""
     with _FETCHED_LOCK:
-        _ROWS.setdefault(run, []).append(row)
+        _ROWS.setdefault(run, Outbox()).put(row)
 
 
-def drain_rows(run: str) -> list[PushRow]:
-    """Hand over (and forget) this process's push-log rows of ``run`` not yet collected."""
+def rows_after(run: str, process: str, taken: int) -> tuple[str, int, list[PushRow]]:
+    """The push-log rows of ``run`` the driver does not hold yet: it holds ``taken`` of
+    process ``process``'s (see :func:`~.outbox.answer`; run with ``client.run``)."""
     with _FETCHED_LOCK:
-        return _ROWS.pop(run, [])
+        return answer(_ROWS.get(run), process, taken)
 
 
 def fetched_copy(run: str, shard: int, key: str) -> tuple[int, np.ndarray] | None:
@@ -113,19 +116,20 @@ def is_released(run: str) -> bool:
 
 #: Results of replicas of this process that stopped because it is leaving, per run: a closing
 #: worker cancels its tasks, so their results reach the driver only through here.
-_RETURNED: dict[str, list[dict]] = {}
+_RETURNED: dict[str, Outbox] = {}
 
 
 def keep_returned(run: str, result: dict) -> None:
     """Keep the result of a replica of ``run`` that stopped because this worker is leaving."""
     with _FETCHED_LOCK:
-        _RETURNED.setdefault(run, []).append(result)
+        _RETURNED.setdefault(run, Outbox()).put(result)
 
 
-def take_returned(run: str) -> list[dict]:
-    """Hand over (and forget) the results :func:`keep_returned` kept (``client.run``)."""
+def returned_after(run: str, process: str, taken: int) -> tuple[str, int, list[dict]]:
+    """The results :func:`keep_returned` kept that the driver does not hold yet (as
+    :func:`rows_after`; ``client.run``)."""
     with _FETCHED_LOCK:
-        return _RETURNED.pop(run, [])
+        return answer(_RETURNED.get(run), process, taken)
 
 
 #: The share of its data each replica of a run reads (positions into its task's arrays or file

@@ -13,8 +13,10 @@ particular to sparse replicas:
   (the replica's batches are drawn from ``(seed, replica)``), so it continues with its share;
 - the push records of a replica outlive its worker: the task registers its record list on its
   worker (:func:`keep_records`) and the driver takes the new records of every worker every
-  :data:`COLLECT_EVERY` seconds (:meth:`SparseTasks.collect`).  The records a killed replica
-  made after the last collection died with it, but its pushes reached the shards, and each
+  :data:`COLLECT_EVERY` seconds (:meth:`SparseTasks.collect`), saying how many of each list it
+  holds: an answer that comes too late is given again, as in :mod:`.outbox`.  The records a
+  killed replica made after the last collection died with it, but its pushes reached the
+  shards, and each
   shard remembers the last pushes of every replica
   (:meth:`~downpour_dask.ps.table.SparseShard.recent_pushes`: session, push number, what the
   push said and got): :func:`fill_gap` rebuilds the missing records from them, numbering their
@@ -36,8 +38,8 @@ from typing import Any
 from .wind_down import wind_down
 
 #: Push records of this worker process's sparse replicas, per (run, task key): the list the
-#: replica appends to, and how many of its records the driver has taken.
-_KEPT: dict[tuple[str, str], list[Any]] = {}
+#: replica appends to (the task returns it whole at its end: nothing is dropped before).
+_KEPT: dict[tuple[str, str], list[dict[str, Any]]] = {}
 _LOCK = threading.Lock()
 
 #: Seconds between the driver's collections of the replicas' records.
@@ -47,19 +49,15 @@ COLLECT_EVERY = 0.5
 def keep_records(run: str, key: str, records: list[dict[str, Any]]) -> None:
     """In a replica task: let the driver read ``records`` (appended to as the task runs)."""
     with _LOCK:
-        _KEPT[(run, key)] = [records, 0]
+        _KEPT[(run, key)] = records
 
 
-def drain_records(run: str) -> dict[str, list[dict[str, Any]]]:
-    """On a worker (``client.run``): per task key of ``run``, the records not taken yet."""
-    out = {}
+def records_after(run: str, taken: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """On a worker (``client.run``): per task key of ``run``, the records after the first
+    ``taken[key]`` (those the driver holds)."""
     with _LOCK:
-        for (r, key), entry in _KEPT.items():
-            if r == run:
-                new = entry[0][entry[1]:]  # (a slice of a list is taken atomically)
-                entry[1] += len(new)
-                out[key] = list(new)
-    return out
+        return {key: records[taken.get(key, 0):]  # (a slice of a list is taken atomically)
+                for (r, key), records in _KEPT.items() if r == run}
 
 
 def fill_gap(records: list[dict[str, Any]], recent: list[list[dict[str, Any]]], n_push: int,
@@ -103,7 +101,7 @@ class SparseTasks:
     Parameters
     ----------
     cluster : DaskCluster
-        Scatters data, runs :func:`drain_records` on the workers.
+        Scatters data, runs :func:`records_after` on the workers.
     start : callable
         ``start(replica, data, start_step, worker, key)`` submits a replica task; its future.
     data : list
@@ -141,6 +139,7 @@ class SparseTasks:
         self.generation = 0
         self.dead: dict[int, list[str]] = {r: [] for r in range(len(workers))}
         self.kept: dict[str, list[dict[str, Any]]] = {}
+        self.taken: dict[str, int] = {}  # per task key: how many records its worker handed over
         self.collected_at = time.monotonic()
         self.tasks = [self._submit(r, 0) for r in range(len(workers))]
 
@@ -179,10 +178,11 @@ class SparseTasks:
         if not force and time.monotonic() - self.collected_at < COLLECT_EVERY:
             return
         self.collected_at = time.monotonic()
-        for found in self.cluster.collect(drain_records, self.cluster.run).values():
+        for found in self.cluster.collect(records_after, self.cluster.run, self.taken).values():
             if isinstance(found, dict):
                 for key, records in found.items():
                     self.kept.setdefault(key, []).extend(records)
+                    self.taken[key] = self.taken.get(key, 0) + len(records)
 
     def records(self) -> list[dict[str, Any]]:
         """Every replica's records: those collected from its incarnations that died, then its

@@ -1,0 +1,92 @@
+"""What workers keep for the driver reaches it once, even when an answer comes too late.
+
+The driver reads push-log rows and leaving replicas' results off the workers with a bounded wait
+(``client.run``, :data:`~downpour_dask.downpour.dask_cluster.RUN_TIMEOUT`).  On a busy machine
+an answer can arrive after the driver stopped waiting; the worker had already handed the items
+over.  These tests lose answers on purpose, in-process (a fake client runs the function here).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from downpour_dask.downpour import dask_cluster
+from downpour_dask.downpour.dask_cluster import DaskCluster
+from downpour_dask.downpour.outbox import PROCESS, Outbox, Taken, answer
+from downpour_dask.downpour.registry import forget_run, keep_returned, keep_row
+
+
+def test_an_answer_lost_on_the_way_is_given_again_and_what_the_driver_holds_is_dropped():
+    box, taken = Outbox(), Taken()
+    for i in range(3):
+        box.put(i)
+    answer(box, *taken.of("w"))  # the driver stopped waiting: this answer is lost
+    box.put(3)
+    assert taken.receive("w", answer(box, *taken.of("w"))) == [0, 1, 2, 3]
+    box.put(4)
+    assert taken.receive("w", answer(box, *taken.of("w"))) == [4]
+    assert box.items == [4] and box.first == 4  # what the driver holds is no longer kept
+    assert taken.receive("w", answer(box, *taken.of("w"))) == []
+    assert taken.receive("w", TimeoutError()) == [] and taken.of("w") == (PROCESS, 5)
+
+
+def test_a_worker_restarted_at_the_same_address_is_read_from_its_first_item():
+    old, taken = Outbox(), Taken()
+    for i in range(5):
+        old.put(i)
+    taken.receive("w", answer(old, *taken.of("w")))
+    taken.held["w"] = ("an earlier process", 5)  # what the driver holds of the old process
+    new = Outbox()
+    new.put("first of the new process")
+    assert taken.receive("w", answer(new, *taken.of("w"))) == ["first of the new process"]
+    assert answer(None, *taken.of("w")) == (PROCESS, 0, [])
+
+
+class LateClient:
+    """Runs a function "on worker w" here; the answers of the calls in ``late`` arrive after
+    the driver stopped waiting (the function ran, its answer is lost)."""
+
+    def __init__(self, late: set[int]):
+        self.late, self.calls = late, 0
+
+    def run(self, function, *args, workers, on_error, callback_timeout):
+        self.calls += 1
+        found = {workers[0]: function(*args)}
+        if self.calls in self.late:
+            raise TimeoutError(f"no answer within {callback_timeout} s")
+        return found
+
+
+@pytest.fixture
+def one_worker(monkeypatch):
+    monkeypatch.setattr(dask_cluster, "cluster_workers", lambda client: {"w": {}})
+    monkeypatch.setattr(dask_cluster, "SKIP_FOR", 0.0)  # ask the late worker again at once
+
+
+def test_the_push_log_rows_of_a_late_answer_reach_the_log_at_the_next_collection(one_worker):
+    run = "outbox-rows"
+    cluster = DaskCluster(LateClient(late={1}), run)
+    try:
+        keep_row(run, ("push", 1))
+        keep_row(run, ("push", 2))
+        assert cluster.drain_rows() == []  # the answer came too late
+        keep_row(run, ("push", 3))
+        assert cluster.drain_rows() == [("push", 1), ("push", 2), ("push", 3)]
+        assert cluster.drain_rows() == []  # each row once
+        keep_row(run, ("push", 4))
+        assert cluster.drain_rows() == [("push", 4)]
+    finally:
+        forget_run(run)
+
+
+def test_the_results_a_leaving_worker_kept_are_handed_over_once_even_after_a_late_answer(
+        one_worker):
+    run = "outbox-returned"
+    cluster = DaskCluster(LateClient(late={1}), run)
+    try:
+        keep_returned(run, {"replica": 0, "retired": True})
+        assert cluster.returned("w") == []  # too late
+        assert cluster.returned("w") == [{"replica": 0, "retired": True}]
+        assert cluster.returned("w") == []
+    finally:
+        forget_run(run)
