@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -19,8 +20,10 @@ from downpour_dask.core.sparse_models import EmbeddingMLP, SparseLogisticRegress
 from downpour_dask.core.sparse_serial import serial_train
 from downpour_dask.data.criteo import criteo_spec
 from downpour_dask.data.hashing import minibatches
+from downpour_dask.downpour.dask_cluster import DaskCluster
 from downpour_dask.downpour.sparse_checkpoints import read_sparse
 from downpour_dask.downpour.sparse_fit import fit_sparse
+from downpour_dask.downpour.sparse_replicas import records_after
 
 
 def click_data(n=1200, n_rows=500, fields=4, numeric=2, seed=0):
@@ -204,8 +207,19 @@ def test_a_killed_shard_worker_is_restored_and_the_fit_finishes_with_exact_lost_
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_replica_worker_is_restarted_and_the_fit_finishes_with_every_step_once(
-        three_workers, tmp_path):
+        three_workers, tmp_path, monkeypatch):
     client = three_workers
+    # every other collection of the replicas' records runs on the workers but its answer comes
+    # too late (as on a busy machine): the records it carried must come with the next one
+    collections, collect = itertools.count(), DaskCluster.collect
+
+    def half_of_them_late(self, function, *args):
+        found = collect(self, function, *args)
+        if function is records_after and next(collections) % 2 == 0:
+            return {worker: TimeoutError("answered too late") for worker in found}
+        return found
+
+    monkeypatch.setattr(DaskCluster, "collect", half_of_them_late)
     model = SparseLogisticRegression(3000, 4, n_numeric=2)
     data = click_data(n=2000, n_rows=3000)
     workers = sorted(client.scheduler_info()["workers"])
