@@ -8,6 +8,8 @@ over.  These tests lose answers on purpose, in-process (a fake client runs the f
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from downpour_dask.downpour import dask_cluster
@@ -90,3 +92,29 @@ def test_the_results_a_leaving_worker_kept_are_handed_over_once_even_after_a_lat
         assert cluster.returned("w") == []
     finally:
         forget_run(run)
+
+
+def test_on_a_cluster_every_worker_hands_each_row_over_once_though_answers_come_late(
+        client, monkeypatch):
+    """Rows kept in the worker processes; every other answer is dropped after the function
+    ran there (the driver stopped waiting)."""
+    run = "outbox-cluster"
+    workers = sorted(client.scheduler_info()["workers"])
+    cluster, run_each, readings = DaskCluster(client, run), DaskCluster._run_each, Counter()
+
+    def half_of_them_late(self, function, *args, workers=None):
+        found = run_each(self, function, *args, workers=workers)
+        readings.update(list(found))
+        return {w: TimeoutError("late") if readings[w] % 2 else v for w, v in found.items()}
+
+    monkeypatch.setattr(DaskCluster, "_run_each", half_of_them_late)
+    try:
+        rows = []
+        for i in range(4):
+            client.run(keep_row, run, ("push", i))  # one row per worker per round
+            rows.extend(cluster.drain_rows())
+        for _ in range(len(workers)):  # what the last round's late answers carried
+            rows.extend(cluster.drain_rows())
+        assert sorted(rows) == sorted(("push", i) for i in range(4) for _ in workers)
+    finally:
+        client.run(forget_run, run)
