@@ -12,7 +12,8 @@ fakes.  On the workers,
 ``replica`` runs ``replica_loop`` (with ``pushes``' bookkeeping; ``clocked_loop`` for SSP/BSP,
 ``easgd_loop`` for EASGD; its settings in ``config``) over one
 :class:`~downpour_dask.ps.protocol.ShardChannel` per shard, and leaves what must outlive it in
-``registry``; ``model_parallel`` runs a replica split into partitions, whose messages travel
+``registry`` (handed to the driver through an ``outbox``: each item once, even when an answer
+comes late); ``model_parallel`` runs a replica split into partitions, whose messages travel
 over ``partition_wire``'s direct sockets.  Sparse models (tables
 of which a batch touches few rows): ``sparse_fit`` starts table shards and replica tasks running
 ``sparse_loop`` (``sparse_accrual`` for ``n_fetch``/``n_push`` other than 1), has the
