@@ -65,6 +65,23 @@ def one_worker(monkeypatch):
     monkeypatch.setattr(dask_cluster, "SKIP_FOR", 0.0)  # ask the late worker again at once
 
 
+def test_the_fits_last_reading_asks_a_late_worker_again_even_one_skipped_for_lateness(
+        monkeypatch):
+    monkeypatch.setattr(dask_cluster, "cluster_workers", lambda client: {"w": {}})
+    run = "outbox-last"
+    client = LateClient(late={1, 2})
+    cluster = DaskCluster(client, run)
+    try:
+        keep_row(run, ("push", 1))
+        assert cluster.drain_rows() == []  # late: w is skipped for a while (SKIP_FOR)
+        keep_row(run, ("push", 2))
+        assert cluster.drain_rows() == [] and client.calls == 1  # not asked meanwhile
+        assert cluster.drain_rows(last=True) == [("push", 1), ("push", 2)]  # late once more
+        assert client.calls == 3
+    finally:
+        forget_run(run)
+
+
 def test_the_push_log_rows_of_a_late_answer_reach_the_log_at_the_next_collection(one_worker):
     run = "outbox-rows"
     cluster = DaskCluster(LateClient(late={1}), run)

@@ -140,7 +140,7 @@ class FakeCluster:
     def fetched_copies(self, shard: int, key: str, workers: list[str]) -> dict[str, Any]:
         return {w: self.copies.get(w) for w in workers}
 
-    def drain_rows(self) -> list[tuple]:
+    def drain_rows(self, last: bool = False) -> list[tuple]:
         rows, self.rows = self.rows, []
         return rows
 

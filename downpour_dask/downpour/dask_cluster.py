@@ -54,6 +54,8 @@ ALIVE_EVERY = 0.5
 #: the supervision loop (``client.run`` of all workers at once waits for the slowest).
 RUN_TIMEOUT = 2.0
 SKIP_FOR = 5.0
+#: Times the fit's last reading of push-log rows asks a live worker whose answer was late.
+LAST_READINGS = 3
 
 
 class DaskCluster:
@@ -132,16 +134,23 @@ class DaskCluster:
         versions = [v for v in found.values() if isinstance(v, int)]
         return max(versions, default=None)
 
-    def drain_rows(self) -> list[tuple]:
+    def drain_rows(self, last: bool = False) -> list[tuple]:
         rows = []
-        for worker in self.workers(fresh=False):
-            rows.extend(self._take(rows_after, self._rows_taken, worker))
+        for worker in self.workers(fresh=last):
+            for _ in range(LAST_READINGS if last else 1):
+                if last:
+                    self._skip.pop(worker, None)  # (not answering lately is no reason here)
+                found = self._take(rows_after, self._rows_taken, worker)
+                if found is not None:
+                    rows.extend(found)
+                    break
         return [tuple(row) for row in rows]
 
-    def _take(self, after: Callable[..., Any], taken: Taken, worker: str) -> list[Any]:
-        """The items of ``worker``'s outbox the driver does not hold yet (:mod:`.outbox`)."""
+    def _take(self, after: Callable[..., Any], taken: Taken, worker: str) -> list[Any] | None:
+        """The items of ``worker``'s outbox the driver does not hold yet (:mod:`.outbox`);
+        None if it did not answer in time (or not at all)."""
         reply = self._run_each(after, self.run, *taken.of(worker), workers=[worker]).get(worker)
-        return taken.receive(worker, reply)
+        return taken.receive(worker, reply) if isinstance(reply, tuple) else None
 
     def announce_shard(self, shard: int, future: Any, generation: int = 0) -> None:
         if shard not in self.variables:
@@ -192,7 +201,7 @@ class DaskCluster:
 
     def returned(self, worker: str) -> list[dict[str, Any]]:
         """Results of the replicas that stopped on leaving ``worker`` (each handed over once)."""
-        return self._take(returned_after, self._returned_taken, worker)
+        return self._take(returned_after, self._returned_taken, worker) or []
 
     def release(self, worker: str) -> None:
         """Let leaving ``worker`` close: the driver took what it needed off it."""

@@ -184,7 +184,7 @@ class Driver:
             recovery.settle()  # the final count of updates lost with replaced shards
             self.status["lost_updates"] = recovery.lost_updates(fit.n_shards)
             recorder.add_events((e[0] - recorder.t0, *e[1:]) for e in shard_events)
-            loop.collect_rows(force=True)  # the replicas' last rows, before they are forgotten
+            loop.collect_rows(last=True)  # the replicas' last rows, before they are forgotten
             loop.record_stop(versions)  # last: a shard restored in the calls above comes first
             results = tasks.ordered_results()
         finally:  # a failed driver stops the replicas first: they end against live shards

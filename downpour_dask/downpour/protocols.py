@@ -69,8 +69,9 @@ class Cluster(Protocol):
         """The newest version shard actor ``key`` reported to an accepted push of any replica
         on the live workers (None if none did)."""
 
-    def drain_rows(self) -> list[tuple]:
-        """The push-log rows the replicas made since the last call (each row once)."""
+    def drain_rows(self, last: bool = False) -> list[tuple]:
+        """The push-log rows the replicas made since the last call (each row once); ``last``:
+        the fit's final reading, which asks every live worker again if its answer is late."""
 
     def announce_shard(self, shard: int, future: Any, generation: int = 0) -> None:
         """Tell running replicas where shard ``shard`` lives now (its actor's future) and which

@@ -42,9 +42,10 @@ class Limits:
     n_push: int = 1
 
 
-def take_rows(cluster: Cluster, recorder: RunRecorder) -> None:
-    """Move the push-log rows the replicas left on their workers into ``recorder``."""
-    for row in cluster.drain_rows():
+def take_rows(cluster: Cluster, recorder: RunRecorder, last: bool = False) -> None:
+    """Move the push-log rows the replicas left on their workers into ``recorder`` (``last``:
+    the fit's final reading, see :meth:`~.protocols.Cluster.drain_rows`)."""
+    for row in cluster.drain_rows(last):
         recorder.push(row)
 
 
@@ -267,10 +268,12 @@ class SupervisionLoop:
         if self.report_to is not None:
             self.report_to(progress)
 
-    def collect_rows(self, force: bool = False) -> None:
+    def collect_rows(self, force: bool = False, last: bool = False) -> None:
         """Take in the push-log rows replicas made since the last collection (every
-        :attr:`COLLECT_EVERY` seconds): a worker that dies loses only its newest rows."""
-        if not force and self.recorder.elapsed() - self.last_collect < self.COLLECT_EVERY:
+        :attr:`COLLECT_EVERY` seconds): a worker that dies loses only its newest rows.
+        ``last``: the fit's final collection, before the workers forget the run."""
+        if not (force or last) and (
+                self.recorder.elapsed() - self.last_collect < self.COLLECT_EVERY):
             return
         self.last_collect = self.recorder.elapsed()
-        take_rows(self.cluster, self.recorder)
+        take_rows(self.cluster, self.recorder, last)
