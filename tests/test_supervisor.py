@@ -495,6 +495,27 @@ def test_acknowledgements_a_finished_replica_reported_count_when_its_worker_dies
     assert (restored["acknowledged"], restored["lost_updates"]) == (19, 9)
 
 
+def test_acknowledgements_a_late_answer_missed_at_the_loss_count_at_the_end_from_the_results():
+    """When shard 1's worker dies, the worker of the replica that saw it acknowledge version 19
+    answers too late (``cluster.acked`` has nothing): the loss is first estimated from the
+    driver's last poll.  The replica's result, in hand at the end, corrects it."""
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w2"])
+    run.checkpoints.replaced(1, {"values": np.zeros(SHARD_SIZE), "rule_state": {}, "version": 10})
+    run.checkpoints.observe([0, 12])  # the driver's last poll
+    run.cluster.alive.remove("w1")
+    run.supervisor.check()
+    [restored] = _events(run, "shard_restored")
+    assert (restored["acknowledged"], restored["lost_updates"]) == (12, 2)
+    run.tasks.tasks[0].finish(
+        {"replica": 0, "partition": 0, "steps": 10, "acknowledged": {"1": {"0": [20, 19]}}}
+    )
+    run.supervisor.check()  # the result is gathered
+    run.supervisor.recovery.settle(wait=0)
+    assert run.supervisor.recovery.lost_updates(2) == [0, 9]
+    [record] = run.supervisor.recovery.incarnations()
+    assert (record["acknowledged"], record["lost_updates"]) == (19, 9)
+
+
 def test_a_stopped_shard_is_replaced_then_fenced_when_it_comes_back_and_the_count_corrected():
     """Split brain: shard 1's worker is stopped, so its replacement starts from the checkpoint
     while the old copy cannot be retired.  The retirement goes on being tried; when the worker

@@ -248,7 +248,8 @@ class ShardRecovery:
         """At the end of the fit: the final figures of every replaced incarnation.  Waits
         briefly for retirements still in flight, asks every reachable retired incarnation its
         version once more (it must not have moved past its fence) and takes the newest
-        acknowledgements the replicas noted."""
+        acknowledgements the replicas noted: those in their results, all in hand now (at the
+        loss, a worker's answer could come too late to count)."""
         deadline = time.monotonic() + wait
         for index, call in list(self._fences.items()):
             final = _outcome(call, max(0.0, deadline - time.monotonic()))
@@ -260,6 +261,9 @@ class ShardRecovery:
                 again = _outcome(self.server.start_retire(record.shard, record.generation), wait)
                 if again is not None:
                     record.final_version = int(again["version"])
+            if self.reported_acks is not None:
+                reported = self.reported_acks(record.shard, record.generation)
+                record.acknowledged = max(record.acknowledged, reported)
             record.account()
 
     def lost_updates(self, n_shards: int) -> list[int]:
