@@ -1,4 +1,5 @@
-"""What workers keep for the driver reaches it once, even when an answer comes too late.
+"""What workers keep for the driver reaches it once, even when an answer comes too late (and
+what the driver tells them is not skipped for it).
 
 The driver reads push-log rows and leaving replicas' results off the workers with a bounded wait
 (``client.run``, :data:`~downpour_dask.downpour.dask_cluster.RUN_TIMEOUT`).  On a busy machine
@@ -10,12 +11,18 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from downpour_dask.downpour import dask_cluster
 from downpour_dask.downpour.dask_cluster import DaskCluster
 from downpour_dask.downpour.outbox import PROCESS, Outbox, Taken, answer
-from downpour_dask.downpour.registry import forget_run, keep_returned, keep_row
+from downpour_dask.downpour.registry import (
+    assigned_share,
+    forget_run,
+    keep_returned,
+    keep_row,
+)
 
 
 def test_an_answer_lost_on_the_way_is_given_again_and_what_the_driver_holds_is_dropped():
@@ -135,3 +142,20 @@ def test_on_a_cluster_every_worker_hands_each_row_over_once_though_answers_come_
         assert sorted(rows) == sorted(("push", i) for i in range(4) for _ in workers)
     finally:
         client.run(forget_run, run)
+
+
+def test_a_worker_skipped_for_a_late_answer_is_still_told_its_replicas_smaller_share(
+        monkeypatch):
+    """Not only what workers hand over: a new share skipped would leave the old replica reading
+    the rows the joined one reads too (``downpour/shares.py``)."""
+    monkeypatch.setattr(dask_cluster, "cluster_workers", lambda client: {"w": {}})
+    run = "outbox-share"
+    client = LateClient(late={1})
+    cluster = DaskCluster(client, run)
+    try:
+        assert cluster.drain_rows() == []  # late: w is skipped for SKIP_FOR seconds
+        cluster.assign_share("w", 0, np.array([0, 2, 4]))
+        assert client.calls == 2
+        np.testing.assert_array_equal(assigned_share(run, 0), [0, 2, 4])
+    finally:
+        forget_run(run)

@@ -209,7 +209,9 @@ class DaskCluster:
 
     def assign_share(self, worker: str, replica: int, positions: Any) -> None:
         """Tell ``replica`` on ``worker`` which part of its data it reads from now on
-        (:mod:`.shares`)."""
+        (:mod:`.shares`).  Asked even if ``worker`` answered late lately: skipped, the replica
+        would go on reading rows the new one reads too."""
+        self._skip.pop(worker, None)
         self._run_each(assign_share, self.run, replica, positions, workers=[worker])
 
     def retire(self, worker: str) -> None:
