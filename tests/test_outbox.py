@@ -4,7 +4,8 @@ what the driver tells them is not skipped for it).
 The driver reads push-log rows and leaving replicas' results off the workers with a bounded wait
 (``client.run``, :data:`~downpour_dask.downpour.dask_cluster.RUN_TIMEOUT`).  On a busy machine
 an answer can arrive after the driver stopped waiting; the worker had already handed the items
-over.  These tests lose answers on purpose, in-process (a fake client runs the function here).
+over.  These tests lose answers on purpose, in-process (a fake client runs the function here)
+and on the shared cluster.
 """
 
 from __future__ import annotations
@@ -144,18 +145,26 @@ def test_on_a_cluster_every_worker_hands_each_row_over_once_though_answers_come_
         client.run(forget_run, run)
 
 
-def test_a_worker_skipped_for_a_late_answer_is_still_told_its_replicas_smaller_share(
-        monkeypatch):
-    """Not only what workers hand over: a new share skipped would leave the old replica reading
-    the rows the joined one reads too (``downpour/shares.py``)."""
+@pytest.mark.parametrize("command", ["assign_share", "stop_replicas_on", "release", "retire"])
+def test_a_worker_skipped_for_a_late_answer_is_still_told_what_the_driver_decided(
+        command, monkeypatch):
+    """Not only what workers hand over: a command skipped would leave the worker acting on what
+    it was told before (e.g. a new share skipped: the old replica reads the rows the joined one
+    reads too, ``downpour/shares.py``)."""
     monkeypatch.setattr(dask_cluster, "cluster_workers", lambda client: {"w": {}})
-    run = "outbox-share"
+    run = "outbox-tell"
     client = LateClient(late={1})
     cluster = DaskCluster(client, run)
     try:
         assert cluster.drain_rows() == []  # late: w is skipped for SKIP_FOR seconds
-        cluster.assign_share("w", 0, np.array([0, 2, 4]))
+        if command == "assign_share":
+            cluster.assign_share("w", 0, np.array([0, 2, 4]))
+            np.testing.assert_array_equal(assigned_share(run, 0), [0, 2, 4])
+        elif command == "retire":
+            monkeypatch.setattr(dask_cluster, "finish_retirement", lambda: None)  # (no Worker)
+            cluster.retire("w")
+        else:
+            getattr(cluster, command)("w")
         assert client.calls == 2
-        np.testing.assert_array_equal(assigned_share(run, 0), [0, 2, 4])
     finally:
         forget_run(run)

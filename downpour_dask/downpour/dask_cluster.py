@@ -197,7 +197,7 @@ class DaskCluster:
     def stop_replicas_on(self, worker: str) -> None:
         """Have the replicas on leaving ``worker`` stop after their next push (a worker whose
         retirement Dask aborted does not close, so its plugin's teardown does not say it)."""
-        self._run_each(mark_leaving, self.run, workers=[worker])
+        self._tell(worker, mark_leaving, self.run)
 
     def returned(self, worker: str) -> list[dict[str, Any]]:
         """Results of the replicas that stopped on leaving ``worker`` (each handed over once)."""
@@ -205,19 +205,25 @@ class DaskCluster:
 
     def release(self, worker: str) -> None:
         """Let leaving ``worker`` close: the driver took what it needed off it."""
-        self._run_each(release, self.run, workers=[worker])
+        self._tell(worker, release, self.run)
 
     def assign_share(self, worker: str, replica: int, positions: Any) -> None:
         """Tell ``replica`` on ``worker`` which part of its data it reads from now on
-        (:mod:`.shares`).  Asked even if ``worker`` answered late lately: skipped, the replica
-        would go on reading rows the new one reads too."""
-        self._skip.pop(worker, None)
-        self._run_each(assign_share, self.run, replica, positions, workers=[worker])
+        (:mod:`.shares`)."""
+        self._tell(worker, assign_share, self.run, replica, positions)
 
     def retire(self, worker: str) -> None:
         """Complete (without waiting) a retirement of ``worker`` that Dask aborted because it
         held a shard, now that the shard moved (:func:`.membership.finish_retirement`)."""
-        self._run_each(finish_retirement, workers=[worker])
+        self._tell(worker, finish_retirement)
+
+    def _tell(self, worker: str, function: Callable[..., Any], *args: Any) -> None:
+        """Run ``function(*args)`` on ``worker``, even if it answered late lately: the skip of
+        :meth:`_run_each` spares readings a slow worker, but a command skipped would leave the
+        worker acting on what it was told before (a replica reading the rows a joined one
+        reads too, a leaving worker's replicas not stopping)."""
+        self._skip.pop(worker, None)
+        self._run_each(function, *args, workers=[worker])
 
     def forget(self) -> None:
         """At the end of the fit: drop what workers keep for this run, and the variables."""
