@@ -23,6 +23,7 @@ from downpour_dask.downpour.registry import (
     forget_run,
     keep_returned,
     keep_row,
+    rows_after,
 )
 
 
@@ -86,6 +87,10 @@ def test_the_fits_last_reading_asks_a_late_worker_again_even_one_skipped_for_lat
         assert cluster.drain_rows() == [] and client.calls == 1  # not asked meanwhile
         assert cluster.drain_rows(last=True) == [("push", 1), ("push", 2)]  # late once more
         assert client.calls == 3
+        keep_row(run, ("push", 3))
+        cluster._skip["w"] = float("inf")  # (as if it had been late again)
+        cluster.forget()  # what w keeps for the run goes even so
+        assert client.calls == 4 and rows_after(run, "", 0)[2] == []
     finally:
         forget_run(run)
 

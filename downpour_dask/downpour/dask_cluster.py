@@ -55,7 +55,7 @@ ALIVE_EVERY = 0.5
 RUN_TIMEOUT = 2.0
 SKIP_FOR = 5.0
 #: Times the fit's last reading of push-log rows asks a live worker whose answer was late.
-LAST_READINGS = 3
+LAST_READINGS = 2
 
 
 class DaskCluster:
@@ -234,6 +234,7 @@ class DaskCluster:
                 self.client.unregister_scheduler_plugin(plugin_name(self.run))
             with contextlib.suppress(Exception):
                 self.client.unregister_worker_plugin(plugin_name(self.run))
+        self._skip.clear()  # every worker forgets, one that answered late lately too
         with contextlib.suppress(Exception):
             self._run_each(forget_run, self.run)
         for variable in self.variables.values():
