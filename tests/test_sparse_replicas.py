@@ -67,6 +67,9 @@ class FakeCluster:
         self.scattered.append((values[0], worker))
         return [f"{values[0]}@{worker}"]
 
+    def everywhere(self, function, *args):
+        function(*args)
+
     def collect(self, function, *args):
         found = {"w": function(*args)}
         if self.late:

@@ -126,6 +126,13 @@ class DaskCluster:
         """``function(*args)`` on every live worker, as :meth:`_run_each` (sparse fits' records)."""
         return self._run_each(function, *args)
 
+    def everywhere(self, function: Callable[..., Any], *args: Any) -> None:
+        """``function(*args)`` on every live worker, one that answered late lately too: what
+        each must do (forget a run), not a reading a slow worker may skip."""
+        self._skip.clear()
+        with contextlib.suppress(Exception):
+            self._run_each(function, *args)
+
     def fetched_copies(self, shard: int, key: str, workers: list[str]) -> dict[str, Any]:
         return self._run_each(fetched_copy, self.run, shard, key, workers=workers)
 
@@ -234,9 +241,7 @@ class DaskCluster:
                 self.client.unregister_scheduler_plugin(plugin_name(self.run))
             with contextlib.suppress(Exception):
                 self.client.unregister_worker_plugin(plugin_name(self.run))
-        self._skip.clear()  # every worker forgets, one that answered late lately too
-        with contextlib.suppress(Exception):
-            self._run_each(forget_run, self.run)
+        self.everywhere(forget_run, self.run)
         for variable in self.variables.values():
             with contextlib.suppress(Exception):
                 variable.delete()

@@ -203,4 +203,4 @@ class SparseTasks:
         """At the end (or on failure): let every task go, and what the workers kept."""
         for task in self.tasks:
             task.cancel()
-        self.cluster.collect(forget_records, self.cluster.run)
+        self.cluster.everywhere(forget_records, self.cluster.run)
