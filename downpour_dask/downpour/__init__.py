@@ -15,10 +15,10 @@ fakes.  On the workers,
 ``registry`` (handed to the driver through an ``outbox``: each item once, even when an answer
 comes late); ``model_parallel`` runs a replica split into partitions, whose messages travel
 over ``partition_wire``'s direct sockets.  Sparse models (tables
-of which a batch touches few rows): ``sparse_fit`` starts table shards and replica tasks running
-``sparse_loop`` (``sparse_accrual`` for ``n_fetch``/``n_push`` other than 1), has the
-``supervisor`` restart a replica whose worker died (``sparse_replicas``: its task, its data, its
-records), ``sparse_checkpoints`` writes incremental checkpoints of the tables,
+of which a batch touches few rows): ``sparse_fit`` starts table shards and replica tasks
+(``sparse_task``) running ``sparse_loop`` (``sparse_accrual`` for ``n_fetch``/``n_push`` other
+than 1), has the ``supervisor`` restart a replica whose worker died (``sparse_replicas``: its
+task, its data, its records), ``sparse_checkpoints`` writes incremental checkpoints of the tables,
 ``sparse_recovery`` gives a sparse fit's shards to ``shard_recovery`` (a lost table shard comes
 back on a surviving worker), ``sparse_eval`` scores held-out data pulling only the rows it
 touches, ``sparse_monitor`` runs that schedule and publishes the run for ``live.attach``, and

@@ -1,0 +1,132 @@
+"""A sparse fit's replica task: what runs on a worker for one replica of
+:func:`~.sparse_fit.fit_sparse`.
+
+:func:`replica_task` draws the replica's minibatches (rows ``replica::n_replicas`` of an
+in-memory batch, or its files of ``(paths, HashSpec)``, in an order fixed by the seed, so a
+restarted replica skips the steps it pushed and goes on with the same batches), opens a line to
+every shard (in-process, the direct wire or actor messages:
+:class:`~downpour_dask.ps.rows.RowsLink`) and runs :func:`~.sparse_loop.run_sparse_replica`
+(:class:`~.sparse_accrual.AccruingReplica` for ``n_fetch``/``n_push`` other than 1).  A shard
+lost mid-run is waited for (:func:`~.sparse_recovery.await_replacement`) and the replica goes
+on against its next generation.  Its push records are kept on the worker for the driver as they
+are made (:func:`~.sparse_replicas.keep_records`) and returned whole at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import numpy as np
+from distributed import get_client, secede
+
+from ..core.sparse import SparseBatch
+from ..data.hashing import minibatches, read_hashed
+from ..ps.frames import WireError
+from ..ps.protocol import ShardLostError
+from ..ps.refs import ActorRef
+from ..ps.rows import RowsLink, SparseLayout
+from ..ps.rows_wire import RowsWireClient
+from .registry import keep_acked
+from .sparse_accrual import AccruingReplica
+from .sparse_loop import run_sparse_replica
+from .sparse_recovery import await_replacement
+from .sparse_replicas import keep_records
+
+
+def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: int,
+             seed: int) -> Iterator[SparseBatch]:
+    """Replica ``replica``'s minibatches: rows ``replica::n_replicas`` of an in-memory batch,
+    or files ``replica::n_replicas`` of ``(paths, HashSpec)``, for ``epochs`` epochs."""
+    rng = np.random.default_rng([seed, replica])
+    for _ in range(epochs):
+        if isinstance(data, SparseBatch):
+            yield from minibatches(data, batch_size, rng)
+        else:
+            paths, spec = data
+            yield from read_hashed(list(paths)[replica::n_replicas], spec, batch_size, rng)
+
+
+def _link(ref: ActorRef, s: int, replica: int, timeout: float, n_tables: int,
+          secret: bytes | None) -> RowsLink:
+    """A line to shard ``s``: in-process if it is on this worker, else over the direct wire
+    when ``secret`` is given and the shard offers an endpoint, else actor messages."""
+    shard = ref.open() if isinstance(ref, ActorRef) else ref  # (a replacement's handle)
+    link = RowsLink(shard, s, replica, timeout)
+    if link.local or secret is None:
+        return link
+    try:
+        endpoint = link.shard.open_wire().result(timeout=timeout)
+        if endpoint is not None:
+            link.wire = RowsWireClient(endpoint, n_tables, min(10.0, timeout), secret)
+    except (OSError, WireError):
+        link.wire = None  # actor messages, then
+    return link
+
+
+def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
+                 replica: int, n_replicas: int, batch_size: int, epochs: int,
+                 max_steps: int | None, seed: int, timeout: float,
+                 started: float, secret: bytes | None = None,
+                 run: str = "", n_fetch: int = 1, n_push: int = 1, alpha: float = 0.0,
+                 start_step: int = 0, key: str = "") -> list[dict[str, Any]]:
+    """One replica's whole run, as a Dask task (see :func:`fit_sparse`), from step
+    ``start_step`` (a restarted replica skips the batches before it).  When a shard is lost it
+    waits for the driver to announce the shard's next generation
+    (:func:`~.sparse_recovery.await_replacement`), opens fresh links to every shard and goes on
+    (the push in flight when the shard was lost is lost on it).  ``key``: the task's key, under
+    which its records are kept on the worker for the driver (:mod:`.sparse_replicas`)."""
+    secede()  # it runs for the whole fit: it must not hold one of the worker's task slots
+    refs, records, generations = list(refs), [], [0] * len(refs)
+    if run and key:
+        keep_records(run, key, records)
+    batches = islice(_batches(data, replica, n_replicas, batch_size, epochs, seed),
+                     start_step, None)
+    accruing = None
+    if (n_fetch, n_push) != (1, 1):
+        accruing = AccruingReplica(model, layout, batches, replica, n_fetch, n_push, alpha,
+                                   start_step, max_steps, started, records)
+    start, first_seq = start_step, (0 if start_step else None)
+    while True:
+        links = [_link(ref, s, replica, timeout, len(layout.specs), secret)
+                 for s, ref in enumerate(refs)]
+        for link, generation in zip(links, generations):
+            link.generation = generation
+        keys = [ref.key for ref in refs]
+
+        def acked(s: int, version: int, keys: list[str] = keys) -> None:
+            keep_acked(run, s, keys[s], version)
+
+        try:
+            if accruing is not None:
+                accruing.acked = acked
+                accruing.run(links)
+                break
+            left = None if max_steps is None else max(0, max_steps - start)
+            run_sparse_replica(model, links, layout, batches, replica, left, started,
+                               start_step=start, records=records, first_seq=first_seq,
+                               acked=acked)
+            break
+        except ShardLostError as err:
+            if not run:
+                raise
+            generations[err.shard] = links[err.shard].generation
+            actor = await_replacement(get_client(), run, err.shard,
+                                      generations[err.shard], timeout)
+            generations[err.shard] += 1
+            refs[err.shard] = actor
+            start = max((r["step"] for r in records), default=start - 1) + 1
+            first_seq = 0  # fresh links: fresh push sessions
+        finally:
+            for link in links:
+                link.close()
+                record_transport(records, link)
+    return records
+
+
+def record_transport(records: list[dict[str, Any]], link: RowsLink) -> None:
+    """Name the transport of each of ``link``'s shard's records not yet named."""
+    for record in records:
+        if record["shard"] == link.index and "transport" not in record:
+            record["transport"] = link.transport
