@@ -143,7 +143,7 @@ class DaskCluster:
 
     def drain_rows(self, last: bool = False) -> list[tuple]:
         rows = []
-        for worker in self.workers(fresh=last):
+        for worker in self.workers(fresh=False):
             for _ in range(LAST_READINGS if last else 1):
                 if last:
                     self._skip.pop(worker, None)  # (not answering lately is no reason here)
