@@ -15,8 +15,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
+
+# The worker processes of the clusters the tests start in this process come from a fork server
+# that imported Dask, numpy and pandas once, instead of each importing them anew (Dask's own
+# test suite does the same).  Users' clusters spawn (Dask's default); so do the clusters the
+# CLI and notebook tests start, in subprocesses that do not see this setting.
+dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 
 
 @pytest.fixture(scope="session")
