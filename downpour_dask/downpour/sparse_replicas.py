@@ -16,8 +16,7 @@ particular to sparse replicas:
   :data:`COLLECT_EVERY` seconds (:meth:`SparseTasks.collect`), saying how many of each list it
   holds: an answer that comes too late is given again, as in :mod:`.outbox`.  The records a
   killed replica made after the last collection died with it, but its pushes reached the
-  shards, and each
-  shard remembers the last pushes of every replica
+  shards, and each shard remembers the last pushes of every replica
   (:meth:`~downpour_dask.ps.table.SparseShard.recent_pushes`: session, push number, what the
   push said and got): :func:`fill_gap` rebuilds the missing records from them, numbering their
   steps on from the last collected record of the same session (a session's pushes are
