@@ -19,11 +19,23 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 
-# The worker processes of the clusters the tests start in this process come from a fork server
-# that imported Dask, numpy and pandas once, instead of each importing them anew (Dask's own
-# test suite does the same).  Users' clusters spawn (Dask's default); so do the clusters the
-# CLI and notebook tests start, in subprocesses that do not see this setting.
+# The worker processes of the clusters the tests start come from a fork server that imported
+# Dask, numpy and pandas once, instead of each importing them anew (Dask's own test suite does
+# the same): this process's clusters through Dask's config, those of the commands and notebook
+# kernels the tests run as subprocesses through its environment variable (:func:`_fork_server`).
+# Users' clusters spawn (Dask's default); tests marked ``spawn`` keep that for their
+# subprocesses, so the path users take is covered end to end.
 dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+METHOD_VARIABLE = "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"
+
+
+@pytest.fixture(autouse=True)
+def _fork_server(request, monkeypatch):
+    """Subprocesses a test starts use the fork server too, unless it is marked ``spawn``."""
+    if request.node.get_closest_marker("spawn") is None:
+        monkeypatch.setenv(METHOD_VARIABLE, "forkserver")
+    else:
+        monkeypatch.delenv(METHOD_VARIABLE, raising=False)
 
 
 @pytest.fixture(scope="session")

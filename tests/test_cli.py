@@ -33,6 +33,7 @@ def config_of(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.spawn  # what a user's command does
 @pytest.mark.timeout(180)
 def test_train_writes_a_complete_run_directory(tmp_path):
     done = run_cli("train", *SMALL, "--out", str(tmp_path), "--name", "small", "--seed", "3")

@@ -25,8 +25,6 @@ def test_the_notebooks_are_there():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
     monkeypatch.setenv("DOWNPOUR_NOTEBOOK_FAST", "1")  # the kernel inherits the environment
-    # its clusters' workers fork from a fork server, as the suite's own (conftest.py)
-    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", "forkserver")
     notebook = nbformat.read(path, as_version=4)
     assert any(cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
         f"{path.name} is committed without outputs; run notebooks/run_all.py"

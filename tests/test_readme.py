@@ -22,6 +22,7 @@ def test_the_python_example_is_short_and_guards_its_cluster_start():
 
 
 @pytest.mark.slow
+@pytest.mark.spawn  # what a user's script does
 @pytest.mark.timeout(180)
 def test_the_python_example_runs_as_a_script_and_learns(tmp_path):
     script = tmp_path / "example.py"
