@@ -19,8 +19,8 @@ The schedules, from serial to what the cluster does:
   gradient, local SGD steps in between (``bench_large.py``'s schedule, without a second replica).
 - ``1 replica, push 1, fetch 4``: every batch's gradient pushed on its own, fetched every 4.
 - ``2 replicas, ...``: the same with two replicas stepping in turn, with no latency, or with
-  every reply taking ``--late`` step times each way (pushes in flight while the replica goes on,
-  as on a busy cluster).
+  every request and every reply taking ``--late`` step times on its way (the simulator's one-way
+  ``latency``): pushes and fetches in flight while the replica goes on, as on a busy cluster.
 
 The data is the first ``--rows`` training rows of ``bench_large.py``'s cached files (written by
 it if missing), held in memory and split among the replicas as a fit splits it; the test set is
@@ -29,7 +29,7 @@ the same 20,000 held-out rows.  The shards' parameters are scored every ``--chec
 check at or above the target.  Each schedule runs with ``--seeds`` seeds (initial parameters and
 data order); the table gives each seed's rows, the median, and the median against ``serial``'s.
 
-    python benchmarks/bench_rows_to_target.py            # ~5 min on 2 cores
+    python benchmarks/bench_rows_to_target.py            # ~2.5 min on 2 cores
     python benchmarks/bench_rows_to_target.py --seeds 1 --rows 1000000 --target 0.93   # quick
 """
 
