@@ -128,7 +128,7 @@ def read_shard(key: str, values: bool) -> Any:
     if not isinstance(shard, ParameterServerShard):
         raise LookupError(f"no parameter-server shard {key} on this worker (the run ended?)")
     if values:
-        reply = shard.snapshot()
+        reply = shard.snapshot_model()
         return reply.values, reply.version
     return shard.counters()
 

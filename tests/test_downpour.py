@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import DownpourSGD, Experiment, datasets, models, optim
-from downpour_dask.checkpoint import ShardState, write_checkpoint
+from downpour_dask.checkpoint import ShardState, read_checkpoint, write_checkpoint
 from downpour_dask.core.params import split_range
 from downpour_dask.data.datasets import minibatches
 from downpour_dask.downpour.replica_loop import ReplicaLoop
@@ -51,6 +51,33 @@ def test_one_replica_one_shard_equals_serial_sgd(client, digits):
     assert len(est.experiment_.pushes) == steps
     assert np.abs(params - model.init(np.random.default_rng(7))).max() > 0.1  # it did train
     np.testing.assert_allclose(est.params_, params, rtol=0, atol=2e-5)
+
+
+def test_with_ema_decay_the_model_is_the_average_of_serial_sgds_iterates(client, digits, tmp_path):
+    """One replica, plain SGD: the shard's values are serial SGD's, and what the fit publishes --
+    ``params_``, its evaluations, its checkpoints' rule state -- is their moving average."""
+    train, test = digits
+    model, decay = models.MLP(64, (16,), 10), 0.9
+    est = DownpourSGD(
+        model, n_replicas=1, n_shards=1, optimizer="sgd", learning_rate=0.1, batch_size=32,
+        max_steps=30, random_state=7, ema_decay=decay, checkpoint_dir=tmp_path,
+    ).fit(train, eval_data=test, client=client)  # fmt: skip
+
+    params = model.init(np.random.default_rng(7))
+    average = np.zeros_like(params)
+    batches = minibatches(train.X, train.y, 32, np.random.default_rng([7, 0]))
+    for _, (Xb, yb) in zip(range(30), batches):
+        _, g = model.loss_and_grad(params, Xb, yb)
+        params -= np.float32(0.1) * g
+        average = np.float32(decay) * average + np.float32(1 - decay) * params
+    average /= np.float32(1 - decay**30)
+    np.testing.assert_allclose(est.params_, average, rtol=0, atol=2e-5)
+    assert np.abs(est.params_ - params).max() > 1e-3  # not the last iterate
+    last = est.experiment_.evals.iloc[-1]
+    assert last["accuracy"] == pytest.approx(model.score(est.params_, test.X, test.y))
+    (saved,) = read_checkpoint(tmp_path).shards
+    np.testing.assert_allclose(saved.values, params, rtol=0, atol=2e-5)  # training goes on
+    assert int(saved.rule_state["averaged"]) == 30
 
 
 class GradientOnlySoftmax(models.SoftmaxRegression):

@@ -11,6 +11,7 @@ import math
 import numpy as np
 from scipy.linalg import blas
 
+from .averaging import AVERAGE_STATE, Averaged, innermost
 from .optim import SGD, Adagrad, Adam, UpdateRule
 from .params import BLAS_DTYPES
 
@@ -90,6 +91,10 @@ class GuardedUpdate:
 
     def __init__(self, rule: UpdateRule, params: np.ndarray, state: dict[str, np.ndarray]):
         self.rule = rule
+        # An averaged rule's update is guarded without its average, folded in once accepted:
+        # the average of finite values is finite (core/averaging.py)
+        self._updating = innermost(rule)
+        state = {k: v for k, v in state.items() if k not in AVERAGE_STATE}
         self._undo = {"": np.empty_like(params)}
         self._undo.update({name: np.empty_like(array) for name, array in state.items()})
         # how large each float array's bound may grow (an integer array -- Adam's step count --
@@ -113,35 +118,42 @@ class GuardedUpdate:
         they were -- the name of what would have become non-finite (``"parameters"`` or the
         state array's name).  ``grad_sq``: :func:`sum_of_squares` of ``grad`` if the caller
         has it (or of a gradient no element of ``grad`` exceeds in magnitude)."""
-        arrays = {"": params, **state}
+        arrays = {"": params, **{k: v for k, v in state.items() if k not in AVERAGE_STATE}}
         if self._cannot_overflow(arrays, grad, grad_sq):
-            self.rule.update(params, grad, state, staleness=staleness)
+            self._updating.update(params, grad, state, staleness=staleness)
             self.unchecked += 1
+            self._accepted(params, state)
             return None
         self._bounds = None  # measured again when next needed
         for name, array in arrays.items():
             np.copyto(self._undo[name], array)
-        self.rule.update(params, grad, state, staleness=staleness)
+        self._updating.update(params, grad, state, staleness=staleness)
         bad = next((name for name, array in arrays.items() if not all_finite(array)), None)
         if bad is None:
+            self._accepted(params, state)
             return None
         for name, array in arrays.items():
             np.copyto(array, self._undo[name])
         return bad or "parameters"
+
+    def _accepted(self, params: np.ndarray, state: dict[str, np.ndarray]) -> None:
+        """What follows an update that was applied: an averaged rule's average."""
+        if isinstance(self.rule, Averaged):
+            self.rule.accumulate(params, state)
 
     def _cannot_overflow(
         self, arrays: dict[str, np.ndarray], grad: np.ndarray, grad_sq: float | None
     ) -> bool:
         """Whether the bounds prove that this update leaves every array finite (if so, they
         are grown by it)."""
-        if type(self.rule) not in _BOUNDED:
+        if type(self._updating) not in _BOUNDED:
             return False
         if self._bounds is None:
             if self._skip_measuring:
                 self._skip_measuring -= 1
                 return False
             self._bounds = {name: _largest_magnitude(arrays[name]) for name in self._limits}
-        moves = _largest_moves(self.rule, grad, grad_sq, self._bounds)
+        moves = _largest_moves(self._updating, grad, grad_sq, self._bounds)
         if moves is None or not moves.keys() <= self._limits.keys():
             return False
         grown = {name: bound + moves.get(name, 0.0) for name, bound in self._bounds.items()}

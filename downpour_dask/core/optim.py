@@ -45,14 +45,14 @@ _AXPY = {np.dtype(np.float32): blas.saxpy, np.dtype(np.float64): blas.daxpy}
 BLOCK = 1 << 16
 
 
-def _axpy(a: float, x: np.ndarray, y: np.ndarray) -> None:
+def axpy(a: float, x: np.ndarray, y: np.ndarray) -> None:
     """``y += a * x`` in place: one pass of BLAS over both vectors where it applies (same
     float dtype, contiguous), which reads and writes half the memory of numpy's ``y -=
     np.multiply(x, -a)``; numpy with the scratch vector otherwise (``x`` may be that
     vector's first ``y.size`` elements: it is then scaled in place)."""
-    axpy = _AXPY.get(y.dtype)
-    if axpy is not None and x.dtype == y.dtype and x.flags.c_contiguous and y.flags.c_contiguous:
-        axpy(x.reshape(-1), y.reshape(-1), a=a)  # in place: y has BLAS's dtype and layout
+    routine = _AXPY.get(y.dtype)
+    if routine is not None and x.dtype == y.dtype and x.flags.c_contiguous and y.flags.c_contiguous:
+        routine(x.reshape(-1), y.reshape(-1), a=a)  # in place: y has BLAS's dtype and layout
     else:
         y += np.multiply(x, a, out=_scratch(y))
 
@@ -157,7 +157,7 @@ class SGD(UpdateRule):
     name = "sgd"
 
     def _step(self, params, grad, state, lr):
-        _axpy(-lr, grad, params)
+        axpy(-lr, grad, params)
 
 
 class Momentum(UpdateRule):
@@ -179,7 +179,7 @@ class Momentum(UpdateRule):
         v = state["velocity"]
         v *= self.momentum
         v += grad
-        _axpy(-lr, v, params)
+        axpy(-lr, v, params)
 
 
 class Adagrad(UpdateRule):
@@ -211,7 +211,7 @@ class Adagrad(UpdateRule):
             np.sqrt(acc[lo:hi], out=tmp)
             tmp += self.eps
             np.divide(g, tmp, out=tmp)
-            _axpy(-lr, tmp, params[lo:hi])
+            axpy(-lr, tmp, params[lo:hi])
 
 
 class Adam(UpdateRule):
@@ -250,14 +250,14 @@ class Adam(UpdateRule):
             hi = min(lo + BLOCK, params.size)
             g, mb, vb, tmp = grad[lo:hi], m[lo:hi], v[lo:hi], scratch[: hi - lo]
             mb *= self.beta1
-            _axpy(1.0 - self.beta1, g, mb)
+            axpy(1.0 - self.beta1, g, mb)
             vb *= self.beta2
-            _axpy(1.0 - self.beta2, np.multiply(g, g, out=tmp), vb)
+            axpy(1.0 - self.beta2, np.multiply(g, g, out=tmp), vb)
             np.sqrt(vb, out=tmp)
             tmp *= unbias_v
             tmp += self.eps
             np.divide(mb, tmp, out=tmp)
-            _axpy(rate, tmp, params[lo:hi])
+            axpy(rate, tmp, params[lo:hi])
 
 
 class WrappedRule(UpdateRule):

@@ -25,6 +25,13 @@ from ..core.protocol import TrainableModel, config
 from .protocols import Server
 
 
+def check_path(name: str, value: Any, allow_none: bool = False) -> None:
+    """Raise TypeError unless ``value`` is a path (str or os.PathLike), or None if allowed."""
+    if not (isinstance(value, (str, os.PathLike)) or (value is None and allow_none)):
+        allowed = "a path (str or os.PathLike)" + (" or None" if allow_none else "")
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__}")
+
+
 def read_resumable(
     path: str | os.PathLike[str],
     ranges: list[tuple[int, int]],
@@ -42,8 +49,7 @@ def read_resumable(
         If the checkpoint is damaged (:class:`~downpour_dask.checkpoint.CheckpointError`, naming
         the file) or was written by a fit with other shards, partitions or model.
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"resume_from must be a path, got {type(path).__name__}")
+    check_path("resume_from", path)
     checkpoint = read_checkpoint(path)
     found = [(s.start, s.stop) for s in checkpoint.shards]
     saved_partitions = int(checkpoint.meta.get("partitions", 1))

@@ -305,7 +305,7 @@ class DaskServer:
         return self.server.versions(timeout)
 
     def pull(self, timeout: float) -> tuple[np.ndarray, list[int]]:
-        values, versions = self.server.pull(timeout)
+        values, versions = self.server.pull(timeout, model=True)
         return (values if self.plan is None else self.plan.unpack(values)), versions
 
     def shard_status(self, shard: int, timeout: float) -> dict[str, Any]:

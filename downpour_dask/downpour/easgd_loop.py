@@ -82,11 +82,16 @@ class ElasticReplicaLoop(ReplicaLoop):
 
 
 def check_elastic(
-    alpha: float | None, rule: UpdateRule, consistency: str, top_k: float | None, partitions: int
+    alpha: float | None,
+    rule: UpdateRule,
+    consistency: str,
+    top_k: float | None,
+    partitions: int,
+    ema_decay: float | None = None,
 ) -> None:
     """Raise if ``DownpourSGD(elastic_alpha=alpha)`` cannot run with the other arguments: alpha
-    must be in (0, 1), the shards' rule plain SGD, and it takes no SSP/BSP, top_k or
-    model parallelism."""
+    must be in (0, 1), the shards' rule plain SGD, and it takes no SSP/BSP, top_k, model
+    parallelism or ``ema_decay`` (its centre variable is already an average)."""
     if alpha is None:
         return
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
@@ -97,7 +102,8 @@ def check_elastic(
             f"difference to the centre, got optimizer {rule.name!r}"
         )
     for name, value, allowed in (
-        ("consistency", consistency, "async"), ("top_k", top_k, None), ("partitions", partitions, 1)
+        ("consistency", consistency, "async"), ("top_k", top_k, None),
+        ("partitions", partitions, 1), ("ema_decay", ema_decay, None),
     ):  # fmt: skip
         if value != allowed:
             raise ValueError(f"elastic_alpha (EASGD) takes only {name}={allowed!r}, got {value!r}")

@@ -17,7 +17,7 @@ from distributed import Client, Security
 
 from .. import live
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..core import compensation, compression, consistency, optim
+from ..core import averaging, compensation, compression, consistency, optim
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
@@ -25,7 +25,7 @@ from ..data.datasets import Dataset, ShardedDataset
 from ..inputs import evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
-from .checkpoints import read_resumable
+from .checkpoints import check_path, read_resumable
 from .driver import Driver
 from .easgd_loop import check_elastic
 from .replica_count import check_replicas, resolve_settings
@@ -135,6 +135,11 @@ class DownpourSGD(ParamServerEstimator):
         the shards (:mod:`~.downpour.easgd_loop`); needs ``optimizer="sgd"``.
     max_replicas : int, optional
         Start replicas on workers that join while the fit runs, up to this many (>= n_replicas).
+    ema_decay : float, optional
+        Publish an exponential moving average of the shards' parameters as the model (its
+        evaluations and ``params_``), with this decay per push each shard applies (0.98: about
+        the last 50); replicas keep training the parameters themselves.  It takes the
+        asynchrony's noise out of the model (:mod:`~.core.averaging`).  None: no average.
 
     Attributes
     ----------
@@ -196,6 +201,7 @@ class DownpourSGD(ParamServerEstimator):
         top_k: float | None = None,
         elastic_alpha: float | None = None,
         max_replicas: int | None = None,
+        ema_decay: float | None = None,
     ):
         self.model = model
         self.n_replicas = n_replicas
@@ -224,7 +230,7 @@ class DownpourSGD(ParamServerEstimator):
         self.max_grad_norm = max_grad_norm
         self.consistency, self.staleness_bound = consistency, staleness_bound
         self.top_k, self.elastic_alpha = top_k, elastic_alpha
-        self.max_replicas = max_replicas
+        self.max_replicas, self.ema_decay = max_replicas, ema_decay
 
     # -- validation ------------------------------------------------------------------------------
     def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
@@ -235,11 +241,8 @@ class DownpourSGD(ParamServerEstimator):
         check_int("partitions", self.partitions, 1)
         if self.model is not None and not isinstance(self.model, str):
             self._check_model(self.model)  # a spec is built, and checked, at fit
-        check_int("n_shards", self.n_shards, 1)
-        check_int("batch_size", self.batch_size, 1)
-        check_int("n_fetch", self.n_fetch, 1)
-        check_int("n_push", self.n_push, 1)
-        check_int("max_inflight", self.max_inflight, 1)
+        for name in ("n_shards", "batch_size", "n_fetch", "n_push", "max_inflight"):
+            check_int(name, getattr(self, name), 1)
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
@@ -260,17 +263,13 @@ class DownpourSGD(ParamServerEstimator):
         self._consistency()
         compression.check_fraction(self.top_k, self.partitions)
         check_positive("checkpoint_every", self.checkpoint_every)
-        path_like = isinstance(self.checkpoint_dir, (str, os.PathLike))
-        if self.checkpoint_dir is not None and not path_like:
-            raise TypeError(
-                f"checkpoint_dir must be a path (str or os.PathLike) or None, got "
-                f"{type(self.checkpoint_dir).__name__}"
-            )
+        check_path("checkpoint_dir", self.checkpoint_dir, allow_none=True)
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
         rule = compensation.resolve(self.optimizer, self.learning_rate)
-        check_elastic(self.elastic_alpha, rule, self.consistency, self.top_k, self.partitions)
-        return rule
+        check_elastic(self.elastic_alpha, rule, self.consistency, self.top_k, self.partitions,
+                      self.ema_decay)  # fmt: skip
+        return rule if self.ema_decay is None else averaging.Averaged(rule, self.ema_decay)
 
     def _check_model(self, model: TrainableModel) -> None:
         """Raise if ``model`` cannot take ``n_shards`` or ``partitions``."""

@@ -325,9 +325,11 @@ class ParameterServer:
                 if status != "finished":
                     raise ShardLostError(f"the actor's task is {status}", i) from None
 
-    def pull(self, timeout: float = 60.0) -> tuple[np.ndarray, list[int]]:
-        """The full parameter vector assembled from every shard, and each shard's version."""
-        replies = self.call_all(ParameterServerShard.pull, timeout=timeout)
+    def pull(self, timeout: float = 60.0, model: bool = False) -> tuple[np.ndarray, list[int]]:
+        """The full parameter vector assembled from every shard (with ``model``, what they
+        publish as the model: see ``ParameterServerShard.pull``), and each shard's version."""
+        per_shard = [(-1, "", True)] * self.n_shards if model else None
+        replies = self.call_all(ParameterServerShard.pull, timeout=timeout, per_shard=per_shard)
         out = np.empty(self.size, dtype=DTYPE)
         for (lo, hi), reply in zip(self.ranges, replies):
             out[lo:hi] = reply.values

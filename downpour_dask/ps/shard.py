@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.averaging import innermost, published
 from ..core.compensation import DelayCompensated, FetchedCopies
 from ..core.compression import SparseGradient
 from ..core.guard import GuardedUpdate, clip_norm, sum_of_squares
@@ -38,14 +39,14 @@ from ..core.optim import UpdateRule
 from ..core.params import DTYPE
 from ..runtime.cluster import worker_tcp_host
 from ..runtime.malloc import tune_malloc
-from .clock import ReplicaClocks
 from .fencing import Incarnation
 from .ordering import InOrder, SeqTracker
 from .protocol import PullReply, PushReply
+from .saved_state import SavedState
 from .service import serve
 
 
-class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
+class ParameterServerShard(SavedState, InOrder, Incarnation):
     """A Dask actor owning parameters ``[start, stop)``, their update-rule state and a version.
 
     Parameters
@@ -114,7 +115,8 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
             self._restore(restore)
         self.started_at = self.version
         self._guard = GuardedUpdate(rule, self.values, self.state)
-        self._fetched = FetchedCopies() if isinstance(rule, DelayCompensated) else None  # DC-ASGD
+        compensated = isinstance(innermost(rule), DelayCompensated)
+        self._fetched = FetchedCopies() if compensated else None  # DC-ASGD
         self._seqs: dict[tuple[int, str], SeqTracker] = {}
         self._sessions: set[str] = set()  # replica sessions that pulled or pushed here
         self._events: list[tuple[float, str, str, dict[str, Any]]] = []
@@ -128,9 +130,10 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
         self._wire_secret = wire_secret  # a direct connection's hello must carry it
 
     # -- what replicas call (async: served on the event loop, see the module docstring) ----------
-    async def pull(self, replica: int = -1, session: str = "") -> PullReply:
-        """A consistent copy of this shard's values, its version and the stop flag."""
-        return self.snapshot(replica, session)
+    async def pull(self, replica: int = -1, session: str = "", model: bool = False) -> PullReply:
+        """A consistent copy of this shard's values, its version and the stop flag; with
+        ``model`` (the driver's), of what it publishes as the model (:meth:`snapshot_model`)."""
+        return self.snapshot_model() if model else self.snapshot(replica, session)
 
     async def push(self, grad: np.ndarray, fetched_version: int, replica: int, **kw) -> PushReply:
         """Apply one accumulated gradient (see :meth:`apply_push` for the arguments)."""
@@ -184,6 +187,14 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
             values, rest = self.values.view(np.uint8), out.view(np.uint8)
             np.copyto(rest[taken:], values[taken:])
         return live._replace(values=out), taken
+
+    def snapshot_model(self) -> PullReply:
+        """:meth:`snapshot` of what the fit publishes as its model, for the driver and watchers:
+        the values, or with an averaged rule (``ema_decay``) their moving average
+        (:mod:`downpour_dask.core.averaging`); replicas go on training the values."""
+        with self._lock:
+            live = self._describe(-1, "")
+            return live._replace(values=np.array(published(self.rule, self.values, self.state)))
 
     def _snapshot(self, out: np.ndarray, replica: int, session: str) -> PullReply:
         """:meth:`snapshot_into`'s work, for a caller holding the lock (e.g. ps/table.py's)."""
@@ -254,7 +265,8 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
             bad = int(np.count_nonzero(~np.isfinite(grad)))
             return self._refuse(replica, staleness, f"pushed {bad} non-finite values", bad)
         if self._fetched is not None:  # DC-ASGD: a new array, the caller's buffer stays as sent
-            grad, grad_sq = self._fetched.compensate(self.rule, replica, grad, self.values), None
+            rule = innermost(self.rule)
+            grad, grad_sq = self._fetched.compensate(rule, replica, grad, self.values), None
         if self.max_grad_norm is not None:
             grad = np.array(grad, copy=True)  # the caller's buffer (or wire.py's) stays as sent
             if clip_norm(grad, self.max_grad_norm) > self.max_grad_norm:
@@ -291,45 +303,6 @@ class ParameterServerShard(InOrder, Incarnation, ReplicaClocks):
             )
         )
         return self._reply(staleness, False)
-
-    def _restore(self, saved: dict[str, Any]) -> None:
-        """Continue from a state exported by :meth:`export_state` (or read from a checkpoint):
-        ``version``, ``rule_state`` (arrays matching ``rule.init``), ``counters``, ``stopped``."""
-        for key, array in (saved.get("rule_state") or {}).items():
-            if key not in self.state or np.shape(array) != self.state[key].shape:
-                raise ValueError(
-                    f"shard {self.shard_id}: saved update-rule state {key!r} does not match the "
-                    f"rule {type(self.rule).__name__} (state keys {sorted(self.state)})"
-                )
-            self.state[key] = np.array(array, dtype=self.state[key].dtype, copy=True)
-        self.version = int(saved.get("version", 0))
-        self.stopped = bool(saved.get("stopped", False))
-        counters = saved.get("counters") or {}
-        self.accepted_by_replica.update(
-            {int(r): int(n) for r, n in (counters.get("accepted_by_replica") or {}).items()}
-        )
-        for name in ("refused", "duplicates", "examples", "staleness_sum", "staleness_max"):
-            setattr(self, name, int(counters.get(name, 0)))
-        self._restore_clocks(counters)
-
-    async def export_state(self) -> dict[str, Any]:
-        """A consistent copy of everything a replacement shard needs: ``values``, ``rule_state``,
-        ``version`` and ``counters`` (taken under the lock local replicas use)."""
-        with self._lock:
-            return {
-                "values": self.values.copy(),
-                "rule_state": {k: np.array(v, copy=True) for k, v in self.state.items()},
-                "version": self.version,
-                "counters": {
-                    "accepted_by_replica": {str(r): n for r, n in self.accepted_by_replica.items()},
-                    "refused": self.refused,
-                    "duplicates": self.duplicates,
-                    "examples": self.examples,
-                    "staleness_sum": self.staleness_sum,
-                    "staleness_max": self.staleness_max,
-                    **self._clock_counters(),
-                },
-            }
 
     async def current_version(self) -> int:
         """Updates applied so far."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from ..core.averaging import published
 from ..core.guard import GuardedUpdate
 from ..core.models import Model
 from ..core.optim import UpdateRule
@@ -35,9 +36,9 @@ from .timing import Setup, Timing
 
 @dataclass
 class TrainingResult:
-    """What :func:`train` returns: the shards' final parameters, the curve and the trace."""
+    """What :func:`train` returns: the shards' final model, the curve and the trace."""
 
-    params: np.ndarray
+    params: np.ndarray  # what the shards publish as the model (their values, or the average)
     curve: pd.DataFrame  # time (virtual s), version, score (accuracy or R^2)
     trace: Trace
 
@@ -57,6 +58,7 @@ class _Mathematics:
 
     def __init__(self, setup, model, rule, initial, data, test, alpha, seed, eval_every):
         self.model, self.alpha, self.test, self.eval_every = model, alpha, test, eval_every
+        self.rule = rule
         self.values = np.array(initial, dtype=np.float32, copy=True)
         self.ranges = split_range(len(initial), setup.n_shards)
         self.guards, self.states = [], []
@@ -117,9 +119,15 @@ class _Mathematics:
             if self.accrual[replica]:
                 params -= alpha * self.accrued[replica]
 
+    def published(self) -> np.ndarray:
+        """What the shards publish as the model: their values, or with an averaged rule
+        (``ema_decay``, core/averaging.py) the average."""
+        parts = zip(self.ranges, self.states)
+        return np.concatenate([published(self.rule, self.values[a:b], s) for (a, b), s in parts])
+
     def _score(self) -> float:
         X, y = self.test
-        return float(self.model.score(self.values, X, y))
+        return float(self.model.score(self.published(), X, y))
 
 
 def train(
@@ -171,4 +179,4 @@ def train(
     if held is not None:
         maths.rows.append((float(trace.push_applied[-1]), maths.version, maths._score()))
     curve = pd.DataFrame(maths.rows, columns=["time", "version", "score"])
-    return TrainingResult(maths.values.copy(), curve, trace)
+    return TrainingResult(np.array(maths.published()), curve, trace)
