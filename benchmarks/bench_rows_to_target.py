@@ -21,6 +21,8 @@ The schedules, from serial to what the cluster does:
 - ``2 replicas, ...``: the same with two replicas stepping in turn, with no latency, or with
   every request and every reply taking ``--late`` step times on its way (the simulator's one-way
   ``latency``): pushes and fetches in flight while the replica goes on, as on a busy cluster.
+- ``..., ema 0.98``: the shards publish the moving average of their parameters as the model
+  (``DownpourSGD(ema_decay=0.98)``, :mod:`downpour_dask.core.averaging`); it is what is scored.
 
 The data is the first ``--rows`` training rows of ``bench_large.py``'s cached files (written by
 it if missing), held in memory and split among the replicas as a fit splits it; the test set is
@@ -52,6 +54,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from bench_large import CLASSES, COLUMNS, FEATURES, HIDDEN, TEST_ROWS, cached_data, read_test  # noqa: E402
 
 from downpour_dask import models, optim  # noqa: E402
+from downpour_dask.core.averaging import Averaged  # noqa: E402
 from downpour_dask.data.arrays import Dataset  # noqa: E402
 from downpour_dask.simulate import Setup, Timing, train  # noqa: E402
 
@@ -66,6 +69,7 @@ class Schedule:
     n_fetch: int
     n_push: int
     late: float = 0.0  # one-way latency of every reply, in step times
+    ema: float | None = None  # ema_decay: the shards publish the average (core/averaging.py)
 
 
 def schedules(late: float) -> list[Schedule]:
@@ -77,6 +81,8 @@ def schedules(late: float) -> list[Schedule]:
         Schedule("2 replicas, push 1, fetch 4", 2, 4, 1),
         Schedule(f"2 replicas, n=4, replies {late:g} steps late", 2, 4, 4, late),
         Schedule(f"2 replicas, push 1, fetch 4, replies {late:g} steps late", 2, 4, 1, late),
+        Schedule("2 replicas, n=4, ema 0.98", 2, 4, 4, ema=0.98),
+        Schedule(f"2 replicas, n=4, replies {late:g} steps late, ema 0.98", 2, 4, 4, late, 0.98),
     ]
 
 
@@ -106,7 +112,9 @@ def rows_to(schedule: Schedule, data: Dataset, test: Dataset, target: float, che
     # carries n_push steps, so rows are applied at replicas * BATCH per step time
     every = check / (schedule.replicas * BATCH) * STEP
     model = models.MLP(FEATURES, (HIDDEN,), CLASSES)
-    result = train(setup, timing, model, optim.adam(LEARNING_RATE), data, test,
+    rule = optim.adam(LEARNING_RATE)
+    rule = rule if schedule.ema is None else Averaged(rule, schedule.ema)
+    result = train(setup, timing, model, rule, data, test,
                    local_learning_rate=LOCAL_RATE, seed=seed, eval_every=every)
     hit = result.curve[result.curve["score"] >= target]
     rows = None if hit.empty else int(hit["version"].iloc[0]) * rows_per_push
