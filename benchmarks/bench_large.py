@@ -347,7 +347,7 @@ def main() -> None:
         "times from each method's first call, reading included"
     )
     print(
-        f"{'method':66} {'target':>6} {'time (s)':>9} {'rows':>11} {'rows/s':>9} {'vs best':>8} "
+        f"{'method':75} {'target':>6} {'time (s)':>9} {'rows':>11} {'rows/s':>9} {'vs best':>8} "
         f"{'best acc':>9}"
     )
     ratios = {}
@@ -363,7 +363,7 @@ def main() -> None:
             shown = ("-",) * 4 if math.isnan(t) else (
                 f"{t:.2f}", f"{rows:,}", f"{rows / t:,.0f}", f"{t / best:.2f}x"
             )
-            print(f"{m.name:66} {target:>6} {shown[0]:>9} {shown[1]:>11} {shown[2]:>9} "
+            print(f"{m.name:75} {target:>6} {shown[0]:>9} {shown[1]:>11} {shown[2]:>9} "
                   f"{shown[3]:>8} {traces[m.name].best:9.4f}")  # fmt: skip
     downpour = [ratios[m.name] for m in todo if m.kind == "downpour" and not m.linear]
     print(
