@@ -44,7 +44,8 @@ class SavedState(ReplicaClocks):
             if key not in self.state or np.shape(array) != self.state[key].shape:
                 raise ValueError(
                     f"shard {self.shard_id}: saved update-rule state {key!r} does not match the "
-                    f"rule {type(self.rule).__name__} (state keys {sorted(self.state)})"
+                    f"rule {type(self.rule).__name__} (state keys {sorted(self.state)}); give "
+                    f"the optimizer and ema_decay of the fit that saved it"
                 )
             self.state[key] = np.array(array, dtype=self.state[key].dtype, copy=True)
         self.version = int(saved.get("version", 0))
