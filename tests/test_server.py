@@ -11,7 +11,8 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.comm import CommClosedError
 
-from downpour_dask import optim
+from downpour_dask import live, optim
+from downpour_dask.core.averaging import Averaged
 from downpour_dask.ps.protocol import FencedError, ShardLostError, is_shard_lost
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
@@ -223,6 +224,29 @@ def test_adagrad_accumulators_live_on_the_shard(client):
         values, _ = ps.pull(TIMEOUT)
         # step 1: g/sqrt(g^2) = 1 -> -0.1; step 2: g/sqrt(2 g^2) = 1/sqrt(2) -> -0.0707
         np.testing.assert_allclose(values, -0.1 - 0.1 / np.sqrt(2), rtol=1e-5)
+    finally:
+        ps.close()
+
+
+def test_the_model_the_shards_publish_is_their_average_for_the_driver_and_watchers(client):
+    """With an averaged rule (``ema_decay``) the driver's model pull and a watcher's read
+    (``attach(...).params()``, ``watch``) give the average; a replica's pull the values."""
+    rule = Averaged(optim.sgd(0.5), 0.5)
+    ps = ParameterServer.create(client, np.zeros(4, np.float32), 2, rule, timeout=TIMEOUT)
+    try:
+        for version in range(2):  # values -0.5 then -1.0: the corrected average is -5/6
+            ps.push(np.ones(4, np.float32), [version, version], timeout=TIMEOUT)
+        values, _ = ps.pull(TIMEOUT)
+        model, versions = ps.pull(TIMEOUT, model=True)
+        np.testing.assert_allclose(values, -1.0)
+        np.testing.assert_allclose(model, -5 / 6, rtol=1e-6)
+        assert versions == [2, 2]
+        for shard, (lo, hi) in enumerate(ps.ranges):
+            watched = client.submit(live.read_shard, ps.shards[shard].key, True,
+                                    workers=[ps.workers[shard]], pure=False)  # fmt: skip
+            seen, version = watched.result(timeout=TIMEOUT)
+            np.testing.assert_array_equal(seen, model[lo:hi])
+            assert version == 2
     finally:
         ps.close()
 
