@@ -4,7 +4,7 @@ Asynchronous replicas push gradients computed at parameters that lack each other
 pushes, so the shards' values wander around the optimum more than serial SGD's would: each
 replica's noise, and the staleness, move them.  Averaging the iterates (Polyak and Juditsky,
 1992; the exponential form is TensorFlow's ``ExponentialMovingAverage``, Keras' and optax's
-``ema``) takes that noise out of the *model* without slowing the training: replicas keep
+``ema``) takes that noise out of the *model* while the training goes on as before: replicas keep
 fetching and pushing the raw values, and only what the fit publishes -- its evaluations, the
 fitted ``params_`` -- is the average.
 
@@ -17,7 +17,8 @@ Adagrad's sums of squares.  After each update it folds the new values in::
     published = average / (1 - decay ** averaged)             # no pull towards zero early on
 
 ``decay`` is per update a shard applies, so the average spans about ``1 / (1 - decay)`` pushes
-(0.98: the last ~50).  One pass over the slice per push (BLAS's ``axpy``) on top of the rule's.
+(0.98: the last ~50).  Two passes over the slice per push (a scale and BLAS's ``axpy``) on top
+of the rule's.
 Numpy only.
 """
 
