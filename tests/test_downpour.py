@@ -84,6 +84,11 @@ def test_with_ema_decay_the_model_is_the_average_of_serial_sgds_iterates(client,
     with pytest.raises(ValueError, match="'average' does not match .* ema_decay of the fit"):
         plain.fit(train, client=client, resume_from=tmp_path)
     assert sorted(p.name for p in tmp_path.rglob("*")) == files  # the checkpoint is untouched
+    start = est.params_.copy()  # warm_start: from the average, with a new average
+    est.set_params(warm_start=True, max_steps=1, checkpoint_dir=None).fit(train, client=client)
+    Xb, yb = next(minibatches(train.X, train.y, 32, np.random.default_rng([7, 0])))
+    _, g = model.loss_and_grad(start, Xb, yb)
+    np.testing.assert_allclose(est.params_, start - np.float32(0.1) * g, rtol=0, atol=2e-5)
 
 
 class GradientOnlySoftmax(models.SoftmaxRegression):
