@@ -8,6 +8,8 @@ for one method only:
 
 - Downpour: asynchronous, plain SGD on the shards.
 - Downpour + Adagrad + warmstart: the paper's recipe (Adagrad 0.05, 100 warmstart steps).
+- Downpour + averaged model: Downpour whose shards publish the moving average of their
+  parameters as the model (``ema_decay=0.98``); it is what gets evaluated.
 - SSP s=1, SSP s=4: stale synchronous parallel (Ho et al. 2013), ``consistency="ssp"``.
 - BSP: ``consistency="bsp"``, synchronous SGD on the 4 replicas' combined batch.
 - EASGD: asynchronous elastic averaging (Zhang et al. 2015), tau = 4 steps, alpha = 0.9 / 4
@@ -47,6 +49,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "Downpour": SGD,
     "Downpour + Adagrad + warmstart": {"optimizer": "adagrad", "learning_rate": 0.05,
                                        "warmstart_steps": 100},
+    "Downpour + averaged model": {**SGD, "ema_decay": 0.98},
     "SSP s=1": {**SGD, "consistency": "ssp", "staleness_bound": 1},
     "SSP s=4": {**SGD, "consistency": "ssp", "staleness_bound": 4},
     "BSP": {**SGD, "consistency": "bsp"},
