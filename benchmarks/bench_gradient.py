@@ -4,7 +4,8 @@ the other benchmarks train, and the update rules a shard applies.
 Every Downpour replica, every Sandblaster portion and every serial baseline spends most of its
 time in ``Model.loss_and_grad``; a shard spends its own in ``UpdateRule.update``.  This script
 times them alone (no cluster, no communication; BLAS pinned to one thread as in a Dask worker),
-so a change to the numerics can be measured apart from the machine's noise of a distributed run:
+so a change to the numerics can be measured apart from the machine's noise of a distributed run
+(and a fit's evaluation on the driver, both ways it can be computed):
 ``bench_code_ab.py --script bench_gradient.py`` alternates two versions of the code.  Each row is
 the median of ``--repeats`` timings, each the mean over enough calls to fill about 0.2 s, the
 rows interleaved (every repeat runs every row once) so that drift falls on all rows alike.
@@ -31,6 +32,7 @@ from functools import partial  # noqa: E402
 import numpy as np  # noqa: E402
 
 from downpour_dask import models, optim  # noqa: E402
+from downpour_dask.core import protocol  # noqa: E402
 from downpour_dask.core.guard import sum_of_squares  # noqa: E402
 
 #: (name, model, rows per batch): the models of bench_downpour.py, bench_large.py,
@@ -51,6 +53,9 @@ UPDATES = [(name, size) for name in ("sgd", "adagrad", "adam") for size in (101_
 #: worker's wire and event-loop threads do (a call that lets go of the GIL may wait that long
 #: to get it back).
 NORM_SIZE = 101_765
+#: A fit's evaluation (every ``eval_every`` seconds, on the driver): bench_large.py's MLP on its
+#: 20,000 test rows, as the loss and the score computed apart and from one forward pass.
+EVALUATION = ("MLP 64-64-2 (bench_large)", models.MLP(64, (64,), 2), 20_000)
 
 
 def gradient_call(model, rows: int, seed: int = 0) -> Callable[[], None]:
@@ -76,6 +81,18 @@ def norm_call(size: int, seed: int = 0) -> Callable[[], None]:
     """A call of the guard's gradient norm on ``size`` float32 values."""
     grad = np.random.default_rng(seed).standard_normal(size, dtype=np.float32)
     return lambda: sum_of_squares(grad)
+
+
+def evaluation_call(model, rows: int, together: bool, seed: int = 0) -> Callable[[], None]:
+    """A call of the evaluation a fit makes on ``rows`` random rows: ``loss_and_score`` (one
+    forward pass) if ``together``, else ``protocol.loss`` and ``score`` (a pass each)."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((rows, model.n_inputs), dtype=np.float32)
+    y = rng.integers(0, model.n_classes, rows)
+    params = model.init(rng)
+    if together:
+        return lambda: model.loss_and_score(params, X, y)
+    return lambda: (protocol.loss(model, params, X, y), model.score(params, X, y))
 
 
 def timed_beside_python(call: Callable[[], None]) -> float:
@@ -124,6 +141,11 @@ def main() -> None:
         (f"gradient norm (guard), {NORM_SIZE:,}, beside a thread running Python",
          partial(timed_beside_python, norm), None),
     ]  # fmt: skip
+    name, model, n = EVALUATION
+    rows += [
+        (f"evaluation: {name}, {n:,} rows, {how}", partial(timed, evaluation_call(model, n, t)), n)
+        for how, t in (("loss and score apart", False), ("loss_and_score", True))
+    ]
     times: dict[str, list[float]] = {label: [] for label, _, _ in rows}
     for _ in range(args.repeats):
         for label, measure, _ in rows:

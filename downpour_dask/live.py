@@ -278,11 +278,8 @@ class LiveRun:
         X, y = protocol.check_data(self.model, dataset.X, dataset.y)
         values, versions = self._pull()
         metric = "accuracy" if self.model.is_classifier else "r2"
-        return {
-            "version": min(versions),
-            "loss": float(protocol.loss(self.model, values, X, y)),
-            metric: float(self.model.score(values, X, y)),
-        }
+        loss, score = protocol.loss_and_score(self.model, values, X, y)
+        return {"version": min(versions), "loss": loss, metric: score}
 
 
 def follow(client: Client, name: str, stream: TextIO, interval: float = 2.0) -> bool:

@@ -11,7 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from downpour_dask.core import dense, validation
+from downpour_dask.core import dense, protocol, validation
 from downpour_dask.core import model as model_module
 from downpour_dask.core import models as core_models
 from downpour_dask.core.models import (
@@ -229,6 +229,34 @@ def test_evaluation_in_row_blocks_matches_one_block(case, monkeypatch):
     monkeypatch.setattr(model_module, "_CHUNK", 3)
     assert model.loss(params, X, y) == pytest.approx(loss, rel=1e-6)
     np.testing.assert_allclose(model.predict(params, X), pred, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loss_and_score_in_one_pass_equal_loss_and_score(case, monkeypatch):
+    """A fit's evaluations take both from one forward pass (across row blocks too)."""
+    model = CASES[case]()
+    X, y = make_data(model, n=10)
+    params = make_params(model)
+    monkeypatch.setattr(model_module, "_CHUNK", 3)
+    loss, score = model.loss_and_score(params, X, y)
+    assert loss == pytest.approx(reference_loss(model, params, X, y), rel=1e-5)
+    assert score == model.score(params, X, y)
+    assert protocol.loss_and_score(model, params, X, y) == (loss, score)
+
+
+def test_a_model_without_loss_and_score_is_evaluated_by_its_loss_and_score():
+    class Plain:  # a user's model: the protocol's methods only
+        is_classifier, n_params = True, 1
+
+        def loss(self, params, X, y):
+            return 0.25
+
+        def score(self, params, X, y):
+            return 0.5
+
+    assert protocol.loss_and_score(Plain(), np.zeros(1), np.zeros((2, 1)), np.zeros(2)) == (
+        0.25, 0.5,
+    )  # fmt: skip
 
 
 def test_softmax_predict_proba_and_accuracy_by_hand():

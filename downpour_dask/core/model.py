@@ -251,15 +251,36 @@ class Model:
 
     def predict(self, params: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class labels (int64, (n,)) or regression outputs (float32, (n,) or (n, n_outputs))."""
-        if self.is_classifier:
-            labels = np.empty(len(X), np.int64)
-            for lo, hi, z, _ in self._chunks(params, X):
-                labels[lo:hi] = (z[:, 0] > 0) if self._kind == "sigmoid" else z.argmax(axis=1)
-            return labels
-        pred = np.empty((len(X), self.n_outputs), DTYPE)
+        pred = self._predictions(len(X))
         for lo, hi, z, _ in self._chunks(params, X):
-            pred[lo:hi] = z
-        return pred[:, 0] if self.n_outputs == 1 else pred
+            self._predict_into(z, pred[lo:hi])
+        return pred[:, 0] if pred.ndim == 2 and self.n_outputs == 1 else pred
+
+    def loss_and_score(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple:
+        """:meth:`loss` and :meth:`score` from one forward pass over ``X`` instead of two: what
+        a fit's evaluations compute, every ``eval_every`` seconds, on the cores it trains on."""
+        pred, total = self._predictions(len(X)), 0.0
+        for lo, hi, z, ws in self._chunks(params, X):
+            self._predict_into(z, pred[lo:hi])  # before the loss, which overwrites z
+            total += output_loss(self._kind, z, y[lo:hi], ws, delta=False)
+        loss = total / len(X) + penalty(self._layers(params), self.l2)
+        pred = pred[:, 0] if pred.ndim == 2 and self.n_outputs == 1 else pred
+        return loss, score_predictions(pred, y, self.is_classifier)
+
+    def _predictions(self, n: int) -> np.ndarray:
+        """An empty array for ``n`` rows' predictions (labels, or every output's value)."""
+        if self.is_classifier:
+            return np.empty(n, np.int64)
+        return np.empty((n, self.n_outputs), DTYPE)
+
+    def _predict_into(self, z: np.ndarray, out: np.ndarray) -> None:
+        """The predictions of the output layer's values ``z`` (logits) into ``out``."""
+        if not self.is_classifier:
+            out[...] = z
+        elif self._kind == "sigmoid":
+            np.greater(z[:, 0], 0, out=out, casting="unsafe")
+        else:
+            np.argmax(z, axis=1, out=out)
 
     def predict_proba(self, params: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class probabilities, shape (n, n_classes), rows summing to one (classifiers only)."""

@@ -172,6 +172,16 @@ def loss(model: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
     return total / len(X)
 
 
+def loss_and_score(model: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple:
+    """``(loss, score)`` of ``params`` on ``(X, y)``: ``model.loss_and_score`` if the model has
+    one (the library's models: one forward pass for both), else :func:`loss` and ``score``."""
+    own = getattr(model, "loss_and_score", None)
+    if callable(own):
+        value, score = own(params, X, y)
+        return float(value), float(score)
+    return loss(model, params, X, y), float(model.score(params, X, y))
+
+
 def config(model: Any) -> dict[str, Any]:
     """``model.get_config()``, or a description that says it cannot rebuild the model:
     ``{"type": "custom", "class": "module.Name", "n_params": ...}``."""

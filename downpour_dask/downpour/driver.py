@@ -363,10 +363,12 @@ class Driver:
             return None
         X, y = self.evaluation
         model, metric = self.fit.model, self.metric
-        return lambda params: {
-            "loss": protocol.loss(model, params, X, y),
-            metric: model.score(params, X, y),
-        }
+
+        def scores(params: np.ndarray) -> dict[str, float]:
+            loss, score = protocol.loss_and_score(model, params, X, y)
+            return {"loss": loss, metric: score}
+
+        return scores
 
     def _reporter(self, publication: Publication | None) -> Callable[[Progress], None] | None:
         """Where progress snapshots go: watchers of a published run, and the callback."""

@@ -198,4 +198,4 @@ def evaluate_task(
     calls = [_call(shard, "vector", "xe") for shard in server.shards]
     params = np.concatenate([_reply(c, token, timeout) for c in calls]).astype(DTYPE)
     X, y = data
-    return protocol.loss(model, params, X, y), model.score(params, X, y)
+    return protocol.loss_and_score(model, params, X, y)
