@@ -256,7 +256,9 @@ class Model:
             self._predict_into(z, pred[lo:hi])
         return pred[:, 0] if pred.ndim == 2 and self.n_outputs == 1 else pred
 
-    def loss_and_score(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple:
+    def loss_and_score(
+        self, params: np.ndarray, X: np.ndarray, y: np.ndarray
+    ) -> tuple[float, float]:
         """:meth:`loss` and :meth:`score` from one forward pass over ``X`` instead of two: what
         a fit's evaluations compute, every ``eval_every`` seconds, on the cores it trains on."""
         pred, total = self._predictions(len(X)), 0.0

@@ -172,7 +172,9 @@ def loss(model: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
     return total / len(X)
 
 
-def loss_and_score(model: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple:
+def loss_and_score(
+    model: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray
+) -> tuple[float, float]:
     """``(loss, score)`` of ``params`` on ``(X, y)``: ``model.loss_and_score`` if the model has
     one (the library's models: one forward pass for both), else :func:`loss` and ``score``."""
     own = getattr(model, "loss_and_score", None)
