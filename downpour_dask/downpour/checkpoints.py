@@ -37,9 +37,10 @@ def read_resumable(
     ranges: list[tuple[int, int]],
     partitions: int,
     model: TrainableModel,
+    rule: UpdateRule,
 ) -> Checkpoint:
     """The latest checkpoint in ``path``, checked to fit a fit with these shard ``ranges``,
-    ``partitions`` and ``model`` (before any cluster work).
+    ``partitions``, ``model`` and update ``rule`` (before any cluster work).
 
     Raises
     ------
@@ -47,7 +48,8 @@ def read_resumable(
         If ``path`` is not a path.
     ValueError
         If the checkpoint is damaged (:class:`~downpour_dask.checkpoint.CheckpointError`, naming
-        the file) or was written by a fit with other shards, partitions or model.
+        the file) or was written by a fit with other shards, partitions or model, or holds
+        update-rule state ``rule`` does not keep (another optimizer, or ``ema_decay``'s average).
     """
     check_path("resume_from", path)
     checkpoint = read_checkpoint(path)
@@ -65,6 +67,14 @@ def read_resumable(
         raise ValueError(
             f"resume_from={str(path)!r}: the checkpoint was written for model {saved_model}, "
             f"not {config(model)}"
+        )
+    kept = set(rule.init(0))
+    saved = set().union(*(s.rule_state for s in checkpoint.shards))
+    if not saved <= kept:
+        raise ValueError(
+            f"resume_from={str(path)!r}: the checkpoint holds update-rule state "
+            f"{sorted(saved)}, which {rule!r} does not keep ({sorted(kept)}); give the "
+            f"optimizer and ema_decay of the fit that saved it"
         )
     return checkpoint
 

@@ -347,7 +347,7 @@ class DownpourSGD(ParamServerEstimator):
             resumed = None
             if resume_from is not None:  # a CheckpointError (a ValueError) names a damaged file
                 ranges = self._shard_ranges(model)
-                resumed = read_resumable(resume_from, ranges, self.partitions, model)
+                resumed = read_resumable(resume_from, ranges, self.partitions, model, rule)
             settings = self._settings(model, rule, self.checkpoint_dir or resume_from)
             settings = resolve_settings(settings, active)  # n_replicas="auto": on its workers
             driver = Driver(
