@@ -93,14 +93,15 @@ class GuardedUpdate:
         self.rule = rule
         # An averaged rule's update is guarded without its average, folded in once accepted:
         # the average of finite values is finite (core/averaging.py)
+        self._averaged = rule if isinstance(rule, Averaged) else None
         self._updating = innermost(rule)
-        state = {k: v for k, v in state.items() if k not in AVERAGE_STATE}
-        self._undo = {"": np.empty_like(params)}
-        self._undo.update({name: np.empty_like(array) for name, array in state.items()})
+        arrays = self._checked(params, state)
+        self._undo = {name: np.empty_like(array) for name, array in arrays.items()}
         # how large each float array's bound may grow (an integer array -- Adam's step count --
         # cannot overflow): worked out once, not on every push
-        arrays = {"": params, **state}.items()
-        self._limits = {n: _LIMIT.get(a.dtype, 0.0) for n, a in arrays if a.dtype.kind not in "iub"}
+        self._limits = {
+            n: _LIMIT.get(a.dtype, 0.0) for n, a in arrays.items() if a.dtype.kind not in "iub"
+        }
         self._bounds: dict[str, float] | None = None  # of each array's largest magnitude
         self._skip_measuring = 0
         self.unchecked = 0  # updates applied on the bounds alone (diagnostics, tests)
@@ -118,7 +119,7 @@ class GuardedUpdate:
         they were -- the name of what would have become non-finite (``"parameters"`` or the
         state array's name).  ``grad_sq``: :func:`sum_of_squares` of ``grad`` if the caller
         has it (or of a gradient no element of ``grad`` exceeds in magnitude)."""
-        arrays = {"": params, **{k: v for k, v in state.items() if k not in AVERAGE_STATE}}
+        arrays = self._checked(params, state)
         if self._cannot_overflow(arrays, grad, grad_sq):
             self._updating.update(params, grad, state, staleness=staleness)
             self.unchecked += 1
@@ -136,10 +137,19 @@ class GuardedUpdate:
             np.copyto(array, self._undo[name])
         return bad or "parameters"
 
+    def _checked(self, params: np.ndarray, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The arrays an update may make non-finite, by name (``""``: the parameters): all of
+        them, but an averaged rule's average."""
+        arrays = {"": params, **state}
+        if self._averaged is not None:
+            for name in AVERAGE_STATE:
+                del arrays[name]
+        return arrays
+
     def _accepted(self, params: np.ndarray, state: dict[str, np.ndarray]) -> None:
         """What follows an update that was applied: an averaged rule's average."""
-        if isinstance(self.rule, Averaged):
-            self.rule.accumulate(params, state)
+        if self._averaged is not None:
+            self._averaged.accumulate(params, state)
 
     def _cannot_overflow(
         self, arrays: dict[str, np.ndarray], grad: np.ndarray, grad_sq: float | None

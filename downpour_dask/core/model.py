@@ -266,8 +266,7 @@ class Model:
             self._predict_into(z, pred[lo:hi])  # before the loss, which overwrites z
             total += output_loss(self._kind, z, y[lo:hi], ws, delta=False)
         loss = total / len(X) + penalty(self._layers(params), self.l2)
-        pred = pred[:, 0] if pred.ndim == 2 and self.n_outputs == 1 else pred
-        return loss, score_predictions(pred, y, self.is_classifier)
+        return loss, score_predictions(pred, y, self.is_classifier)  # (it takes (n, 1) outputs)
 
     def _predictions(self, n: int) -> np.ndarray:
         """An empty array for ``n`` rows' predictions (labels, or every output's value)."""

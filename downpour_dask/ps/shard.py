@@ -194,7 +194,8 @@ class ParameterServerShard(SavedState, InOrder, Incarnation):
         (:mod:`downpour_dask.core.averaging`); replicas go on training the values."""
         with self._lock:
             live = self._describe(-1, "")
-            return live._replace(values=np.array(published(self.rule, self.values, self.state)))
+            model = published(self.rule, self.values, self.state)  # the average is a new array
+            return live._replace(values=self.values.copy() if model is self.values else model)
 
     def _snapshot(self, out: np.ndarray, replica: int, session: str) -> PullReply:
         """:meth:`snapshot_into`'s work, for a caller holding the lock (e.g. ps/table.py's)."""

@@ -179,4 +179,4 @@ def train(
     if held is not None:
         maths.rows.append((float(trace.push_applied[-1]), maths.version, maths._score()))
     curve = pd.DataFrame(maths.rows, columns=["time", "version", "score"])
-    return TrainingResult(np.array(maths.published()), curve, trace)
+    return TrainingResult(maths.published(), curve, trace)  # (concatenated: a new array)
