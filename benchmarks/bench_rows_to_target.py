@@ -23,6 +23,9 @@ The schedules, from serial to what the cluster does:
   ``latency``): pushes and fetches in flight while the replica goes on, as on a busy cluster.
 - ``..., ema 0.98``: the shards publish the moving average of their parameters as the model
   (``DownpourSGD(ema_decay=0.98)``, :mod:`downpour_dask.core.averaging`); it is what is scored.
+- ``..., beta2 0.95``: Adam's second-moment decay at 0.95 instead of 0.999, serial and
+  asynchronous (``bench_large.py`` runs both sides with it: scikit-learn's ``beta_2=0.95``,
+  Downpour's ``optim.adam(0.01, beta2=0.95)``).
 
 The data is the first ``--rows`` training rows of ``bench_large.py``'s cached files (written by
 it if missing), held in memory and split among the replicas as a fit splits it; the test set is
@@ -70,6 +73,7 @@ class Schedule:
     n_push: int
     late: float = 0.0  # one-way latency of every reply, in step times
     ema: float | None = None  # ema_decay: the shards publish the average (core/averaging.py)
+    beta2: float = 0.999  # Adam's second-moment decay (optim.adam's default; 0.95 in the tuned)
 
 
 def schedules(late: float) -> list[Schedule]:
@@ -83,6 +87,10 @@ def schedules(late: float) -> list[Schedule]:
         Schedule(f"2 replicas, push 1, fetch 4, replies {late:g} steps late", 2, 4, 1, late),
         Schedule("2 replicas, n=4, ema 0.98", 2, 4, 4, ema=0.98),
         Schedule(f"2 replicas, n=4, replies {late:g} steps late, ema 0.98", 2, 4, 4, late, 0.98),
+        Schedule("serial, beta2 0.95", 1, 1, 1, beta2=0.95),
+        Schedule("2 replicas, n=4, ema 0.98, beta2 0.95", 2, 4, 4, ema=0.98, beta2=0.95),
+        Schedule(f"2 replicas, n=4, replies {late:g} steps late, ema 0.98, beta2 0.95", 2, 4, 4,
+                 late, 0.98, 0.95),
     ]
 
 
@@ -112,7 +120,7 @@ def rows_to(schedule: Schedule, data: Dataset, test: Dataset, target: float, che
     # carries n_push steps, so rows are applied at replicas * BATCH per step time
     every = check / (schedule.replicas * BATCH) * STEP
     model = models.MLP(FEATURES, (HIDDEN,), CLASSES)
-    rule = optim.adam(LEARNING_RATE)
+    rule = optim.adam(LEARNING_RATE, beta2=schedule.beta2)
     rule = rule if schedule.ema is None else Averaged(rule, schedule.ema)
     result = train(setup, timing, model, rule, data, test,
                    local_learning_rate=LOCAL_RATE, seed=seed, eval_every=every)
