@@ -1,5 +1,6 @@
 """DownpourSGD end to end on a real local cluster with two worker processes."""
 
+import gc
 import time
 
 import numpy as np
@@ -520,9 +521,6 @@ def _actors(dask_worker) -> int:
 def test_finished_fits_release_their_shards_on_the_workers(client, digits):
     """A notebook runs fit after fit on one cluster: each fit's shard (and mailbox) actors must
     go when it ends, not stay in the workers' memory."""
-    import gc
-    import time
-
     before = sum(client.run(_actors).values())
     for partitions in (1, 2, 1):
         DownpourSGD(

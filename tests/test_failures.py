@@ -17,13 +17,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 from distributed import Client
 
-from downpour_dask import DownpourSGD, cli, datasets, models
+from downpour_dask import DownpourSGD, Experiment, cli, datasets, models, runs
 from downpour_dask.checkpoint import CheckpointError, ShardState, read_checkpoint, write_checkpoint
 from downpour_dask.runtime.cluster import cluster_workers
 
@@ -149,8 +152,6 @@ def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(three_worker
 def test_a_streaming_replica_restarts_from_its_files_on_another_worker(
     tmp_path, three_workers, mnist
 ):
-    import pandas as pd
-
     train, test = mnist
     frame = pd.DataFrame(train.X, columns=[f"x{i}" for i in range(train.X.shape[1])])
     frame["label"] = train.y
@@ -258,11 +259,6 @@ def test_a_corrupt_checkpoint_fails_resume_before_any_cluster_work(tmp_path, mni
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_cli_run_killed_after_a_checkpoint_resumes_and_finishes(tmp_path, capsys):
-    import subprocess
-    import sys
-
-    from downpour_dask import Experiment
-
     out = tmp_path / "runs"
     command = [sys.executable, "-m", "downpour_dask", "train", "--quiet"]
     settings = ["--dataset", "digits", "--model", "mlp:32", "--n-replicas", "2", "--out", str(out)]
@@ -321,11 +317,6 @@ def test_a_cli_run_killed_after_a_checkpoint_resumes_and_finishes(tmp_path, caps
 
 @pytest.mark.slow
 def test_resume_of_a_corrupt_cli_checkpoint_is_one_clear_line(tmp_path):
-    import subprocess
-    import sys
-
-    from downpour_dask import runs
-
     out = tmp_path / "runs"
     job = runs.prepare({"dataset": "digits", "model": "mlp:32", "out": str(out), "name": "job"})
     job.partial.mkdir(parents=True)

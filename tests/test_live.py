@@ -8,6 +8,7 @@ command) that knows only the scheduler address and the published name: those are
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -19,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Actor, Client, LocalCluster
 
 import downpour_dask
-from downpour_dask import DownpourSGD, cli, datasets, live, models
+from downpour_dask import DownpourSGD, cli, datasets, live, models, optim
+from downpour_dask.ps.server import ParameterServer
+from downpour_dask.ps.shard import ParameterServerShard
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
 
@@ -253,10 +256,6 @@ def test_attach_and_watch_never_unpickle_what_is_published(client, tmp_path):
 def test_an_attached_view_cannot_change_parameters_or_stop_the_run(own_cluster, digits):
     """The view holds no actor handle; even a handle made from the published key cannot stop
     the run without the run's secret, and the refusal is in the run's events."""
-    from distributed import Actor
-
-    from downpour_dask.ps.shard import ParameterServerShard
-
     train, test = digits
     est = softmax_estimator(train, seconds=5.0)
     with Client(own_cluster, timeout=30) as client, Client(own_cluster, timeout=30) as other:
@@ -351,11 +350,6 @@ def test_watch_errors_are_one_line(client, capsys):
 @pytest.mark.timeout(120)
 def test_a_view_follows_a_shard_recreated_after_its_worker_died(own_cluster):
     """What DownpourSGD does when it restores a lost shard: replace it, re-publish (override)."""
-    import os
-
-    from downpour_dask import optim
-    from downpour_dask.ps.server import ParameterServer
-
     model = models.SoftmaxRegression(64, 10)
     initial = model.init(np.random.default_rng(0))
     rule = optim.make("sgd", 0.1)

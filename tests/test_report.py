@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from downpour_dask import Experiment
+from downpour_dask import report as report_module
 from downpour_dask.report import PLOTS, figures, format_table, plot_runs, report, summarize
 from downpour_dask.runs.directory import save_run
 
@@ -119,8 +120,6 @@ def test_plots_have_titles_run_names_the_target_and_legends_beside_the_data():
 
 
 def test_report_draws_its_target_and_a_run_directory_names_its_run(tmp_path, monkeypatch):
-    from downpour_dask import report as report_module
-
     run_with([0.5, 0.95], [0, 1]).save(tmp_path / "x")
     seen = {}
     real = report_module.figures

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from distributed import Client, LocalCluster, Security
+from distributed import Client, LocalCluster, Security, deploy
 
 from downpour_dask import DownpourSGD, SandblasterLBFGS, cli, datasets, models
 from downpour_dask.runtime.cluster import cluster_workers
@@ -104,8 +104,6 @@ def test_a_client_without_the_credentials_is_refused(tls_cluster):
 @pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 @pytest.mark.timeout(180)
 def test_security_true_runs_an_embedded_tls_cluster(digits, monkeypatch):
-    from distributed import deploy
-
     started = []
     real = deploy.LocalCluster.__init__
 
