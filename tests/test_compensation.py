@@ -8,7 +8,7 @@ import pytest
 from test_replica import INITIAL, LR, MODEL, config, data, run, server_values, shards_for
 
 from downpour_dask import DownpourSGD, optim
-from downpour_dask.core.compensation import DelayCompensated, resolve
+from downpour_dask.core.compensation import DelayCompensated
 from downpour_dask.ps.shard import ParameterServerShard
 
 
@@ -41,14 +41,8 @@ def test_a_delayed_gradient_is_compensated_for_the_parameters_moving_since_its_f
     assert np.abs(shard.values - plain).max() > 1e-4  # the compensation did something
 
 
-def test_dc_optimizer_names_and_bad_ones():
-    rule = resolve("dc_adagrad", 0.1)
-    assert isinstance(rule, DelayCompensated) and rule.rule == optim.adagrad(0.1)
-    assert rule.get_config() == {"name": "dc_adagrad", "learning_rate": 0.1, "eps": 1e-8,
-                                 "lam": 0.04}  # fmt: skip
-    assert set(rule.init(4)) == {"sum_sq"}
-    with pytest.raises(ValueError, match="delay-compensated optimizer is one of dc_sgd"):
-        resolve("dc_rmsprop", 0.1)
+def test_lam_must_be_non_negative_and_a_rule_is_compensated_once():
+    rule = DelayCompensated(optim.adagrad(0.1))
     with pytest.raises(ValueError, match="lam must be a number >= 0"):
         DelayCompensated(optim.sgd(0.1), lam=-1)
     with pytest.raises(TypeError, match="not already compensated"):

@@ -8,8 +8,8 @@ first-order Taylor term, the Hessian approximated by the outer product's diagona
 
 and applies the compensated gradient with the wrapped rule.  :class:`DelayCompensated` wraps
 any :class:`~downpour_dask.core.optim.UpdateRule` (``optimizer="dc_sgd"``, ``"dc_adagrad"``, ...
-through :func:`resolve`); this is the paper's DC-ASGD-c, with a constant ``lam`` (its adaptive
-variant DC-ASGD-a, ``lam / sqrt(mean square of g)``, is not implemented).
+through :func:`~.optimizer_spec.resolve`); this is the paper's DC-ASGD-c, with a constant
+``lam`` (its adaptive variant DC-ASGD-a, ``lam / sqrt(mean square of g)``, is not implemented).
 
 **Memory.**  The shard keeps ``w_fetched`` per replica (:class:`FetchedCopies`): one copy of
 its slice per replica that pulled from it -- a whole extra parameter vector per replica over
@@ -21,17 +21,15 @@ exactly the wrapped one.  Numpy only.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from . import optim
 from .optim import UpdateRule, WrappedRule
 
 #: DC-ASGD's ``lam`` when none is given (the paper's lambda_0 for DC-ASGD-c on CIFAR-10).
 DEFAULT_LAMBDA = 0.04
 
-#: How :func:`resolve` spells a delay-compensated rule: this prefix and a rule's name.
+#: How an ``optimizer`` name spells a delay-compensated rule: this prefix and a rule's name
+#: (:func:`~.optimizer_spec.resolve`).
 PREFIX = "dc_"
 
 
@@ -109,14 +107,3 @@ class FetchedCopies:
         """Memory the copies take."""
         return sum(copy.nbytes for copy in self.copies.values())
 
-
-def resolve(optimizer: Any, learning_rate: float) -> UpdateRule:
-    """:func:`~downpour_dask.core.optim.resolve`, plus ``"dc_<name>"``: rule ``<name>``
-    (one of :data:`~downpour_dask.core.optim.OPTIMIZERS`) delay-compensated with ``lam`` 0.04."""
-    if isinstance(optimizer, str) and optimizer.startswith(PREFIX):
-        base = optimizer[len(PREFIX) :]
-        if base not in optim.OPTIMIZERS:
-            names = ", ".join(PREFIX + name for name in optim.OPTIMIZERS)
-            raise ValueError(f"a delay-compensated optimizer is one of {names}; got {optimizer!r}")
-        return DelayCompensated(optim.make(base, learning_rate))
-    return optim.resolve(optimizer, learning_rate)

@@ -17,7 +17,7 @@ from distributed import Client, Security
 
 from .. import live
 from ..base import ParamServerEstimator, check_int, check_positive
-from ..core import averaging, compensation, compression, consistency, optim
+from ..core import averaging, compression, consistency, optim, optimizer_spec
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
@@ -52,9 +52,10 @@ class DownpourSGD(ParamServerEstimator):
     n_shards : int, default 2
         Parameter-server shards (Dask actors), placed on distinct workers where possible.
     optimizer : str or UpdateRule, default "adagrad"
-        Update rule the shards apply: one of :data:`downpour_dask.optim.OPTIMIZERS`, or an
-        :class:`~downpour_dask.optim.UpdateRule` (then ``learning_rate`` must equal its rate);
-        ``"dc_<name>"`` is that rule delay-compensated (DC-ASGD, :mod:`~.core.compensation`).
+        Update rule the shards apply: a name (:data:`downpour_dask.optim.OPTIMIZERS`, each
+        also as ``"dc_<name>"``, delay-compensated), a name with hyperparameters
+        (``"adam:beta2=0.95"``, :mod:`~.core.optimizer_spec`), or an
+        :class:`~downpour_dask.optim.UpdateRule` (then ``learning_rate`` must equal its rate).
     learning_rate : float, default 0.05
         The rule's rate (Adagrad's gamma).
     batch_size : int, default 64
@@ -266,7 +267,7 @@ class DownpourSGD(ParamServerEstimator):
         check_path("checkpoint_dir", self.checkpoint_dir, allow_none=True)
         if self.random_state is not None:
             check_int("random_state", self.random_state, 0)
-        rule = compensation.resolve(self.optimizer, self.learning_rate)
+        rule = optimizer_spec.resolve(self.optimizer, self.learning_rate)
         check_elastic(self.elastic_alpha, rule, self.consistency, self.top_k, self.partitions,
                       self.ema_decay)  # fmt: skip
         return rule if self.ema_decay is None else averaging.Averaged(rule, self.ema_decay)

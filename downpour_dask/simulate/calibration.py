@@ -57,6 +57,7 @@ from ..core import models, optim
 from ..core.guard import GuardedUpdate
 from ..core.model import Model
 from ..core.optim import UpdateRule
+from ..core.optimizer_spec import resolve
 from ..log import Experiment
 from .predict import predict, steady_window
 from .timing import Setup, Timing
@@ -291,6 +292,16 @@ def _floor(model_step: float, timing: Timing) -> float:
     return float(min(model_step / timing.step_seconds, 0.9))
 
 
+def rule_of(config: dict[str, Any]) -> UpdateRule:
+    """The shards' update rule of a run, from its config: the ``optimizer`` as the estimator
+    took it (a name or spec, :mod:`~downpour_dask.core.optimizer_spec`) or a rule's
+    ``get_config()``, at the run's ``learning_rate``."""
+    chosen = config.get("optimizer", "adagrad")
+    if isinstance(chosen, dict):
+        return optim.from_config(chosen)
+    return resolve(chosen, float(config["learning_rate"]))
+
+
 def calibrate(
     experiment: Experiment,
     *,
@@ -322,9 +333,7 @@ def calibrate(
     """
     config = experiment.config
     model = model or models.from_config(config["model"])
-    chosen = config.get("optimizer", "adagrad")
-    rate = float(config["learning_rate"])
-    rule = optim.from_config(chosen) if isinstance(chosen, dict) else optim.make(chosen, rate)
+    rule = rule_of(config)
     setup = setup_of(experiment, model)
     cores = cores or os.cpu_count() or 1
     bench = microbenchmark(setup, model, rule, repeats)
