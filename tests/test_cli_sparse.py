@@ -41,6 +41,8 @@ BAD = [
     (["--shards", "0"], "--shards must be an integer >= 1, got 0"),
     (["--n-rows", "0"], "--n-rows must be an integer >= 1"),
     (["--optimizer", "adamw"], "optimizer name must be one of"),
+    (["--optimizer", "momentum:beta2=0.9"], "unknown option(s) ['beta2'] for --optimizer"),
+    (["--optimizer", "adagrad:eps"], "'eps' is not option=value"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0"),
     (["--eval-every", "0"], "--eval-every must be a number of seconds > 0"),
     (["--model", "embedding_mlp", "--hidden", "32,x"], "--hidden must be layer widths"),

@@ -10,7 +10,7 @@ import pytest
 from downpour_dask import DownpourSGD, datasets, models, optim
 from downpour_dask.checkpoint import read_checkpoint
 from downpour_dask.core.compensation import DelayCompensated
-from downpour_dask.core.optimizer_spec import parse, resolve
+from downpour_dask.core.optimizer_spec import build, parse, resolve
 from downpour_dask.data.arrays import minibatches
 from downpour_dask.simulate.calibration import rule_of
 
@@ -53,6 +53,14 @@ def test_names_and_specs_build_the_rules_they_name():
     assert compensated.rule == optim.adam(0.01, beta2=0.99)
     rule = optim.adagrad(0.1)
     assert resolve(rule, 0.1) is rule
+
+
+def test_build_takes_names_and_specs_but_no_compensation():
+    """What sparse fits take: ``fit_sparse`` has no delay compensation."""
+    assert build("momentum:momentum=0.5", 0.1) == optim.momentum(0.1, 0.5)
+    assert build("adagrad", 0.1) == optim.adagrad(0.1)
+    with pytest.raises(ValueError, match="optimizer name must be one of"):
+        build("dc_sgd", 0.1)
 
 
 def test_dc_names_build_compensated_rules_and_bad_ones_are_named():

@@ -68,4 +68,6 @@ def test_params_clone_and_refusals_before_any_work(client):
         clf.fit(X, y, client=client, eval_data=X)
     with pytest.raises(ValueError, match="model must be one of"):
         clone(clf).set_params(model="tree").fit(X, y, client=client)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['beta2'\] for optimizer"):
+        clone(clf).set_params(optimizer="momentum:beta2=0.9").fit(X, y, client=client)
     assert not hasattr(clf, "dense_")

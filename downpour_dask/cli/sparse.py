@@ -64,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--replicas", dest="n_replicas", type=int, metavar="R",
                      help="replicas; each streams whole files, so at most one per file "
                      "(default 2)")
-    fit.add_argument("--optimizer", help="sgd, momentum, adagrad or staleness_aware_<rule> "
-                     "(default adagrad)")
+    fit.add_argument("--optimizer", help="sgd, momentum, adagrad or staleness_aware_<rule>, "
+                     "options after a colon: momentum:momentum=0.5 (default adagrad)")
     fit.add_argument("--learning-rate", type=float, metavar="LR", help="(default 0.05)")
     fit.add_argument("--batch-size", type=int, metavar="B", help="(default 256)")
     fit.add_argument("--epochs", dest="max_epochs", type=int, metavar="E",

@@ -60,6 +60,19 @@ def parse(spec: str) -> tuple[str, dict[str, float]]:
     return name.strip(), options
 
 
+def build(spec: str, learning_rate: float) -> UpdateRule:
+    """The rule a name or spec names, without the ``"dc_"`` prefix: what a sparse fit takes
+    (:func:`~downpour_dask.downpour.sparse_fit.fit_sparse` has no delay compensation).
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`resolve`.
+    """
+    name, options = parse(spec)
+    return optim.make(name, learning_rate, **options)
+
+
 def resolve(optimizer: Any, learning_rate: float) -> UpdateRule:
     """The rule an estimator's ``optimizer`` and ``learning_rate`` arguments name.
 
@@ -77,11 +90,11 @@ def resolve(optimizer: Any, learning_rate: float) -> UpdateRule:
     """
     if not isinstance(optimizer, str):
         return optim.resolve(optimizer, learning_rate)
+    if not optimizer.startswith(PREFIX):
+        return build(optimizer, learning_rate)
     name, options = parse(optimizer)
-    if name.startswith(PREFIX):
-        base = name[len(PREFIX) :]
-        if base not in optim.OPTIMIZERS:
-            names = ", ".join(PREFIX + rule for rule in optim.OPTIMIZERS)
-            raise ValueError(f"a delay-compensated optimizer is one of {names}; got {name!r}")
-        return DelayCompensated(optim.make(base, learning_rate, **options))
-    return optim.make(name, learning_rate, **options)
+    base = name[len(PREFIX) :]
+    if base not in optim.OPTIMIZERS:
+        names = ", ".join(PREFIX + rule for rule in optim.OPTIMIZERS)
+        raise ValueError(f"a delay-compensated optimizer is one of {names}; got {name!r}")
+    return DelayCompensated(optim.make(base, learning_rate, **options))

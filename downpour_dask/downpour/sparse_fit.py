@@ -34,7 +34,7 @@ import pandas as pd
 from distributed import Client
 
 from ..base import RunRecorder
-from ..core import optim
+from ..core import optimizer_spec
 from ..core.sparse import SparseBatch, check_batch, check_sparse_model, table_rows
 from ..data.hashing import HashSpec
 from ..log import Progress, events_frame
@@ -186,7 +186,8 @@ def fit_sparse(
 
     ``data`` is an in-memory :class:`SparseBatch` (replica r trains on rows r, r + R, ...) or
     ``(paths, spec)`` of parquet/CSV files hashed by ``spec`` (replica r streams files r, r + R,
-    ...).  ``optimizer``: sgd, momentum, adagrad or their staleness_aware_ variants.  With
+    ...).  ``optimizer``: sgd, momentum, adagrad or their staleness_aware_ variants, by name or spec
+    (``"momentum:momentum=0.5"``, :mod:`~downpour_dask.core.optimizer_spec`).  With
     ``direct`` a replica reaches a shard on another worker over a direct connection (the rows
     frame kind of :mod:`~downpour_dask.ps.rows_frames`, authenticated by a secret made for this
     fit) where the cluster's comm is plain TCP, else by actor messages.
@@ -214,7 +215,7 @@ def fit_sparse(
         data = check_batch(model, data)
     else:
         _check_files(model, data, n_replicas)
-    rule = optim.make(optimizer, learning_rate)
+    rule = optimizer_spec.build(optimizer, learning_rate)
     monitor = SparseMonitor(client, model, eval_data, eval_every, publish, callback)  # checks
     layout = SparseLayout.build(model.n_dense, model.tables, n_shards)
     workers = sorted(cluster_workers(client))
