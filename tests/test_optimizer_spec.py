@@ -125,3 +125,7 @@ def test_the_simulator_calibrates_from_a_run_whose_optimizer_is_a_spec():
         optim.adam(0.02)
     )
     assert rule_of({"learning_rate": 0.05}) == optim.adagrad(0.05)  # the estimator's default
+    compensated = resolve("dc_adam:beta2=0.9", 0.01)  # a rule given as an object: its config
+    rebuilt = rule_of({"optimizer": compensated.get_config(), "learning_rate": 0.01})
+    assert isinstance(rebuilt, DelayCompensated)
+    assert rebuilt.get_config() == compensated.get_config()

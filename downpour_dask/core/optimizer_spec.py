@@ -17,7 +17,9 @@ moment over more pushes than a short fit makes (``benchmarks/README.md``, ``benc
 Names are those of :data:`~downpour_dask.core.optim.OPTIMIZERS`, each also with the ``"dc_"``
 prefix (:mod:`~downpour_dask.core.compensation`); options are those :func:`~.optim.make` takes
 for the rule (``beta1``, ``beta2`` and ``eps`` for Adam, ``momentum`` for momentum, ``eps`` for
-Adagrad).  Numpy only.
+Adagrad).  A rule passed as an object is recorded as its ``get_config()``; :func:`from_config`
+rebuilds it, delay-compensated ones included (the simulator reads a run's record so).
+Numpy only.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import optim
-from .compensation import PREFIX, DelayCompensated
+from .compensation import DEFAULT_LAMBDA, PREFIX, DelayCompensated
 from .optim import UpdateRule
 
 #: How a spec reads, for error messages.
@@ -98,3 +100,14 @@ def resolve(optimizer: Any, learning_rate: float) -> UpdateRule:
         names = ", ".join(PREFIX + rule for rule in optim.OPTIMIZERS)
         raise ValueError(f"a delay-compensated optimizer is one of {names}; got {name!r}")
     return DelayCompensated(optim.make(base, learning_rate, **options))
+
+
+def from_config(config: dict[str, Any]) -> UpdateRule:
+    """Rebuild a rule from its ``get_config()``, DC-ASGD's (``"dc_<name>"`` and ``lam``)
+    included, which :func:`~.optim.from_config` does not know."""
+    name = str(config.get("name", ""))
+    if not name.startswith(PREFIX):
+        return optim.from_config(config)
+    options = {key: value for key, value in config.items() if key != "lam"}
+    rule = optim.from_config({**options, "name": name[len(PREFIX) :]})
+    return DelayCompensated(rule, config.get("lam", DEFAULT_LAMBDA))

@@ -53,11 +53,11 @@ import numpy as np
 from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
-from ..core import models, optim
+from ..core import models
 from ..core.guard import GuardedUpdate
 from ..core.model import Model
 from ..core.optim import UpdateRule
-from ..core.optimizer_spec import resolve
+from ..core.optimizer_spec import from_config, resolve
 from ..log import Experiment
 from .predict import predict, steady_window
 from .timing import Setup, Timing
@@ -298,7 +298,7 @@ def rule_of(config: dict[str, Any]) -> UpdateRule:
     ``get_config()``, at the run's ``learning_rate``."""
     chosen = config.get("optimizer", "adagrad")
     if isinstance(chosen, dict):
-        return optim.from_config(chosen)
+        return from_config(chosen)
     return resolve(chosen, float(config["learning_rate"]))
 
 
