@@ -3,8 +3,9 @@
 The data is the project's own learnable synthetic set (``datasets.synthetic``: standard normal
 float32 features, binary labels from a fixed random tanh teacher network), 10^7 training rows in
 10 parquet files (~256 MB each) plus an 11th file from which the first 20,000 rows are the test
-set.  It is written once and cached under ``--path`` (default ``/tmp/downpour-bench-large``, one
-folder per row count; ``--clean`` or ``rm -rf /tmp/downpour-bench-large`` removes it).
+set.  It is written once (``large_data.py``) and cached under ``--path`` (default
+``/tmp/downpour-bench-large``, one folder per row count; ``--clean`` or
+``rm -rf /tmp/downpour-bench-large`` removes it).
 
 Every method streams the same 10 files and pays its own reading; each is timed from its first
 call (building its dataset or collection included) to the first test-accuracy check at or above
@@ -52,6 +53,7 @@ default, and ``beta2`` 0.99 with the average, 0.95 without);
 benchmarks/README.md has a grid run.
 
     python benchmarks/bench_large.py                   # 10^7 rows; ~2 min to write the data once
+    python benchmarks/bench_large.py --rounds 3        # every method 3 times in turns: medians
     python benchmarks/bench_large.py --rows 100000 --target 0.91 --linear-target 0.88  # quick
 """
 
@@ -67,9 +69,10 @@ import argparse  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -78,55 +81,21 @@ import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from dask_ml.wrappers import Incremental  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
+from large_data import (  # noqa: E402
+    CLASSES,
+    COLUMNS,
+    FEATURES,
+    HIDDEN,
+    SEED,
+    TEST_ROWS,
+    cached_data,
+    read_test,
+    row_groups,
+)
 from sklearn.linear_model import SGDClassifier  # noqa: E402
 from sklearn.neural_network import MLPClassifier  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models, optim  # noqa: E402
-
-FEATURES, CLASSES, HIDDEN, SEED = 64, 2, 64, 0
-TEST_ROWS = 20_000
-COLUMNS = [f"f{j}" for j in range(FEATURES)]
-
-
-# -- the data: written once, cached ----------------------------------------------------------
-
-
-def cached_data(root: Path, rows: int) -> tuple[list[str], str]:
-    """The 10 training files and the test file of ``rows`` training rows, written if missing.
-
-    The folder is written under a temporary name and renamed when complete, so an interrupted
-    write is never taken for a cached dataset.
-    """
-    folder = root / f"rows{rows}-f{FEATURES}-c{CLASSES}-seed{SEED}"
-    if not folder.is_dir():
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        start = time.perf_counter()
-        print(f"writing {rows + rows // 10:,} rows x {FEATURES} to {folder} ...", flush=True)
-        datasets.synthetic(partial, rows + rows // 10, FEATURES, CLASSES, seed=SEED, n_files=11)
-        os.replace(partial, folder)
-        print(f"  written in {time.perf_counter() - start:.0f} s", flush=True)
-    files = sorted(str(p) for p in folder.glob("part-*.parquet"))
-    return files[:10], files[10]
-
-
-def read_test(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``n`` rows of the held-out file."""
-    table = pq.ParquetFile(path).read_row_group(0, columns=[*COLUMNS, "label"])[:n]
-    X = np.column_stack([table.column(c).to_numpy() for c in COLUMNS]).astype(np.float32)
-    return X, table.column("label").to_numpy()
-
-
-def row_groups(files: list[str], rng: np.random.Generator) -> Iterator[tuple[np.ndarray, ...]]:
-    """Endless ``(X, y)`` row groups of ``files``; files and groups in a new order each epoch."""
-    while True:
-        for i in rng.permutation(len(files)):
-            pf = pq.ParquetFile(files[i])
-            for g in rng.permutation(pf.metadata.num_row_groups):
-                table = pf.read_row_group(int(g), columns=[*COLUMNS, "label"], use_threads=False)
-                X = np.column_stack([table.column(c).to_numpy() for c in COLUMNS])
-                yield X, table.column("label").to_numpy()
-
 
 # -- one method's run ------------------------------------------------------------------------
 
@@ -150,6 +119,19 @@ class Trace:
     @property
     def best(self) -> float:
         return max((a for *_, a in self.checks), default=math.nan)
+
+
+def fastest(times: list[float]) -> float:
+    """The least of ``times`` that reached the target (not nan); nan if none did."""
+    return min((t for t in times if not math.isnan(t)), default=math.nan)
+
+
+def median_to(runs: list[Trace], target: float) -> tuple[float, float]:
+    """Median (seconds, rows) to ``target`` over a method's rounds; nan if a round missed it."""
+    reached = [tr.time_to(target) for tr in runs]
+    if any(math.isnan(t) for t, _ in reached):
+        return math.nan, 0.0
+    return statistics.median(t for t, _ in reached), statistics.median(r for _, r in reached)
 
 
 def run_sklearn(make: Callable, files, test, stop_at: float, budget: float) -> Trace:
@@ -325,6 +307,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per method, at most")
     parser.add_argument("--dask-ml-blocks", type=int, default=4, help="blocks per partial_fit")
     parser.add_argument("--grid", action="store_true", help="also run the tuning grid")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every method this many times, in turns (medians reported)")
     args = parser.parse_args()
     root = Path(args.path)
     if args.clean:
@@ -340,8 +324,8 @@ def main() -> None:
         f"{platform.python_version()}; load average at start "
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
     )
-    traces: dict[str, Trace] = {}
     todo = methods(args.grid)
+    traces: dict[str, list[Trace]] = {m.name: [] for m in todo}
     with (
         LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
@@ -350,7 +334,10 @@ def main() -> None:
     ):
         # warm up: every worker imports what the runs use before any clock starts
         DownpourSGD("logistic", n_replicas=2, max_steps=5).fit(*test, client=client)
-        for m in todo:
+        # every round runs every method once; every other round in reverse order, so that no
+        # method always follows the same one
+        turns = [m for r in range(args.rounds) for m in (todo if r % 2 == 0 else todo[::-1])]
+        for m in turns:
             stop_at = args.linear_target if m.linear else args.target
             load = os.getloadavg()[0]
             if m.kind == "sklearn":
@@ -362,7 +349,7 @@ def main() -> None:
             else:
                 trace = run_downpour(client, m.make(), files, test, stop_at, args.budget,
                                      **m.settings)  # fmt: skip
-            traces[m.name] = trace
+            traces[m.name].append(trace)
             t, rows = trace.time_to(stop_at)
             print(
                 f"  {m.name}: {t:.2f} s to {stop_at} ({rows:,} rows), best {trace.best:.4f}; "
@@ -373,31 +360,42 @@ def main() -> None:
         f"\n{args.rows:,} rows x {FEATURES} features, {CLASSES} classes, streamed from 10 "
         f"parquet files; test {TEST_ROWS:,} held-out rows; budget {args.budget:g} s per method; "
         "times from each method's first call, reading included"
+        + (f"; medians of {args.rounds} rounds" if args.rounds > 1 else "")
     )
     print(
         f"{'method':75} {'target':>6} {'time (s)':>9} {'rows':>11} {'rows/s':>9} {'vs best':>8} "
         f"{'best acc':>9}"
     )
-    ratios = {}
+    ratios, per_round = {}, []
     for linear, target in ((True, args.linear_target), (False, args.target)):
         group = [m for m in todo if m.linear == linear]
-        reached = [traces[m.name].time_to(target)[0] for m in group if m.kind != "downpour"]
-        best = min((t for t in reached if not math.isnan(t)), default=math.nan)
+        times = {m.name: [tr.time_to(target)[0] for tr in traces[m.name]] for m in group}
+        baselines = [m.name for m in group if m.kind != "downpour"]
+        best = fastest([median_to(traces[n], target)[0] for n in baselines])
         print(f"-- {'logistic regression' if linear else f'MLP {FEATURES}-{HIDDEN}-out'}: "
               f"best baseline (sklearn, dask-ml) {best:.2f} s to {target}")  # fmt: skip
         for m in group:
-            t, rows = traces[m.name].time_to(target)
+            t, rows = median_to(traces[m.name], target)
             ratios[m.name] = t / best
             shown = ("-",) * 4 if math.isnan(t) else (
-                f"{t:.2f}", f"{rows:,}", f"{rows / t:,.0f}", f"{t / best:.2f}x"
+                f"{t:.2f}", f"{rows:,.0f}", f"{rows / t:,.0f}", f"{t / best:.2f}x"
             )
+            top = max(tr.best for tr in traces[m.name])
             print(f"{m.name:75} {target:>6} {shown[0]:>9} {shown[1]:>11} {shown[2]:>9} "
-                  f"{shown[3]:>8} {traces[m.name].best:9.4f}")  # fmt: skip
+                  f"{shown[3]:>8} {top:9.4f}")  # fmt: skip
+        if not linear:  # each round's fastest Downpour MLP against its fastest baseline
+            ours = [m.name for m in group if m.kind == "downpour"]
+            for r in range(args.rounds):
+                per_round.append(fastest([times[n][r] for n in ours])
+                                 / fastest([times[n][r] for n in baselines]))  # fmt: skip
     downpour = [ratios[m.name] for m in todo if m.kind == "downpour" and not m.linear]
     print(
         f"Downpour MLP's best against the best baseline to {args.target}: "
         f"{min(downpour, default=math.nan):.2f}x (goal <= 0.6x)"
     )
+    if args.rounds > 1:
+        print("the same in each round: " + ", ".join(f"{x:.2f}x" for x in per_round)
+              + f"; median {statistics.median(per_round):.2f}x")  # fmt: skip
     print("load average at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 

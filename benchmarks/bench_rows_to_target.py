@@ -54,7 +54,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from bench_large import CLASSES, COLUMNS, FEATURES, HIDDEN, TEST_ROWS, cached_data, read_test  # noqa: E402
+from large_data import CLASSES, COLUMNS, FEATURES, HIDDEN, TEST_ROWS, cached_data, read_test  # noqa: E402
 
 from downpour_dask import models, optim  # noqa: E402
 from downpour_dask.core.averaging import Averaged  # noqa: E402
