@@ -92,10 +92,10 @@ def resolve(optimizer: Any, learning_rate: float) -> UpdateRule:
     """
     if not isinstance(optimizer, str):
         return optim.resolve(optimizer, learning_rate)
-    if not optimizer.startswith(PREFIX):
-        return build(optimizer, learning_rate)
     name, options = parse(optimizer)
-    base = name[len(PREFIX) :]
+    base = name.removeprefix(PREFIX)
+    if base == name:
+        return optim.make(name, learning_rate, **options)
     if base not in optim.OPTIMIZERS:
         names = ", ".join(PREFIX + rule for rule in optim.OPTIMIZERS)
         raise ValueError(f"a delay-compensated optimizer is one of {names}; got {name!r}")
@@ -106,8 +106,9 @@ def from_config(config: dict[str, Any]) -> UpdateRule:
     """Rebuild a rule from its ``get_config()``, DC-ASGD's (``"dc_<name>"`` and ``lam``)
     included, which :func:`~.optim.from_config` does not know."""
     name = str(config.get("name", ""))
-    if not name.startswith(PREFIX):
+    base = name.removeprefix(PREFIX)
+    if base == name:
         return optim.from_config(config)
     options = {key: value for key, value in config.items() if key != "lam"}
-    rule = optim.from_config({**options, "name": name[len(PREFIX) :]})
+    rule = optim.from_config({**options, "name": base})
     return DelayCompensated(rule, config.get("lam", DEFAULT_LAMBDA))
