@@ -27,6 +27,7 @@ from .. import live
 from ..base import RunRecorder
 from ..checkpoint import Checkpoint
 from ..core import protocol
+from ..core.blas import one_blas_thread
 from ..data.datasets import ShardedDataset
 from ..log import Experiment, Progress
 from ..ps.server import ParameterServer
@@ -365,7 +366,8 @@ class Driver:
         model, metric = self.fit.model, self.metric
 
         def scores(params: np.ndarray) -> dict[str, float]:
-            loss, score = protocol.loss_and_score(model, params, X, y)
+            with one_blas_thread():  # beside the training, which may share these cores
+                loss, score = protocol.loss_and_score(model, params, X, y)
             return {"loss": loss, metric: score}
 
         return scores

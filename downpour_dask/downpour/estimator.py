@@ -309,12 +309,12 @@ class DownpourSGD(ParamServerEstimator):
             Dask collections (``fit(dask_X, dask_y)``, or ``datasets.from_dask``) and files
             (``datasets.from_parquet``, ``from_npy``, ``from_csv``) stay distributed: each
             replica streams only its own partitions or files, on its worker, and nothing is
-            gathered here (a classifier's classes come from one pass over the labels on the
-            cluster).
+            gathered here (a classifier's classes come from one pass over the labels there).
         y : array-like, Dask Array or Series, optional
             Targets for ``data`` given as ``X``.
         eval_data : Dataset or (X, y), optional
-            Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``).
+            Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``), here
+            (in one BLAS thread if ``fit`` runs in the main thread: :mod:`.core.blas`).
         client : distributed.Client, optional
             The cluster to run on; by default the current Dask client (the last ``Client()``
             made), and when there is none an embedded local cluster, started and closed here.
