@@ -332,6 +332,31 @@ def test_confident_rows_leave_no_subnormal_number_in_the_output_gradient(kind):
     np.testing.assert_allclose(z, expected, rtol=1e-6, atol=1e-18)
 
 
+@pytest.mark.parametrize(("n", "k"), [(11, 2), (11, 3), (40, 10), (256, 10), (64, 64)])
+def test_the_softmax_loss_and_gradient_match_float64_by_either_way_of_taking_row_maxima(n, k):
+    """Few columns take each row's maximum column by column, many take numpy's reduction
+    (``row_max``); the loss and its gradient are the same either way."""
+    rng = np.random.default_rng(n * k)
+    z64, y = rng.normal(0, 4, (n, k)), rng.integers(0, k, n)
+    p = np.exp(z64 - z64.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    ws = dense.Workspace([k], n, np.dtype(np.float32), 1)
+    maxima = dense.row_max(z64.astype(np.float32), np.empty((n, 1), np.float32))
+    np.testing.assert_array_equal(maxima[:, 0], z64.astype(np.float32).max(axis=1))
+    z = ws.acts[0][:n]
+    z[...] = z64
+    loss = dense.output_loss("softmax", z, y, ws, delta=True)
+    assert loss == pytest.approx(-np.log(p[np.arange(n), y]).sum(), rel=1e-5)
+    np.testing.assert_allclose(z, p - np.eye(k)[y], atol=1e-6)
+
+
+def test_the_softmax_loss_refuses_logits_it_cannot_view_flat():
+    ws = dense.Workspace([3], 8, np.dtype(np.float32), 1)
+    z = np.zeros((8, 6), np.float32)[:, :3]  # every other column block: not contiguous
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dense.output_loss("softmax", z, np.zeros(8, np.int64), ws, delta=True)
+
+
 def test_a_confident_models_float32_gradient_matches_its_float64_gradient():
     model = MLP(3, (4,), 3)
     params = model.init(np.random.default_rng(0)) * 40  # logits hundreds apart
