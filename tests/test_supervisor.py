@@ -610,10 +610,31 @@ def test_evaluations_keep_to_eval_every_instead_of_drifting_late():
 
     run.cluster.on_wait = on_wait
     run.loop.run()
-    times = [e["time"] for e in run.recorder.evals]
+    times = np.array([e["time"] for e in run.recorder.evals[:-1]])  # (the last: the final one)
     assert len(times) >= 5
-    gaps = np.diff(times)
-    assert (gaps >= 0.5).all() and (gaps <= 0.5 + 0.011).all()  # due, and never one round late
+    late = times - 0.5 * np.arange(len(times))  # each against its multiple of eval_every
+    assert (late >= 0).all() and (late <= 0.015).all()  # due, about one round late, and the
+    # rounds do not add up: one that took 0.01 s more per evaluation would be 0.05 s late by now
+
+
+def test_scoring_slower_than_eval_every_skips_a_multiple_instead_of_evaluating_back_to_back():
+    def slow_score(params: np.ndarray) -> dict[str, float]:
+        run.clock.now += 0.7  # longer than eval_every
+        return {"loss": 1.0, "accuracy": 0.5}
+
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"], score=slow_score)
+
+    def on_wait() -> None:
+        run.clock.now += 0.01
+        if run.recorder.elapsed() > 4.0:
+            _finish_all(run)
+
+    run.cluster.on_wait = on_wait
+    run.loop.run()
+    times = np.array([e["time"] for e in run.recorder.evals[:-1]])
+    assert len(times) >= 3
+    assert (np.diff(times) >= 0.7).all()  # never one right after another
+    assert np.allclose(times % 0.5, 0, atol=0.015)  # and each on a multiple of eval_every
 
 
 def test_every_evaluation_is_reported_at_once_even_when_scoring_takes_time():

@@ -103,6 +103,7 @@ class SupervisionLoop:
         self.stop_sent = False
         self.last_report = -math.inf
         self.last_collect = recorder.elapsed()
+        self.next_evaluation = 0.0  # on the run's clock; see _schedule_next_evaluation
 
     # -- phases ----------------------------------------------------------------------------------
     def warmstart(self, target: int, steps: int) -> None:
@@ -187,33 +188,36 @@ class SupervisionLoop:
     # -- one tick --------------------------------------------------------------------------------
     def until_next_tick(self) -> float:
         """How long the loop may wait: until the next evaluation is due (so that evaluations
-        keep to ``eval_every`` instead of drifting late), the next report, or ``max_seconds``;
-        and at most :attr:`SUPERVISE_EVERY`, so that checkpoints and workers that joined or
-        left are seen in time however long ``eval_every`` is."""
+        keep to multiples of ``eval_every`` instead of drifting late), the next report, or
+        ``max_seconds``; and at most :attr:`SUPERVISE_EVERY`, so that checkpoints and workers
+        that joined or left are seen in time however long ``eval_every`` is."""
         limits, elapsed = self.limits, self.recorder.elapsed()
         interval = min(limits.eval_every, self.SUPERVISE_EVERY)
         if self.report_to is not None:
             interval = min(interval, self.REPORT_EVERY)
         if self.score is not None:
-            interval = min(interval, self._last_evaluation() + limits.eval_every - elapsed)
+            interval = min(interval, self.next_evaluation - elapsed)
         if limits.max_seconds is not None and not self.stop_sent:
             interval = min(interval, limits.max_seconds - elapsed)
         return max(0.002, interval)
 
-    def _last_evaluation(self) -> float:
-        evals = self.recorder.evals
-        return evals[-1]["time"] if evals else -math.inf
+    def _schedule_next_evaluation(self) -> None:
+        """Make the next evaluation due at the first multiple of ``eval_every`` (on the run's
+        clock) still ahead: a late wake-up and an evaluation's own time then delay only that
+        evaluation instead of adding up over the later ones, and scoring slower than
+        ``eval_every`` skips a multiple instead of evaluating back to back."""
+        every, now = self.limits.eval_every, self.recorder.elapsed()
+        self.next_evaluation += every * (math.floor((now - self.next_evaluation) / every) + 1)
 
     def tick(self) -> int:
         """Evaluate if ``eval_every`` has passed since the last evaluation, report progress if
         due or a new score is in; return the lowest shard version."""
         elapsed = self.recorder.elapsed()
-        evaluation_due = self.score is not None and (
-            elapsed - self._last_evaluation() >= self.limits.eval_every
-        )
+        evaluation_due = self.score is not None and elapsed >= self.next_evaluation
         if evaluation_due:
             params, versions = self.pull()
             self.evaluate(params, versions)
+            self._schedule_next_evaluation()
         else:
             versions = self.server.versions(self.limits.timeout)  # a few bytes, not the vector
         self.checkpoints.observe(versions)
