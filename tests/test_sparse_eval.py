@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from distributed import Client
-from threadpoolctl import threadpool_info, threadpool_limits
 
 import downpour_dask
 from downpour_dask.cli.app import run as cli_run
@@ -79,34 +78,6 @@ def test_an_evaluation_pulls_only_the_rows_the_held_out_data_touches():
     assert row["time"] == 1.5 and row["examples_seen"] == 0
     assert evaluator.frame().dtypes.to_dict() == {k: np.dtype(v)
                                                   for k, v in EVAL_FRAME_COLUMNS.items()}
-
-
-@pytest.mark.skipif(not any(lib["user_api"] == "blas" for lib in threadpool_info()),
-                    reason="no BLAS library whose threads threadpoolctl can set")
-def test_an_evaluation_predicts_in_one_blas_thread_beside_the_training(monkeypatch):
-    def blas_threads():
-        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
-
-    model = SparseLogisticRegression(1_000, 4, n_numeric=2)
-    layout = SparseLayout.build(model.n_dense, model.tables, 2)
-    shards = [
-        CountingShard(SparseShard(s, lo, hi, np.zeros(hi - lo, np.float32), optim.sgd(0.1),
-                                  tables=layout.shard_tables(s), seed=0))
-        for s, (lo, hi) in enumerate(layout.dense)
-    ]  # fmt: skip
-    evaluator = SparseEvaluator(model, click_data(n=40, n_rows=1_000), layout, timeout=10)
-    during = []
-    original = type(model).predict_proba
-
-    def recording(self, *args, **kw):
-        during.append(blas_threads())
-        return original(self, *args, **kw)
-
-    monkeypatch.setattr(type(model), "predict_proba", recording)
-    with threadpool_limits(2, user_api="blas"):
-        evaluator.evaluate(shards, elapsed=0.0)
-        assert blas_threads() == {2}
-    assert during == [{1}]
 
 
 def test_scores_of_perfect_and_one_class_predictions():

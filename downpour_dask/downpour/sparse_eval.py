@@ -25,7 +25,6 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import log_loss, roc_auc_score
 
-from ..core.blas import one_blas_thread
 from ..core.params import DTYPE
 from ..core.sparse import SparseBatch, check_batch
 from ..data.hashing import HashSpec, load_hashed
@@ -115,8 +114,7 @@ class SparseEvaluator:
     def evaluate(self, actors: list[Any], elapsed: float) -> dict[str, Any]:
         """Read the shards, score, append the row to :attr:`rows` and return it."""
         dense, rows, version, examples = self.read(actors)
-        with one_blas_thread():  # beside the training, which may share these cores
-            p = self.model.predict_proba(dense, rows, self.batch)
+        p = self.model.predict_proba(dense, rows, self.batch)
         row = {"time": float(elapsed), "version": version, "examples_seen": examples,
                **scores(self.batch.y, p)}
         self.rows.append(row)
