@@ -210,8 +210,8 @@ class SupervisionLoop:
         self.next_evaluation += every * (math.floor((now - self.next_evaluation) / every) + 1)
 
     def tick(self) -> int:
-        """Evaluate if ``eval_every`` has passed since the last evaluation, report progress if
-        due or a new score is in; return the lowest shard version."""
+        """Evaluate if the next multiple of ``eval_every`` has come, report progress if due or
+        a new score is in; return the lowest shard version."""
         elapsed = self.recorder.elapsed()
         evaluation_due = self.score is not None and elapsed >= self.next_evaluation
         if evaluation_due:
