@@ -50,7 +50,8 @@ class DownpourSGD(ParamServerEstimator):
         Model replicas; each trains on its own 1/n_replicas of the data.  ``"auto"``: one per
         worker at the start and one on each worker that joins (up to ``max_replicas``).
     n_shards : int, default 2
-        Parameter-server shards (Dask actors), placed on distinct workers where possible.
+        Parameter-server shards (Dask actors), placed on distinct workers where possible.  A small
+        model trains faster on one: each shard costs a replica messages on every push.
     optimizer : str or UpdateRule, default "adagrad"
         Update rule the shards apply: a name (:data:`downpour_dask.optim.OPTIMIZERS`, each
         also as ``"dc_<name>"``, delay-compensated), a name with hyperparameters
@@ -313,8 +314,7 @@ class DownpourSGD(ParamServerEstimator):
         y : array-like, Dask Array or Series, optional
             Targets for ``data`` given as ``X``.
         eval_data : Dataset or (X, y), optional
-            Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``), here
-            (in one BLAS thread if ``fit`` runs in the main thread: :mod:`.core.blas`).
+            Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``).
         client : distributed.Client, optional
             The cluster to run on; by default the current Dask client (the last ``Client()``
             made), and when there is none an embedded local cluster, started and closed here.
