@@ -53,6 +53,7 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions.timeout = 5.0
     portions.observer = observer or _Observer()
     portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
+    portions.retired = []
     portions.capacity, portions.freed = {"w1": Portions.DEPTH, "w2": Portions.DEPTH}, {}
     portions._restore_blocks = lambda: restored.append(1)
     portions.blocks = [SimpleNamespace(key=f"block-{pid}", status="pending") for pid in range(10)]

@@ -366,6 +366,47 @@ def test_a_pass_ends_on_the_shards_with_no_call_of_the_coordinator_after_it(
     np.testing.assert_array_equal(large.params_, est.params_)  # the same fit either way
 
 
+@pytest.mark.timeout(120)
+def test_a_batchs_portions_are_released_only_after_the_next_batch_is_submitted(
+    client, digits_binary, monkeypatch
+):
+    """A Dask client sends the scheduler at most one batch of messages per 10 ms: a release sent
+    just before the next batch's submissions would hold those back.  So every portion of a
+    batch is released after a later batch's portions were submitted (the last batch's at the
+    end of the fit)."""
+    (X, y), _ = digits_binary
+    sent, send = [], client._send_to_scheduler
+
+    def recording(msg):
+        versions = [int(str(k).split("-")[2][1:]) for k in msg.get("keys", ()) if
+                    str(k).startswith("portion-")]  # fmt: skip
+        if versions:
+            sent.append((msg["op"], versions))
+        return send(msg)
+
+    monkeypatch.setattr(client, "_send_to_scheduler", recording)
+    est = SandblasterLBFGS(
+        models.LogisticRegression(64, l2=1e-2), max_iter=6, tol=0.0, random_state=0
+    ).fit(X, y, client=client)
+    last = max(v for op, versions in sent for v in versions if op == "update-graph")
+    assert last >= 6 and len(est.experiment_.pushes) >= 6
+
+    def released() -> set[int]:  # a dropped future is released from the client's event loop
+        return {v for op, versions in sent if op == "client-releases-keys" for v in versions}
+
+    deadline = time.monotonic() + 30
+    while not set(range(2, last)) <= released():  # (the first batch's futures can wait for
+        assert time.monotonic() < deadline, released()  # Python's cycle collector)
+        time.sleep(0.01)
+    monkeypatch.undo()
+    submitted = 0  # the newest batch submitted so far
+    for op, versions in sent:
+        if op == "update-graph":
+            submitted = max(submitted, *versions)
+        elif op == "client-releases-keys":
+            assert all(v < submitted or v == last for v in versions), (op, versions, submitted)
+
+
 def _copies_stay_on_the_shards(limit: int) -> None:
     SandblasterShard.RETURNED_COPY_BYTES = limit
 

@@ -120,6 +120,11 @@ class Portions(PortionScheduling):
         self.delay = dict(delay or {})
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
         self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
+        # Collected copies, held until the next batch's portions are submitted.  Dropping a
+        # future makes the client send the scheduler a release message, and a Dask client sends
+        # at most one batch of messages per 10 ms: the next batch's submissions, a few ms later,
+        # would wait out the rest of that interval.  Released after them, it travels with them.
+        self.retired: list[Future] = []
         self.freed: dict[str, float] = {}  # when each worker's last copy was collected
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
@@ -169,11 +174,13 @@ class Portions(PortionScheduling):
             "batch_start", f"batch {batch}, version {version}", batch=batch, version=version
         )
         todo = list(self.batches[batch])
+        retired, self.retired = self.retired, []
         done: dict[int, PortionResult] = {}
         copies: dict[int, list[PortionCopy]] = {}  # every copy submitted in this batch
         durations: list[float] = []  # submit-to-result seconds of the counted copies
         while len(done) < len(self.batches[batch]):
             self._dispatch(version, todo, copies)
+            retired.clear()  # released now: their message goes with the submissions
             if not todo and self.backup_tasks:
                 self._backups(version, copies, done, durations)
             if not self.inflight:  # no live worker slot at the moment: wait for one
@@ -241,6 +248,7 @@ class Portions(PortionScheduling):
         copy = self.inflight[future]
         began = self._running_since(copy)
         del self.inflight[future]
+        self.retired.append(future)  # released after the next submissions
         self.load[copy.worker] -= 1
         self.freed[copy.worker] = time.time()
         if future.status == "error":
