@@ -53,7 +53,7 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions.timeout = 5.0
     portions.observer = observer or _Observer()
     portions.inflight, portions.load, portions.where = {}, {"w1": 0, "w2": 0}, {}
-    portions.retired = []
+    portions.retired, portions._lead, portions._before_submit = [], [], []
     portions.capacity, portions.freed = {"w1": Portions.DEPTH, "w2": Portions.DEPTH}, {}
     portions._restore_blocks = lambda: restored.append(1)
     portions.blocks = [SimpleNamespace(key=f"block-{pid}", status="pending") for pid in range(10)]
@@ -233,6 +233,17 @@ def test_a_program_that_writes_a_kept_vector_brings_it_back_in_the_same_call():
     assert dots.tolist() == [(x + 0.5).sum()]
     np.testing.assert_array_equal(portions.kept["x"], x + 0.5)  # the whole vector, as written
     assert portions.server.calls == ["run", "run_and_copy"]  # one round trip each
+
+
+def test_a_led_program_runs_first_in_the_next_program_and_only_there():
+    x = np.arange(7, dtype=np.float64)
+    portions = _portions([])
+    portions.server, portions.keep, portions.kept = _StoresServer(x), (), {}
+    portions.lead([("copy", "x", "xe")])  # a snapshot of x, before the step below moves x
+    portions.run([("axpy", 1.0, "d", "x")])
+    np.testing.assert_array_equal(portions.run([("dot", "xe", "xe")]), [x @ x])
+    assert portions.run([]).size == 0  # nothing led and nothing to run: no call
+    assert portions.server.calls == ["run", "run"]
 
 
 def test_a_task_given_its_point_computes_only_if_its_worker_saw_no_later_version():

@@ -367,44 +367,72 @@ def test_a_pass_ends_on_the_shards_with_no_call_of_the_coordinator_after_it(
 
 
 @pytest.mark.timeout(120)
-def test_a_batchs_portions_are_released_only_after_the_next_batch_is_submitted(
+def test_a_pass_is_not_held_back_by_the_last_ones_releases_and_its_score_adds_no_round_trip(
     client, digits_binary, monkeypatch
 ):
-    """A Dask client sends the scheduler at most one batch of messages per 10 ms: a release sent
-    just before the next batch's submissions would hold those back.  So every portion of a
-    batch is released after a later batch's portions were submitted (the last batch's at the
-    end of the fit)."""
-    (X, y), _ = digits_binary
-    sent, send = [], client._send_to_scheduler
+    """A Dask client sends the scheduler at most one batch of messages per 10 ms: a release
+    sent a few ms before a pass's submissions would hold those back.  So a batch's portions and
+    a finished score are released only after a later batch was submitted (the last ones at the
+    end of the fit); a score is submitted with the next pass's portions, and its snapshot of the
+    iterate leads that pass's prelude on the shards instead of a program of its own."""
+    (X, y), test = digits_binary
+    recorded, send = [], client._send_to_scheduler
+    programs, call_all = [], ParameterServer.call_all
 
     def recording(msg):
-        versions = [int(str(k).split("-")[2][1:]) for k in msg.get("keys", ()) if
-                    str(k).startswith("portion-")]  # fmt: skip
-        if versions:
-            sent.append((msg["op"], versions))
+        for key in map(str, msg.get("keys", ())):
+            if key.startswith("portion-"):  # (a batch's portions by their batch)
+                recorded.append((msg["op"], int(key.split("-")[2][1:]), key))
+            elif key.startswith("evaluate_task-"):
+                recorded.append((msg["op"], key, key))
         return send(msg)
 
+    def sent() -> list[tuple]:  # this fit's: not an earlier fit's releases
+        ours = {key for op, _, key in recorded if op == "update-graph"}
+        return [(op, what) for op, what, key in list(recorded) if key in ours]
+
+    def counting(self, method, *args, **kwargs):
+        programs.append(method.__name__ in ("run", "run_and_copy"))
+        return call_all(self, method, *args, **kwargs)
+
     monkeypatch.setattr(client, "_send_to_scheduler", recording)
-    est = SandblasterLBFGS(
+    monkeypatch.setattr(ParameterServer, "call_all", counting)
+    fit = SandblasterLBFGS(
         models.LogisticRegression(64, l2=1e-2), max_iter=6, tol=0.0, random_state=0
-    ).fit(X, y, client=client)
-    last = max(v for op, versions in sent for v in versions if op == "update-graph")
-    assert last >= 6 and len(est.experiment_.pushes) >= 6
+    ).fit  # fmt: skip
+    scored = fit(X, y, eval_data=test, client=client)
+    with_scores, programs[:] = sum(programs), []
+    assert scored.experiment_.evals["accuracy"].notna().all()  # every iteration was scored
+    batches = [v for op, v in sent() if op == "update-graph" and isinstance(v, int)]
+    last = max(batches)
+    scores = [k for op, k in sent() if op == "update-graph" and k not in batches]
+    assert last >= 6 and len(scores) == len(scored.experiment_.evals)
 
-    def released() -> set[int]:  # a dropped future is released from the client's event loop
-        return {v for op, versions in sent if op == "client-releases-keys" for v in versions}
-
+    went_with, waiting = {}, []  # the batch each score was submitted with
+    for op, what in sent():
+        if op == "update-graph" and isinstance(what, int):
+            went_with.update((score, what) for score in waiting)
+            waiting = []
+        elif op == "update-graph":
+            waiting.append(what)
+    assert waiting == scores[-1:]  # each went with a batch, but the final score
+    # A dropped future is released from the client's event loop: wait for the releases due
+    # in the fit (the first batch's futures may wait for Python's cycle collector).
+    due = set(range(2, last)) | {k for k, batch in went_with.items() if batch < last}
     deadline = time.monotonic() + 30
-    while not set(range(2, last)) <= released():  # (the first batch's futures can wait for
-        assert time.monotonic() < deadline, released()  # Python's cycle collector)
+    while not due <= {what for op, what in sent() if op == "client-releases-keys"}:
+        assert time.monotonic() < deadline, sent()
         time.sleep(0.01)
-    monkeypatch.undo()
     submitted = 0  # the newest batch submitted so far
-    for op, versions in sent:
-        if op == "update-graph":
-            submitted = max(submitted, *versions)
-        elif op == "client-releases-keys":
-            assert all(v < submitted or v == last for v in versions), (op, versions, submitted)
+    for op, what in sent():
+        if op == "update-graph" and isinstance(what, int):
+            submitted = max(submitted, what)
+        elif op == "client-releases-keys" and isinstance(what, int):  # a batch's portion
+            assert what < submitted or what == last, (what, submitted)
+        elif op == "client-releases-keys" and what in went_with:  # a score: after a batch
+            assert submitted > went_with[what], (what, went_with[what], submitted)  # after its
+    fit(X, y, client=client)  # the same fit without eval_data
+    assert with_scores <= sum(programs) + 1  # one: the final score's snapshot (no pass left)
 
 
 def _copies_stay_on_the_shards(limit: int) -> None:

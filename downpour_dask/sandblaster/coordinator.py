@@ -32,11 +32,10 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import CancelledError
 from typing import Any
 
 import numpy as np
-from distributed import Client, Future
+from distributed import Client
 
 from ..base import ParamServerEstimator, RunRecorder
 from ..core import optim
@@ -47,12 +46,13 @@ from ..core.protocol import TrainableModel
 from ..log import Experiment, Progress, PushRow
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
-from ..runtime.cluster import cluster_workers, send_to_workers
+from ..runtime.cluster import cluster_workers
 from ..runtime.malloc import tune_malloc
 from .blocks import ArrayBlocks, ShardBlocks, default_portions
 from .portions import Portions
+from .scoring import Scoring
 from .shard import SandblasterShard
-from .tasks import PortionResult, evaluate_task, forget_run
+from .tasks import PortionResult, forget_run
 
 #: Evaluation columns Sandblaster adds to every run's ``evals``: one row per iteration.
 ITERATION_COLUMNS = {"objective": "float64", "grad_norm": "float64", "step": "float64"}
@@ -114,8 +114,7 @@ class Coordinator:
         self._spent = 0.0  # seconds L-BFGS ran in earlier attempts (max_seconds counts them)
         self.worker_index: dict[str, int] = {}
         self.metric = "accuracy" if self.model.is_classifier else "r2"
-        self._pending_eval: tuple[dict[str, Any], Future] | None = None
-        self._eval_future: Future | None = None
+        self.scoring: Scoring | None = None  # eval_data's scores, if there is eval_data
         self.lost_workers: set[str] = set()  # workers that held a lost shard: never used again
 
     # -- what the passes report (the PassObserver of portions.py) ---------------------------------
@@ -193,7 +192,11 @@ class Coordinator:
             if isinstance(self.model, Model)
             else self.model
         )
-        self._scatter_eval(restored=False)
+        if self.evaluation is not None:
+            self.scoring = Scoring(
+                client, self.model, self.evaluation, self.metric, est.timeout, self.survivors,
+                self.event,
+            )  # fmt: skip
         ids, k = [], 0
         for batch in rows:
             ids.append(list(range(k, k + len(batch))))
@@ -220,12 +223,12 @@ class Coordinator:
         )  # fmt: skip
         self._finish_eval()
         evals = self.recorder.evals
-        if self._eval_future is not None and np.isnan(evals[-1]["loss"]):  # score the result
+        if self.scoring is not None and np.isnan(evals[-1]["loss"]):  # score the result
             self._submit_eval(evals[-1])
             self._finish_eval()
         if self.callback is not None and evals:
             self.callback(self._progress(evals[-1], "done"))
-        extra = [] if self._eval_future is None else [self._eval_future]
+        extra = [] if self.scoring is None else self.scoring.futures()
         client.cancel(self.portions.blocks + extra)
 
     def _attempt(self, ids: list[list[int]], flat: list, data_model: TrainableModel) -> None:
@@ -269,9 +272,8 @@ class Coordinator:
     def _restore(self, error: ShardLostError, restores: int) -> None:
         """After ``error``: drop the attempt's shards, portions and pending evaluation; the next
         attempt starts new shards at the last completed iterate."""
-        if self._pending_eval is not None:
-            self._pending_eval[1].release()
-            self._pending_eval = None
+        if self.scoring is not None:
+            self.scoring.drop()
         if self.server is not None:
             self.lost_workers.add(self.server.workers[error.shard])
         old = self.portions if hasattr(self, "portions") else None
@@ -293,7 +295,7 @@ class Coordinator:
         iteration = self._offset + record["iteration"]
         if iteration <= self.done_iter:  # a restored attempt's start: recorded already
             row, due = self.recorder.evals[-1], iteration % self.est.eval_every_iter == 0
-            if self._eval_future is not None and np.isnan(row["loss"]) and due:
+            if self.scoring is not None and np.isnan(row["loss"]) and due:
                 self._submit_eval(row)  # its evaluation died with the lost shard
             return
         self._finish_eval()
@@ -307,7 +309,7 @@ class Coordinator:
             loss=np.nan, **{self.metric: np.nan}, objective=record["objective"],
             grad_norm=record["grad_norm"], step=record.get("step", 0.0),
         )  # fmt: skip
-        if self._eval_future is not None and iteration % self.est.eval_every_iter == 0:
+        if self.scoring is not None and iteration % self.est.eval_every_iter == 0:
             self._submit_eval(row)
         if self.callback is not None:
             self.callback(self._progress(row, "training"))
@@ -330,56 +332,16 @@ class Coordinator:
         workers = sorted(cluster_workers(self.client))
         return [w for w in workers if w not in self.lost_workers] or workers
 
-    def _scatter_eval(self, restored: bool) -> None:
-        """Send the evaluation data (if any) to one surviving worker, under a readable key."""
-        if self.evaluation is None:
-            return
-        key = f"sandblaster-eval-{uuid.uuid4().hex[:12]}"
-        data = {key: self.evaluation}
-        scattered = send_to_workers(self.client, data, self.survivors(), self.est.timeout)
-        self._eval_future = scattered[key]
-        if restored:
-            self.event("data_restored", "the evaluation data scattered again", evaluation=True)
-
-    def _submit_eval(self, row: dict[str, Any], snapshot: bool = True) -> None:
-        """Score a snapshot of ``x`` on a worker while the coordinator goes on iterating; the
-        evaluation data is scattered again first if its worker died."""
-        if snapshot:
-            self.portions.run([("copy", "x", "xe")])  # the next iterations may move x
-        if self._eval_future is None or self._eval_future.status != "finished":
-            self._scatter_eval(restored=True)
-        future = self.client.submit(
-            evaluate_task, self.server.portable(), self.model, self._eval_future,
-            self.est.timeout, self.token, pure=False,
-        )  # fmt: skip
-        self._pending_eval = (row, future)
+    def _submit_eval(self, row: dict[str, Any]) -> None:
+        """Score the iterate into ``row`` on a worker while the coordinator goes on iterating
+        (see :mod:`~downpour_dask.sandblaster.scoring`)."""
+        if self.scoring is not None:
+            self.scoring.submit(row, self.portions, self.server, self.token)
 
     def _finish_eval(self) -> None:
-        """Wait for the pending evaluation, if any, and fill in its row.
-
-        If it failed, a lost shard is the usual reason (raised as :class:`ShardLostError`, so
-        the fit restores it); else, if its data died with a worker, it runs once more on data
-        scattered again (the snapshot ``xe`` on the shards is unchanged until the next one).
-        """
-        for again in (True, False):
-            if self._pending_eval is None:
-                return
-            row, future = self._pending_eval
-            try:
-                row["loss"], row[self.metric] = future.result(timeout=self.est.timeout)
-                self._pending_eval = None
-                return
-            except Exception as err:
-                lost = self.server.lost_shards(timeout=min(5.0, self.est.timeout))
-                if lost:
-                    i = lost[0]
-                    raise ShardLostError(
-                        f"Sandblaster shard {i} (on worker {self.server.workers[i]}) was lost "
-                        f"during an evaluation ({type(err).__name__})", i,
-                    ) from err  # fmt: skip
-                if not (again and isinstance(err, CancelledError)):
-                    raise
-                self._submit_eval(row, snapshot=False)
+        """Wait for the pending score, if any (a lost shard raises :class:`ShardLostError`)."""
+        if self.scoring is not None:
+            self.scoring.finish(self.portions, self.server, self.token)
 
     def _experiment(self, workers: list[str]) -> Experiment:
         est = self.est

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError
 from typing import Any, Protocol
 
@@ -31,7 +31,7 @@ from distributed import Client, Future, wait
 
 from ..core.models import Model
 from ..core.params import DTYPE
-from ..core.vectors import Program, sum_replies, written
+from ..core.vectors import Command, Program, sum_replies, written
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
@@ -125,6 +125,8 @@ class Portions(PortionScheduling):
         # at most one batch of messages per 10 ms: the next batch's submissions, a few ms later,
         # would wait out the rest of that interval.  Released after them, it travels with them.
         self.retired: list[Future] = []
+        self._lead: list[Command] = []  # commands the shards run first in the next program
+        self._before_submit: list[Callable[[], None]] = []  # calls before the next submissions
         self.freed: dict[str, float] = {}  # when each worker's last copy was collected
         self.load: dict[str, int] = {}
         self.capacity: dict[str, int] = {}
@@ -135,10 +137,28 @@ class Portions(PortionScheduling):
         self.finished: dict[int, Finished] = {}  # the batch's finish results, by shard index
         self._refresh(first=True)
 
+    # -- what the coordinator adds to the next pass -------------------------------------------
+    def lead(self, program: Program) -> None:
+        """Have the shards run ``program`` first in the next program they run (a pass's prelude,
+        or :meth:`run`'s): a snapshot, say, without a round trip of its own."""
+        self._lead.extend(program)
+
+    def before_next_submit(self, call: Callable[[], None]) -> None:
+        """Call ``call`` just before the next batch's portions are submitted: a task it submits
+        goes to the scheduler with them, in one batch of messages (see :attr:`retired`)."""
+        self._before_submit.append(call)
+
+    def _led(self, program: Program) -> list[Command]:
+        lead, self._lead = self._lead, []
+        return [*lead, *program]
+
     # -- Space protocol -----------------------------------------------------------------------
     def run(self, program: Program) -> np.ndarray:
         """Run ``program`` on all shards concurrently (one round trip); sum the dot products.
         The vectors of :attr:`keep` it writes come back with them, into :attr:`kept`."""
+        program = self._led(program)
+        if not program:
+            return np.zeros(0)
         names = [name for name in self.keep if name in written(program)]
         if not names:
             replies = self.server.call_all(SandblasterShard.run, program, timeout=self.timeout)
@@ -164,7 +184,7 @@ class Portions(PortionScheduling):
         ending = Finish(frozenset(self.batches[batch]), list(finish), names)
         self.finished = {}
         begun = self.server.call_all(
-            SandblasterShard.begin, prelude, "xt", send, ending, timeout=self.timeout
+            SandblasterShard.begin, self._led(prelude), "xt", send, ending, timeout=self.timeout
         )
         version = begun[0][0]
         self.point = np.concatenate([values for _, values in begun]) if send else None
@@ -175,6 +195,9 @@ class Portions(PortionScheduling):
         )
         todo = list(self.batches[batch])
         retired, self.retired = self.retired, []
+        calls, self._before_submit = self._before_submit, []
+        for call in calls:
+            call()
         done: dict[int, PortionResult] = {}
         copies: dict[int, list[PortionCopy]] = {}  # every copy submitted in this batch
         durations: list[float] = []  # submit-to-result seconds of the counted copies
