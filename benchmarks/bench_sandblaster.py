@@ -26,6 +26,9 @@ read into a portion on its own worker); it is the cluster's counterpart of scipy
 Dask receives a scattered block at an arbitrary byte offset, so that row's fit copies each block
 aligned first; the "Dask Array computed on cluster" row has each block made by a task on its worker
 (as data Dask read or generated there is), aligned already and read without a copy.
+With ``--eval-rows N``, every Sandblaster fit also scores N held-out rows (drawn from the same
+model) after every iteration (``eval_data``, scored on a worker while the fit goes on), as a
+user watching a fit's accuracy has it; scipy is not scored.
 A small Sandblaster fit runs first, untimed: the first fit on a new cluster pays one-off costs
 (imports and allocations on the workers) that would otherwise land on one row.  The Sandblaster
 rows take turns in their order, one repeat to the next: the first fit after scipy's run places
@@ -33,7 +36,7 @@ its data later (0.5-1 s against 0.25-0.4 s, in every run; the cause is not known
 ``--repeats`` a multiple of 5 each row kind takes that place equally often.
 
     python benchmarks/bench_sandblaster.py [--rows 1000000] [--features 100] [--rel 1e-5]
-                                           [--repeats 1] [--skip-dask-ml]
+                                           [--repeats 1] [--skip-dask-ml] [--eval-rows 0]
 """
 
 from __future__ import annotations
@@ -89,14 +92,26 @@ VARIANTS = (  # (portions, variant)
 )  # fmt: skip
 
 
-def make_data(rows: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded synthetic logistic data: Gaussian features, labels drawn from a true model."""
+def make_data(
+    rows: int, features: int, seed: int = 0, held_out: int = 0
+) -> tuple[np.ndarray, np.ndarray] | tuple[tuple, tuple]:
+    """Seeded synthetic logistic data: Gaussian features, labels drawn from a true model.
+
+    With ``held_out``, also that many more rows of the same model, drawn after the training
+    rows (which stay the same): ``(X, y), (X_held, y_held)``."""
     rng = np.random.default_rng(seed)
     X = rng.standard_normal((rows, features), dtype=np.float32)
     w = rng.standard_normal(features).astype(np.float32) * np.float32(2.0 / np.sqrt(features))
-    p = 1.0 / (1.0 + np.exp(-(X @ w + np.float32(0.5))))
-    y = (rng.random(rows, dtype=np.float32) < p).astype(np.int64)
-    return X, y
+
+    def labels(X: np.ndarray) -> np.ndarray:
+        p = 1.0 / (1.0 + np.exp(-(X @ w + np.float32(0.5))))
+        return (rng.random(len(X), dtype=np.float32) < p).astype(np.int64)
+
+    y = labels(X)
+    if not held_out:
+        return X, y
+    X_held = rng.standard_normal((held_out, features), dtype=np.float32)
+    return (X, y), (X_held, labels(X_held))
 
 
 def objective64(model, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
@@ -189,7 +204,7 @@ def on_cluster(client, X, y, parts: int, computed: bool = False) -> tuple:
     return Xd, yd
 
 
-def run_sandblaster(client, model, X, y, portions):
+def run_sandblaster(client, model, X, y, portions, scored=None):
     runs = []
     original = Coordinator.execute
 
@@ -202,7 +217,7 @@ def run_sandblaster(client, model, X, y, portions):
         start = time.time()
         est = SandblasterLBFGS(
             model, portions_per_batch=portions, max_iter=200, tol=1e-10, random_state=0
-        ).fit(X, y, client=client)
+        ).fit(X, y, eval_data=scored, client=client)
     finally:
         Coordinator.execute = original
     evals = est.experiment_.evals
@@ -227,12 +242,18 @@ def main() -> None:
         "--repeats", type=int, default=1, help="interleaved runs of scipy and Sandblaster"
     )
     parser.add_argument("--skip-dask-ml", action="store_true", help="leave dask-ml out")
+    parser.add_argument(
+        "--eval-rows", type=int, default=0, help="held-out rows each Sandblaster fit scores"
+    )
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"python {platform.python_version()}, numpy {np.__version__}, dask {dask.__version__}"
     )
-    X, y = make_data(args.rows, args.features)
+    if args.eval_rows:
+        (X, y), scored = make_data(args.rows, args.features, held_out=args.eval_rows)
+    else:
+        (X, y), scored = make_data(args.rows, args.features), None
     model = models.LogisticRegression(args.features, l2=L2_WEIGHT)
     x0 = np.zeros(model.layout.size, np.float32)  # dask-ml starts from zeros: so do all
     results: dict[str, list] = {}
@@ -269,7 +290,8 @@ def main() -> None:
                     )
                     results.setdefault(label, []).append(
                         run_sandblaster(
-                            relaying if variant == RELAYED else client, model, *data, portions
+                            relaying if variant == RELAYED else client, model, *data, portions,
+                            scored,
                         )
                     )
                     del data
@@ -284,7 +306,9 @@ def main() -> None:
     print(
         f"\nlogistic regression, {args.rows:,} x {args.features} float32, l2={L2_WEIGHT}; "
         f"2-worker LocalCluster (1 thread each); target objective {target:.8f} "
-        f"(best final * (1 + {args.rel:g})); {args.repeats} interleaved repeat(s), load "
+        f"(best final * (1 + {args.rel:g})); {args.repeats} interleaved repeat(s)"
+        + (f", Sandblaster scoring {args.eval_rows:,} rows every iteration" if scored else "")
+        + ", load "
         f"{os.getloadavg()[0]:.1f}"
     )
     header = f"{'method':62} {'final objective':>16} {'evals':>6} {'1st eval':>9} {'to target':>10}"
