@@ -3,10 +3,10 @@ coordinator iterates on.
 
 The coordinator asks for a score after an iteration (:meth:`Scoring.submit`).  The shards copy
 ``x`` to ``xe`` first thing in their next program, the next pass's prelude (no round trip of its
-own), and the scoring task is submitted just before that pass's portions, so the three go to the
-scheduler in one batch of messages: a Dask client sends at most one batch per 10 ms, and a
-scoring task submitted on its own a few ms before the portions held them back by the rest of
-that interval.  The task pulls ``xe`` from the shards and scores it on the evaluation data,
+own), and the scoring task is submitted just before that pass's portions, so that it goes to the
+scheduler in one batch of messages with them: a Dask client sends at most one batch per 10 ms,
+and a scoring task submitted on its own a few ms before the portions held them back by the rest
+of that interval.  The task pulls ``xe`` from the shards and scores it on the evaluation data,
 which lives on one worker (scattered again from the driver's copy if that worker died).  The
 coordinator waits for the score when the next one is due (:meth:`Scoring.finish`), or at the end
 of the fit, which then launches a score no pass came to carry.
@@ -76,18 +76,12 @@ class Scoring:
             self.event("data_restored", "the evaluation data scattered again", evaluation=True)
 
     def submit(
-        self,
-        row: dict[str, Any],
-        portions: Portions,
-        server: ParameterServer,
-        token: str,
-        snapshot: bool = True,
+        self, row: dict[str, Any], portions: Portions, server: ParameterServer, token: str
     ) -> None:
-        """Score the iterate ``x`` as it is now into ``row``: the snapshot (unless ``snapshot``
-        is False: ``xe`` holds it already) leads the shards' next program and the task goes
-        with the next batch's portions (see the module docstring)."""
-        if snapshot:
-            portions.lead([("copy", "x", "xe")])  # the next iterations may move x
+        """Score the iterate ``x`` as it is now into ``row``: the snapshot leads the shards'
+        next program and the task goes with the next batch's portions (see the module
+        docstring)."""
+        portions.lead([("copy", "x", "xe")])  # the next iterations may move x
         self.pending = (row, None)
         portions.before_next_submit(lambda: self._launch_if_waiting(row, server, token))
 
