@@ -133,12 +133,19 @@ def test_a_jax_mlp_trained_by_downpour_reaches_the_numpy_mlps_accuracy(client, m
 
 @pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 def test_the_cnn_trained_by_downpour_beats_the_mlp_on_mnist5k(client, mnist):
-    """The suite's small setting (4 epochs); benchmarks/bench_models.py measures the full one."""
+    """The suite's small setting (4 epochs); benchmarks/bench_models.py measures the full one.
+
+    Both networks train the same way in the same run, so a loaded machine, which makes the
+    asynchronous updates staler, weighs on both: on a quiet one the CNN scored 0.958-0.963 and
+    the MLP 0.928-0.941 in six runs each, and a CI run beside the rest of the suite saw the CNN
+    at 0.949."""
     train, test = mnist
-    est = _downpour(models.cnn(), 4).set_params(eval_every=2.0)
-    est.fit(train, eval_data=test, client=client)
-    print(f"CNN after 4 epochs: {est.score(test):.3f}")
-    assert est.score(test) >= 0.95  # the MLP's is about 0.93
+    mlp = _downpour(models.MLP(784, (128,), 10), 4).fit(train, eval_data=test, client=client)
+    cnn = _downpour(models.cnn(), 4).set_params(eval_every=2.0)
+    cnn.fit(train, eval_data=test, client=client)
+    print(f"after 4 epochs: CNN {cnn.score(test):.3f}, MLP 784-128-10 {mlp.score(test):.3f}")
+    assert cnn.score(test) > mlp.score(test)
+    assert cnn.score(test) >= 0.94
 
 
 def _eqx_apply(static, params, X):
