@@ -176,8 +176,10 @@ def test_the_other_replicas_start_when_replica_0s_warmstart_is_on_the_shards(cli
     pushes = est.experiment_.pushes
     others = pushes[pushes["replica"] > 0]
     assert len(others) > 0 and others["version"].min() > 20
-    first_other = others["time"].min()
-    assert (pushes[pushes["replica"] == 0]["time"] < first_other).sum() >= 20
+    # the shards applied replica 0's first 20 pushes alone: versions 1..20, one by one (the rows'
+    # times are when each push's acknowledgement came back, which under load may be after the
+    # others' first ones)
+    assert set(range(1, 21)) <= set(pushes[pushes["replica"] == 0]["version"])
     kinds = list(est.experiment_.events["kind"])
     assert kinds[:2] == ["start", "warmstart_done"]
 
