@@ -8,6 +8,7 @@ are marked ``@pytest.mark.slow`` so that ``pytest -m "not slow"`` is a quick inn
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -104,6 +105,43 @@ def kill_during_fit() -> Callable[[Client, str, Callable[[], Any]], dict]:
     """``kill_during_fit(client, victim, fit)``: run ``fit`` and SIGKILL ``victim`` inside a
     batch (a test using it is a slow one)."""
     return _kill_during_fit
+
+
+@pytest.fixture
+def no_cycle_collector():
+    """Python's cyclic garbage collector off for the test (collected once first): what a fit
+    lets go of must go because it let go, not because the collector happened to run."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _held_keys(dask_scheduler) -> list[str]:
+    return [str(key) for key in dask_scheduler.tasks]
+
+
+def _scheduler_keys(client: Client) -> set[str]:
+    return set(client.run_on_scheduler(_held_keys))
+
+
+@pytest.fixture
+def cluster_keys(client) -> Callable[..., set[str]]:
+    """``cluster_keys()``: every key the shared cluster's scheduler holds (data, tasks, actors);
+    ``cluster_keys(beyond=before)``: the keys held beyond ``before``, once none are or after
+    20 s (releases travel asynchronously)."""
+
+    def keys(beyond: set[str] | None = None) -> set[str]:
+        if beyond is None:
+            return _scheduler_keys(client)
+        deadline = time.monotonic() + 20
+        while (extra := _scheduler_keys(client) - beyond) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return extra
+
+    return keys
 
 
 @pytest.fixture(autouse=True)

@@ -26,6 +26,7 @@ from downpour_dask.runtime.dask_internals import (
     direct_actor,
     local_actor,
     on_worker_loop,
+    release_hold,
     scheduler_workers,
     task_cancelled,
 )
@@ -175,6 +176,26 @@ def test_a_call_into_a_lost_actor_raises_the_error_is_shard_lost_recognises(clie
             time.sleep(0.01)
     assert str(caught.value).startswith(LOST_ACTOR)
     assert is_shard_lost(caught.value)
+
+
+def test_release_hold_lets_an_actor_go_whose_called_handle_sits_in_a_reference_cycle(
+    client, no_cycle_collector, cluster_keys
+):
+    """A handle whose method was called stays alive in Dask's reference cycles; without the
+    collector, only :func:`release_hold` on it (and on the actor's future) lets the actor go."""
+    before = cluster_keys()
+    future = client.submit(
+        ParameterServerShard, 0, 0, 2, np.zeros(2, np.float32), optim.sgd(0.1),
+        actor=True, pure=False,
+    )  # fmt: skip
+    handle = future.result(timeout=TIMEOUT)
+    assert handle.current_version().result(timeout=TIMEOUT) == 0
+    release_hold(future)
+    release_hold(handle)
+    release_hold(handle)  # a second time changes nothing
+    del future, handle
+    assert cluster_keys(beyond=before) == set()
+    release_hold(object())  # a handle without a future of its own: nothing to do
 
 
 def test_waiting_on_cancelled_data_raises_the_error_sandblaster_catches(client):

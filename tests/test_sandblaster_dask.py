@@ -5,7 +5,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import Client, get_task_stream
+from distributed import Client, futures_of, get_task_stream
 
 from downpour_dask import datasets, models
 from downpour_dask.data.dask_collections import distinct_labels
@@ -90,6 +90,29 @@ def test_partition_lengths_are_counted_on_the_workers_only_when_the_chunks_do_no
     assert bool(counted) is not known  # a round trip to the workers only where needed
     pushes = est.experiment_.pushes
     assert (pushes.groupby("version")["examples"].sum() == len(X)).all()  # every row, once
+
+
+@pytest.mark.timeout(120)
+def test_a_finished_fit_lets_go_of_its_shards_and_its_copy_of_the_data_but_not_the_users(
+    client, digits_signed, no_cycle_collector, cluster_keys
+):
+    """A fit on a lazy collection persists a copy of it for the fit; once the fit returns, that
+    copy and the shards must be gone from the workers' memory (the cycle collector is off: the
+    fit must let go itself, not leave it to a collector that may not run for a long time).  A
+    collection the user persisted stays, whole."""
+    X, y = digits_signed
+    before = cluster_keys()
+    lazy = da.from_array(X, chunks=(500, 64)), da.from_array(y, chunks=500)
+    model = models.LogisticRegression(64, l2=3e-2)
+    SandblasterLBFGS(model, max_iter=3, random_state=0).fit(*lazy, client=client)
+    assert cluster_keys(beyond=before) == set()
+    Xd, yd = client.persist(list(lazy))  # the user's own copy
+    SandblasterLBFGS(model, max_iter=3, random_state=0).fit(Xd, yd, client=client)
+    users = {str(f.key) for f in futures_of([Xd, yd])}
+    assert cluster_keys(beyond=before | users) == set()
+    assert users <= cluster_keys()  # the user's copy stays
+    np.testing.assert_array_equal(client.compute(Xd).result(timeout=30), X)
+    np.testing.assert_array_equal(client.compute(yd).result(timeout=30), y)
 
 
 def test_an_array_block_is_a_view_of_float32_rows_and_checked_like_a_file():

@@ -71,3 +71,15 @@ def test_params_clone_and_refusals_before_any_work(client):
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['beta2'\] for optimizer"):
         clone(clf).set_params(optimizer="momentum:beta2=0.9").fit(X, y, client=client)
     assert not hasattr(clf, "dense_")
+
+
+def test_a_finished_fit_lets_go_of_its_shards_without_the_cycle_collector(
+    client, no_cycle_collector, cluster_keys
+):
+    """The shard actors (their tables' rows in the workers' memory) go when the fit returns,
+    even though Dask's actor calls leave the driver's handles in reference cycles."""
+    before = cluster_keys()
+    X, y = clicks(600)
+    clf = estimator(n_shards=2, max_epochs=1).fit(X, y, client=client)
+    assert cluster_keys(beyond=before) == set()
+    assert clf.predict_proba(X).shape == (600, 2)  # the fitted model lives on in the driver

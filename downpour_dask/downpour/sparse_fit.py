@@ -42,6 +42,7 @@ from ..ps.refs import refer
 from ..ps.rows import SparseLayout
 from ..ps.table import SparseShard
 from ..runtime.cluster import cluster_workers
+from ..runtime.dask_internals import release_hold
 from .dask_cluster import DaskCluster
 from .shard_recovery import ShardRecovery
 from .sparse_accrual import check_schedule
@@ -122,14 +123,17 @@ class SparseFit:
         return dense, tables
 
     def close(self) -> None:
-        """Let the shard actors go."""
-        replaced = [] if self.recovery is None else self.recovery.server.replaced_futures
-        for f in [*self.futures, *replaced]:
-            f.release()
+        """Let the shard actors go: their futures, and each handle's own future of its key (a
+        handle whose methods were called sits in reference cycles of Dask's making and would
+        keep its actor alive until Python's cycle collector ran: see ``release_hold``)."""
+        server = None if self.recovery is None else self.recovery.server
+        replaced = [] if server is None else [*server.replaced_futures, *server.replaced.values()]
+        for held in [*self.futures, *self.actors, *replaced]:
+            release_hold(held)
         self.futures, self.actors = [], []
-        if self.recovery is not None:
-            self.recovery.server.replaced.clear()
-            replaced.clear()
+        if server is not None:
+            server.replaced.clear()
+            server.replaced_futures.clear()
 
 
 def _check_files(model: Any, data: Any, n_replicas: int) -> None:

@@ -253,15 +253,22 @@ class ReplicaTasks:
         self.mailboxes[replica], self.mailbox_workers[replica] = boxes, list(workers)
 
     def close_mailboxes(self, replica: int, reason: str) -> None:
-        """Make ``replica``'s partitions that still run give up, and let its mailboxes go."""
-        calls = []
-        for box in self.mailboxes.pop(replica, []):
+        """Make ``replica``'s partitions that still run give up, and let its mailboxes go.
+
+        They are cancelled, not just dropped: the actor handle a close call goes through sits
+        in reference cycles of Dask's making (see ``runtime/dask_internals.release_hold``)
+        and would keep its mailbox alive on the worker until Python's cycle collector ran."""
+        boxes, calls = self.mailboxes.pop(replica, []), []
+        for box in boxes:
             with contextlib.suppress(Exception):  # a mailbox lost with its worker: nothing to do
                 if box.status == "finished":
                     calls.append(box.result(timeout=1).close(reason))
         for call in calls:
             with contextlib.suppress(Exception):
                 call.result(timeout=5)
+        for box in boxes:
+            with contextlib.suppress(Exception):
+                box.cancel()
         self.mailbox_workers.pop(replica, None)
 
 

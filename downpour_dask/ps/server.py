@@ -20,7 +20,7 @@ from distributed import Client, Future
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE, split_range
 from ..runtime.cluster import cluster_workers, send_to_workers
-from ..runtime.dask_internals import direct_actor
+from ..runtime.dask_internals import direct_actor, release_hold
 from .protocol import PushReply, ShardLostError, is_shard_lost
 from .refs import ActorRef, refer
 from .shard import ParameterServerShard
@@ -63,7 +63,7 @@ class ParameterServer:
         self.max_grad_norm: float | None = None  # what create() gave the shards
         self.shard_class: type = ParameterServerShard
         self._futures = futures or []
-        self._retired: list[Future] = []  # replaced shards' futures, until close()
+        self._retired: list = []  # replaced shards' futures and handles, until close()
         self.wire_secret = b""  # the run's secret for direct connections (see ps/service.py)
 
     def __getstate__(self) -> dict:
@@ -299,11 +299,11 @@ class ParameterServer:
         except BaseException:  # e.g. its worker died too: nothing of it must linger
             future.release()
             raise
+        if i < len(self._futures):
+            self._retired += [self._futures[i], self.shards[i]]
+            self._futures[i] = future
         self.shards[i], self.workers[i] = direct_actor(actor, client), worker
         self.generations[i] = generation
-        if i < len(self._futures):
-            self._retired.append(self._futures[i])
-            self._futures[i] = future
         return future
 
     @property
@@ -390,11 +390,11 @@ class ParameterServer:
     def close(self) -> None:
         """Release the actors (they are deleted once no future refers to them).
 
-        The actor handles go too, replaced by :class:`ActorRef` objects: each handle holds a future
-        of its key, and a handle caught in a reference cycle would keep its actor alive until
-        Python's cyclic garbage collector happens to run.
+        The handles go too, replaced by :class:`ActorRef` objects, their own futures of the keys
+        released first: a handle that was called sits in reference cycles, which would keep its
+        actor alive until Python's cycle collector ran (see ``dask_internals.release_hold``).
         """
-        for f in self._futures + self._retired:
-            f.release()
+        for held in self._futures + self._retired + self.shards:  # (an ActorRef holds nothing)
+            release_hold(held)
         self._futures, self._retired = [], []
         self.shards = [refer(a, self.shard_class, w) for a, w in zip(self.shards, self.workers)]

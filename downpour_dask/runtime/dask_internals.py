@@ -157,6 +157,26 @@ def direct_actor(actor: Any, client: Client) -> Any:
     return handle
 
 
+def release_hold(held: Any) -> None:
+    """Let go of the driver's hold on a key through ``held``: a future, or an actor handle made
+    in the driver (through the handle's own future of the actor's key).
+
+    A handle's future is released when the handle is deleted.  But a handle whose methods were
+    called sits in reference cycles: the closure Dask makes for each call
+    (``run_actor_function_on_worker`` in ``Actor.__getattr__``) refers to itself, and through
+    its cell to the handle.  The handle then outlives its last use until Python's cycle
+    collector happens to run, and so does the actor, with its memory on the worker, after the
+    fit that made it has returned.
+
+    Relies on ``Actor._future``, the handle's future of the key (None in a handle made inside
+    a worker), and on ``Future.release()`` letting go of the key once only, however often it
+    is called (checked: distributed 2026.8).  Does nothing for a handle without such a future.
+    """
+    future = held if isinstance(held, Future) else getattr(held, "_future", None)
+    if isinstance(future, Future):
+        future.release()
+
+
 def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
     """The cluster's current workers (address -> info such as ``nthreads``), asked afresh.
 

@@ -164,11 +164,21 @@ class PersistedPartitions:
         them keeps the persisted copy alive.
     holders : dict of int to str
         The worker holding each non-empty partition's rows, by partition index.
+    own : list of Future
+        The copy's futures that are the fit's own (not the caller's objects): :meth:`release`
+        lets go of them.
     """
 
     dataset: DaskDataset
     parts: list
     holders: dict[int, str]
+    own: list[Future]
+
+    def release(self) -> None:
+        """Let go of the fit's hold on the copy; a collection the caller persisted keeps the
+        caller's hold, and its data with it."""
+        for future in self.own:
+            future.release()
 
 
 def persist_partitions(client: Client, ds: DaskDataset, timeout: float) -> PersistedPartitions:
@@ -188,7 +198,9 @@ def persist_partitions(client: Client, ds: DaskDataset, timeout: float) -> Persi
     placed = ds.with_partitions(collection, [int(n) for n in lengths], names)
     who_has = client.who_has(heavy)
     holders = {s.part: _holder(who_has, heavy[s.part]) for s in placed.shards}
-    return PersistedPartitions(placed, parts, holders)
+    theirs = {id(f) for f in futures_of(ds.collection)}  # a persisted collection's, if any
+    own = [f for f in futures_of(collection) if id(f) not in theirs]
+    return PersistedPartitions(placed, parts, holders, own)
 
 
 def _place_dask(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from ..data.readers import IN_ORDER, read_array_rows, read_chunks
 from ..data.schema import Schema, Shard
 from ..data.shards import ShardedDataset
 from ..runtime.cluster import cluster_workers, send_to_workers
+from ..runtime.placement import PersistedPartitions
 
 #: Dataset kinds whose shards a worker reads itself from files.
 FILE_KINDS = ("parquet", "npy", "csv")
@@ -109,6 +110,10 @@ class ArrayBlocks:
         sent = send_to_workers(client, [(X[rows], y[rows])], timeout=timeout)
         return self._align(client, sent, [None])[0]
 
+    def release(self) -> None:
+        """Nothing to let go of at the end of a fit: the blocks are the passes' (cancelled
+        then), the rows the driver's."""
+
     def _align(
         self, client: Client, sent: list[Future], pids: Sequence[int | None]
     ) -> list[Future]:
@@ -148,26 +153,25 @@ class ShardBlocks:
     n_classes : int or None
         The classifier's number of classes (labels are checked to be in ``0..n_classes-1``
         while reading); None for regression targets.
-    parts : sequence, optional
-        Dask data: every partition (``PersistedPartitions.parts``), indexed by ``shard.part``.
-    holders : mapping of int to str, optional
-        Dask data: the worker holding each partition (``PersistedPartitions.holders``).
+    persisted : PersistedPartitions, optional
+        Dask data: the persisted copy whose ``dataset`` this is; its ``parts`` (indexed by
+        ``shard.part``) are read where its ``holders`` keep them.
     """
 
     def __init__(
         self,
         dataset: ShardedDataset,
         n_classes: int | None,
-        parts: Sequence[Any] = (),
-        holders: Mapping[int, str] | None = None,
+        persisted: PersistedPartitions | None = None,
     ):
-        if dataset.kind not in FILE_KINDS and not parts:
+        if dataset.kind not in FILE_KINDS and persisted is None:
             raise TypeError(
                 f"SandblasterLBFGS reads files on the workers ({', '.join(FILE_KINDS)}) or "
                 f"persisted Dask partitions, not a {dataset.kind!r} dataset without them"
             )
-        self.dataset, self.n_classes = dataset, n_classes
-        self.parts, self.holders = list(parts), dict(holders or {})
+        self.dataset, self.n_classes, self.persisted = dataset, n_classes, persisted
+        self.parts = [] if persisted is None else list(persisted.parts)
+        self.holders = {} if persisted is None else dict(persisted.holders)
         self.shards: list[Shard] = []
         self.homes: dict[int, str] = {}  # the worker each portion's rows are first read on
 
@@ -231,6 +235,18 @@ class ShardBlocks:
                     f"functions, from_array) or pass the data in memory"
                 )
         return self._read(client, rows, None)
+
+    def release(self) -> None:
+        """Let go of the fit's hold on the persisted Dask partitions, at the end of the fit.
+
+        Only the fit's own hold goes: a collection the user persisted keeps the user's, and the
+        data with it.  Done explicitly rather than left to the futures' deletion: a finished
+        fit's coordinator and its passes refer to each other, and Dask leaves futures in
+        reference cycles, so the copy would stay in the workers' memory until Python's cycle
+        collector happened to run.
+        """
+        if self.persisted is not None:
+            self.persisted.release()
 
     def _read(self, client: Client, pid: int, workers: list[str] | None) -> Future:
         shard = self.shards[pid]

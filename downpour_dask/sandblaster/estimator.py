@@ -218,7 +218,7 @@ class SandblasterLBFGS(ParamServerEstimator):
         if rows.kind in FILE_KINDS:
             return ShardBlocks(rows, n_classes)
         persisted = persist_partitions(client, rows, self.timeout)
-        return ShardBlocks(persisted.dataset, n_classes, persisted.parts, persisted.holders)
+        return ShardBlocks(persisted.dataset, n_classes, persisted)
 
     def fit(
         self,
@@ -283,10 +283,14 @@ class SandblasterLBFGS(ParamServerEstimator):
                 model, rows = prepare_fit(self, data, y, active)
                 evaluation = evaluation_data(self, model, eval_data)
             blocks = self._blocks(active, model, rows)
-            run = Coordinator(
-                self, active, blocks, evaluation, delay, callback, model, self._initial_params()
-            )
-            run.execute()
+            try:
+                run = Coordinator(
+                    self, active, blocks, evaluation, delay, callback, model,
+                    self._initial_params(),
+                )  # fmt: skip
+                run.execute()
+            finally:  # a Dask collection's persisted copy: not left to the cycle collector
+                blocks.release()
         self.model_ = model
         self.params_, self.gradient_ = run.params, run.gradient
         self.objective_, self.n_iter_ = run.result.objective, run.result.n_iter
