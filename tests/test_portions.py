@@ -156,6 +156,61 @@ def test_a_queued_copy_is_a_straggler_only_when_the_copy_ahead_of_it_is_slow():
     assert all(0.5 <= data["running"] < 1.0 for _, data in observer.events)
 
 
+def test_a_late_workers_portion_not_started_yet_goes_to_a_free_worker():
+    """A portion waits for the worker holding its block (moving a block costs more than a
+    normal wait), but not for a straggler: once that worker is late as a backup would judge
+    it, a free worker takes the portion (and moves its block), so that backups can start."""
+    observer = _Observer()
+    portions = _portions([], observer)
+    submitted = []
+
+    def submit(version, pid, worker, backup):
+        submitted.append((pid, worker, backup))
+        portions.load[worker] += 1
+        return PortionCopy(version, pid, worker, time.time())
+
+    portions._submit = submit
+    portions.capacity = {"w1": 1, "w2": 1}  # w1 runs portion 0; portion 1's block is on w1 too
+    portions.where = {0: {"w1"}, 1: {"w1"}}
+    running = _add(portions, _FakeFuture("pending"), version=3, portion=0, worker="w1", ago=1.0)
+    copies, todo = {0: [running]}, [1]
+
+    def dispatch_after(busy: float, durations: list) -> list:
+        submitted.clear()
+        portions.freed["w1"] = time.time() - busy  # w1 began its copy this long ago
+        portions._dispatch(3, todo, copies, durations)
+        return list(submitted)
+
+    assert dispatch_after(0.01, [0.1]) == []  # on time: portion 1 waits for w1
+    assert dispatch_after(0.5, []) == []  # no portion finished yet: no measure of late
+    portions.nbytes["block-1"] = 50_000_000  # moving it to w2 at 100 MB/s: 0.5 s
+    portions.metrics["w2"] = {"bandwidth": {"total": 100_000_000}}
+    assert dispatch_after(0.5, [0.1]) == []  # late, but not by the move's 0.5 s on top
+    assert dispatch_after(0.8, [0.1]) == [(1, "w2", False)]  # late by more: w2 takes it
+    assert todo == [] and copies[1][0].worker == "w2"
+    assert [(kind, data["portion"], data["holders"]) for kind, data in observer.events] == [
+        ("portion_reassigned", 1, ["w1"])
+    ]
+
+
+def test_a_portion_waits_for_its_blocks_worker_when_that_one_has_a_free_slot():
+    portions = _portions([])
+    submitted = []
+
+    def submit(version, pid, worker, backup):
+        submitted.append((pid, worker))
+        portions.load[worker] += 1
+        return PortionCopy(version, pid, worker, time.time())
+
+    portions._submit = submit
+    portions.capacity = {"w1": 2, "w2": 1}
+    portions.where = {0: {"w1"}, 1: {"w1"}}
+    _add(portions, _FakeFuture("pending"), version=3, portion=0, worker="w1", ago=1.0)
+    portions.freed["w1"] = time.time() - 0.5  # late by far, yet a slot of its own is free
+    portions._dispatch(3, [1], {}, [0.1])
+    assert submitted == [(1, "w1")]  # it runs where its block is
+
+
 def test_a_backup_that_would_move_a_large_block_waits_for_the_move_as_dask_estimates_it():
     portions = _portions([])
     portions.backup_tasks, submitted = True, []

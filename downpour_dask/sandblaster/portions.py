@@ -202,7 +202,7 @@ class Portions(PortionScheduling):
         copies: dict[int, list[PortionCopy]] = {}  # every copy submitted in this batch
         durations: list[float] = []  # submit-to-result seconds of the counted copies
         while len(done) < len(self.batches[batch]):
-            self._dispatch(version, todo, copies)
+            self._dispatch(version, todo, copies, durations)
             retired.clear()  # released now: their message goes with the submissions
             if not todo and self.backup_tasks:
                 self._backups(version, copies, done, durations)
@@ -210,10 +210,10 @@ class Portions(PortionScheduling):
                 time.sleep(0.05)
                 self._refresh()
                 continue
-            try:  # near the end of a batch, wake up often enough to launch backups
+            try:  # near a batch's end, or while a free slot waits, look at stragglers often
                 finished = wait(
                     list(self.inflight),
-                    timeout=0.5 if todo else 0.02,
+                    timeout=0.5 if todo and not self._free() else 0.02,
                     return_when="FIRST_COMPLETED",
                 ).done
             except TimeoutError:

@@ -2,8 +2,9 @@
 
 :class:`PortionScheduling` holds the rules :class:`~downpour_dask.sandblaster.portions.Portions`
 dispatches by: a free slot takes a portion whose data block it holds (a portion whose block is on
-another live worker waits for it), and near the end of a batch a portion running unusually long
-is copied to an idle worker, later still if its block would have to move.  It is a mixin: the
+another live worker waits for it, unless that worker is late by more than moving the block would
+take), and near the end of a batch a portion running unusually long is copied to an idle worker,
+later still if its block would have to move.  It is a mixin: the
 state it reads is the pass's own (see the class), kept in one object so that the tests drive the
 bookkeeping with fakes.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import dask.config
@@ -49,11 +51,22 @@ class PortionScheduling:
         and no later: timed from its own submission it would look like a straggler as soon as
         the copies ahead of it took their normal time.
         """
+        return self._busy_since(copy.worker, copy.submitted)
+
+    def _busy_since(self, worker: str, default: float) -> float:
+        """Since when ``worker`` has been at its oldest copy in flight (``default`` if it has
+        none); see :meth:`_running_since`."""
         oldest = min(
-            (c for c in self.inflight.values() if c.worker == copy.worker),
-            key=lambda c: c.submitted, default=copy,
-        )  # fmt: skip
-        return max(oldest.submitted, self.freed.get(copy.worker, oldest.submitted))
+            (c.submitted for c in self.inflight.values() if c.worker == worker), default=default
+        )
+        return max(oldest, self.freed.get(worker, oldest))
+
+    @staticmethod
+    def _straggler_limit(durations: Sequence[float]) -> float:
+        """How long a worker may be at one copy before it counts as late: 1.5x the median time
+        of this batch's finished portions (plus 2 ms, so that tiny portions' jitter is not
+        lateness)."""
+        return 1.5 * statistics.median(durations) + 0.002
 
     def _moving_seconds(self, pid: int, worker: str) -> float:
         """Dask's estimate of the time to move portion ``pid``'s block to ``worker`` (0 if it
@@ -71,10 +84,15 @@ class PortionScheduling:
     def _free(self) -> list[str]:
         return [w for w in sorted(self.capacity) if self.load.get(w, 0) < self.capacity[w]]
 
-    def _dispatch(self, version: int, todo: list[int], copies: dict) -> None:
+    def _dispatch(
+        self, version: int, todo: list[int], copies: dict, durations: Sequence[float] = ()
+    ) -> None:
         """Give each free worker slot a portion whose data it holds; with ``LOCAL_ONLY``, a
         portion whose data is on another live worker waits for that worker (moving a block
-        costs more than the wait; backup tasks still copy a straggler), else any portion."""
+        costs more than the wait), else any portion.  The wait ends when that worker is late
+        (:meth:`_overdue`): then the free slot takes the portion, so that a straggler's
+        portions not yet started go to faster workers, and once none is left waiting, backup
+        tasks copy the ones it started (``durations``: this batch's finished portions)."""
         while todo:
             assigned = False
             for worker in self._free():
@@ -85,12 +103,44 @@ class PortionScheduling:
                     held = [p for p in todo if not self.where.get(p, set()) & set(self.capacity)]
                     pid = (held or todo)[0] if held or not self.LOCAL_ONLY else None
                 if pid is None:
+                    pid = self._overdue(version, todo, worker, durations)
+                if pid is None:
                     continue
                 todo.remove(pid)
                 copies[pid] = [self._submit(version, pid, worker, backup=False)]
                 assigned = True
             if not assigned:
                 return
+
+    def _overdue(
+        self, version: int, todo: list[int], worker: str, durations: Sequence[float]
+    ) -> int | None:
+        """A portion of ``todo`` whose block is held only by busy workers that are late, to run
+        on ``worker`` instead; None if there is none.
+
+        Late is as for a backup (:meth:`_backups`): each holder has been at its current copy
+        longer than the straggler limit plus the time to move the block to ``worker``.  Until
+        a portion of this batch has finished there is no limit, and no portion is taken.  A
+        holder with a free slot takes the portion itself.
+        """
+        if not durations:
+            return None
+        limit, now = self._straggler_limit(durations), time.time()
+        for pid in todo:
+            holders = self.where.get(pid, set()) & set(self.capacity)
+            if not holders or any(self.load.get(h, 0) < self.capacity[h] for h in holders):
+                continue
+            waited = min(now - self._busy_since(h, now) for h in holders)
+            if waited >= limit + self._moving_seconds(pid, worker):
+                self.observer.event(
+                    "portion_reassigned",
+                    f"portion {pid} (its block on {', '.join(sorted(holders))}, busy for "
+                    f"{waited:.3f}s) given to {worker}",
+                    portion=pid, version=version, worker=worker, holders=sorted(holders),
+                    waited=waited,
+                )  # fmt: skip
+                return pid
+        return None
 
     def _backups(self, version: int, copies: dict, done: dict, durations: list) -> None:
         """Near the end of a batch, re-submit portions running unusually long on idle workers.
@@ -106,7 +156,7 @@ class PortionScheduling:
         free = self._free()
         if not free or not durations:
             return
-        limit, now = 1.5 * statistics.median(durations) + 0.002, time.time()
+        limit, now = self._straggler_limit(durations), time.time()
         for pid, runs in copies.items():
             if pid in done or len(runs) > 1 or not free:
                 continue
