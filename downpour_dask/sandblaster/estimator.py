@@ -113,9 +113,10 @@ class SandblasterLBFGS(ParamServerEstimator):
         ``pushes`` (one row per counted portion: ``replica`` is the worker's index, ``step`` and
         ``version`` the batch's version), ``evals`` (one row per iteration, with ``objective``,
         ``grad_norm`` and ``step``; ``loss``/score on ``eval_data`` if given) and ``events``
-        (``start``, ``batch_start``/``batch_done``, ``backup_launched``, ``duplicate_discarded``,
-        ``line_search``, ``history_reset``, ``history_skipped``, ``worker_lost``, ``data_restored``,
-        ``shard_restored``, ``converged``, ``stop``), each with its facts as plain values in
+        (``start``, ``batch_start``/``batch_done``, ``backup_launched``, ``portion_reassigned``,
+        ``duplicate_discarded``, ``line_search``, ``history_reset``, ``history_skipped``,
+        ``worker_lost``, ``data_restored``, ``shard_restored``, ``converged``, ``stop``), each
+        with its facts as plain values in
         ``data`` (e.g. ``backup_launched``: ``portion``, ``worker``; ``worker_lost``: ``worker``;
         ``converged``: ``iteration``, ``objective``; ``shard_restored``: ``shard``, ``iteration``,
         ``restores``; ``data_restored``: ``portion`` or ``evaluation``).
