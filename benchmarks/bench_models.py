@@ -1,12 +1,12 @@
 """Examples/s of the numpy MLP, the JAX MLP and the JAX CNN: serial, and per replica under Downpour;
 and the test accuracy Downpour reaches with each on mnist5k.
 
-Part 1 (speed): each model's serial loop in this process (gradient + SGD update, one thread of
-work, first compilation excluded), and Downpour with 2 replicas and 2 shards on a local cluster
-of 2 single-threaded worker processes (n_fetch = n_push = 1).  A replica's rate is its examples
-between its 5th push (fewer if it made fewer than 8) and its last one, over that time, so JAX's
-compilation on the worker does not count; the table gives the mean over replicas and the ratio
-to the serial loop of the same model.
+Part 1 (speed): each model's serial loop in this process (gradient + SGD update, in one thread:
+BLAS, and JAX with ``PJRT_NPROC=1``; first compilation excluded), and Downpour with 2 replicas
+and 2 shards on a local cluster of 2 single-threaded worker processes (n_fetch = n_push = 1).
+A replica's rate is its examples between its 5th push (fewer if it made fewer than 8) and its
+last one, over that time, so JAX's compilation on the worker does not count; the table gives
+the mean over replicas and the ratio to the serial loop of the same model.
 
 Part 2 (accuracy): Downpour + Adagrad (2 replicas, 2 shards, rate 0.05, batch 32, 50 warmstart
 steps) for ``--epochs`` epochs, per seed: test accuracy and training time of each model.
@@ -116,6 +116,11 @@ def main() -> None:
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
+        # The serial loops' JAX in one thread too, as BLAS (XLA sizes its pools by the cores
+        # otherwise).  Set once the workers run, which must not inherit it: what their JAX
+        # uses is the library's business (runtime/xla_threads.py), and an A/B of the library
+        # through bench_code_ab.py measures that.
+        os.environ.setdefault("PJRT_NPROC", "1")
         print(
             f"\nexamples/s, batch {BATCH}, plain SGD; Downpour: 2 replicas, 2 shards, per replica"
         )

@@ -44,6 +44,7 @@ from ..ps.service import serve, unregister
 from ..runtime.cluster import worker_tcp_host
 from ..runtime.dask_internals import actor_result, local_actor
 from ..runtime.malloc import tune_malloc
+from ..runtime.xla_threads import size_xla_pools
 from .config import ReplicaSink
 from .partition_wire import PartitionLinkError, PartitionSender, receive_messages
 from .replica import run_loop
@@ -342,6 +343,7 @@ def run_partition(
     """
     secede()  # a partition runs for the whole fit; it must not hold a task slot
     tune_malloc()
+    size_xla_pools()
     cpu = time.thread_time()
     plan = PartitionPlan(model, partitions)
     p = config.partition

@@ -26,6 +26,7 @@ from ..ps.opening import open_channels
 from ..ps.server import ParameterServer
 from ..runtime.dask_internals import task_cancelled
 from ..runtime.malloc import tune_malloc
+from ..runtime.xla_threads import size_xla_pools
 from .clocked_loop import ClockedReplicaLoop
 from .easgd_loop import ElasticReplicaLoop
 from .registry import (
@@ -160,6 +161,7 @@ def run_replica(
     """
     secede()  # a replica runs for the whole fit; it must not hold one of the worker's task slots
     tune_malloc()  # see runtime/malloc.py: received messages must not be page-faulted afresh
+    size_xla_pools()  # a JAX model computes in the worker's threads (runtime/xla_threads.py)
     source: Any = make_source(data, config.batch_size, parts)
     if config.run:  # follows the share of the data the driver assigns it (a replica joined)
         source = shared_source(source, config.run, config.replica)

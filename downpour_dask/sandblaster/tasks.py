@@ -26,6 +26,7 @@ from ..core.protocol import TrainableModel
 from ..ps.server import ParameterServer
 from ..runtime.dask_internals import local_actor, on_worker_loop
 from ..runtime.malloc import tune_malloc
+from ..runtime.xla_threads import size_xla_pools
 from .shard import Finished, SandblasterShard
 
 _CACHE: dict[str, tuple[int, np.ndarray]] = {}  # run token -> (version, parameters)
@@ -149,6 +150,7 @@ def run_portion(
     already seen a later version does not compute: its batch is over.
     """
     tune_malloc()  # see runtime/malloc.py: this worker may hold no shard
+    size_xla_pools()  # see runtime/xla_threads.py
     server = server.opened()  # actor handles from the references the task was given
     address = get_worker().address
     if delay and delay.get(address):
@@ -194,6 +196,7 @@ def evaluate_task(
     a dead shard would hold the worker's thread, and the replacement shard to be started on
     that worker could not start.
     """
+    size_xla_pools()  # see runtime/xla_threads.py
     server = server.opened()  # actor handles from the references the task was given
     calls = [_call(shard, "vector", "xe") for shard in server.shards]
     params = np.concatenate([_reply(c, token, timeout) for c in calls]).astype(DTYPE)
