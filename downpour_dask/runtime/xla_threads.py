@@ -7,8 +7,8 @@ variables.  Its CPU client sizes its thread pools (the intra-op pool that runs c
 the ``tf_XLAEigen`` threads) by the cores the process may run on, unless ``PJRT_NPROC`` names
 a number (XLA's ``DefaultThreadPoolSize``).  On a 2-core machine with two single-threaded
 workers, a small JAX model's steps then took many times their single-thread time, for seconds
-at a time, while the pool threads spun, and CPU-bound ones used about two cores for the speed of
-one and a half: ``bench_models.py`` in ``benchmarks/README.md`` measures both.
+at a time, while the pool threads spun, and CPU-bound ones used 1.7 cores for 1.6 times the
+speed of one: ``bench_models.py`` in ``benchmarks/README.md`` measures both.
 
 So a task that computes a model on a worker calls :func:`size_xla_pools` first: it sets
 ``PJRT_NPROC`` to the worker's thread count in that process, before JAX creates its CPU client
