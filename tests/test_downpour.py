@@ -130,6 +130,9 @@ def test_the_same_holds_with_two_shards_and_pushes_every_third_step(client, digi
 
 
 def test_four_replicas_adagrad_mlp_reaches_90_percent_on_mnist5k(client, mnist):
+    """4 epochs: after 3 this setting scored 0.908-0.942 in 16 fits (8 beside two CPU
+    burners) and 0.899 once in a CI run beside the rest of the suite, where staler pushes cost
+    more; after 4, 0.931-0.947 in 8 fits beside the burners."""
     train, test = mnist
     est = DownpourSGD(
         models.MLP(784, (128,), 10),
@@ -139,11 +142,11 @@ def test_four_replicas_adagrad_mlp_reaches_90_percent_on_mnist5k(client, mnist):
         learning_rate=0.05,
         batch_size=32,
         warmstart_steps=100,
-        max_epochs=3,
+        max_epochs=4,
         random_state=0,
     ).fit(train, eval_data=test, client=client)
     accuracy = est.score(test)
-    print(f"mnist5k test accuracy after 3 epochs: {accuracy:.3f}")
+    print(f"mnist5k test accuracy after 4 epochs: {accuracy:.3f}")
     assert accuracy >= 0.90
     run = est.experiment_
     assert run.evals["accuracy"].iloc[-1] == pytest.approx(accuracy)
@@ -153,8 +156,8 @@ def test_four_replicas_adagrad_mlp_reaches_90_percent_on_mnist5k(client, mnist):
     assert data["start"] == {"n_replicas": 4, "n_shards": 2, "n_workers": 2}
     assert data["warmstart_done"] == {"steps": 100}
     assert data["stop"] == {"versions": est.server_status_["version"].tolist()}
-    # each replica made 3 passes over its quarter of the data
-    assert run.pushes["examples"].sum() == 3 * train.n_rows
+    # each replica made 4 passes over its quarter of the data
+    assert run.pushes["examples"].sum() == 4 * train.n_rows
     assert est.predict(test.X[:5]).shape == (5,)
 
 
