@@ -658,10 +658,12 @@ def test_minibatch_lbfgs_cycles_batches_and_decreases_the_objective(client, digi
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_embedded_cluster_and_max_seconds(digits_binary):
+    """The callback takes 0.1 s an iteration, so that the second ends the fit on any machine:
+    with ``tol=0`` a fast one converged to float precision within it (``converged``)."""
     (X, y), _ = digits_binary
     est = SandblasterLBFGS(
         models.LogisticRegression(64, l2=1e-3), max_iter=1000, tol=0.0, max_seconds=1.0
-    ).fit(X, y)  # client=None: an embedded local cluster is started and closed
+    ).fit(X, y, callback=lambda progress: time.sleep(0.1))  # client=None: an embedded cluster
     run = est.experiment_
     # On a busy machine the first pass may take the whole second: 0 iterations is a correct
     # outcome of a time limit too, so the test counts what the log says, not how much was done.
