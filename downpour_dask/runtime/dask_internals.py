@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Callable
 from typing import Any
 
 from distributed import Actor, Client, Future, get_worker
@@ -84,6 +85,29 @@ def on_worker_loop(coroutine: Any) -> concurrent.futures.Future:
         coroutine.close()
         raise RuntimeError("this worker's event loop is not a running asyncio loop")
     return asyncio.run_coroutine_threadsafe(coroutine, loop)
+
+
+def actor_call_future(
+    make_call: Callable[[], Any], client: Client
+) -> concurrent.futures.Future:
+    """Make an actor call in the driver (``make_call()``, e.g. ``lambda: handle.run(x)``) and
+    return a ``concurrent.futures.Future`` of its reply: one that can be waited on together with
+    other futures and calls its done-callbacks when the reply arrives.
+
+    Awaiting an ``ActorFuture`` is public; doing it on the client's event loop relies on
+    ``Client.loop`` being a tornado ``IOLoop`` over asyncio whose ``asyncio_loop`` runs (checked:
+    distributed 2024.x to 2026.8, tornado 6.x).  Raises ``RuntimeError``, before any call is
+    made, when that is not so; the caller then sends the work another way.
+    """
+    loop = getattr(getattr(client, "loop", None), "asyncio_loop", None)
+    if not isinstance(loop, asyncio.AbstractEventLoop) or not loop.is_running():
+        raise RuntimeError("this client's event loop is not a running asyncio loop")
+    call = make_call()
+
+    async def reply() -> Any:
+        return await call
+
+    return asyncio.run_coroutine_threadsafe(reply(), loop)
 
 
 def task_cancelled() -> bool:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from distributed import Client
+from distributed import Client, Future
 
 from ..base import ParamServerEstimator, RunRecorder
 from ..core import optim
@@ -180,6 +180,8 @@ class Coordinator:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if hasattr(self, "portions"):
+            self.portions.runners.close()
 
     def _optimise(self, rows: list[list], workers: dict) -> None:
         est, client = self.est, self.client
@@ -280,7 +282,8 @@ class Coordinator:
         self._end_attempt()
         if old is not None:
             with contextlib.suppress(Exception):
-                self.client.cancel([*old.inflight, *old.blocks])
+                tasks = [f for f in old.inflight if isinstance(f, Future)]
+                self.client.cancel([*tasks, *old.blocks])
         iteration = max(0, self.done_iter)
         self.event(
             "shard_restored",

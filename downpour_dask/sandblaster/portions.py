@@ -27,7 +27,7 @@ from concurrent.futures import CancelledError
 from typing import Any, Protocol
 
 import numpy as np
-from distributed import Client, Future, wait
+from distributed import Client, Future
 
 from ..core.models import Model
 from ..core.params import DTYPE
@@ -37,6 +37,7 @@ from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
 from .blocks import ArrayBlocks, ShardBlocks
+from .runners import Arrivals, RunnerCall, RunnerPool
 from .scheduling import PortionCopy, PortionScheduling
 from .shard import Finish, Finished, SandblasterShard
 from .tasks import PortionResult, run_portion
@@ -118,8 +119,13 @@ class Portions(PortionScheduling):
         self.batches, self.rows, self.model, self.observer = batches, rows, model, observer
         self.token, self.timeout, self.backup_tasks = token, timeout, backup_tasks
         self.delay = dict(delay or {})
+        # started first: they start while the blocks are placed (see runners.py)
+        self.runners = RunnerPool(client, workers or sorted(cluster_workers(client)), token)
+        self.task_only: set[int] = set()  # portions a runner lost: tasks from now on
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
-        self.inflight: dict[Future, PortionCopy] = {}  # survives batches: stragglers hold slots
+        # copies in flight, Dask tasks and runner calls; survives batches: stragglers hold slots
+        self.inflight: dict[Future | RunnerCall, PortionCopy] = {}
+        self.arrivals = Arrivals()  # wakes the pass when any of them finishes
         # Collected copies, held until the next batch's portions are submitted.  Dropping a
         # future makes the client send the scheduler a release message, and a Dask client sends
         # at most one batch of messages per 10 ms: the next batch's submissions, a few ms later,
@@ -135,6 +141,9 @@ class Portions(PortionScheduling):
         self.examples_seen = 0
         self.point: np.ndarray | None = None  # the batch's point, if sent with its tasks
         self.finished: dict[int, Finished] = {}  # the batch's finish results, by shard index
+        # A portion goes to a runner only once its block is in memory: wait for both to be
+        # ready (they were started together), so that the first pass sends none as a task.
+        self.runners.wait(self.blocks, timeout)
         self._refresh(first=True)
 
     # -- what the coordinator adds to the next pass -------------------------------------------
@@ -210,16 +219,10 @@ class Portions(PortionScheduling):
                 time.sleep(0.05)
                 self._refresh()
                 continue
-            try:  # near a batch's end, or while a free slot waits, look at stragglers often
-                finished = wait(
-                    list(self.inflight),
-                    timeout=0.5 if todo and not self._free() else 0.02,
-                    return_when="FIRST_COMPLETED",
-                ).done
-            except TimeoutError:
-                finished = set()
-            except FUTURES_CANCELLED:  # a dead worker took scattered data with it
-                finished = {f for f in self.inflight if f.done()}
+            # near a batch's end, or while a free slot waits, look at stragglers often
+            finished = self.arrivals.first(
+                self.inflight, timeout=0.5 if todo and not self._free() else 0.02
+            )
             for future in finished:
                 if self._collect(future, version, todo, done, durations):
                     last_progress = time.time()
@@ -286,6 +289,8 @@ class Portions(PortionScheduling):
         if result is not None and result.version == version:  # counted or not
             self.finished.update(result.finished)
         if result is None:  # cancelled or lost with its data block: run it again
+            if isinstance(future, RunnerCall):
+                self.task_only.add(copy.portion)  # by a task, wherever its block now is
             self._restore_blocks()
             running = any(
                 c.portion == copy.portion and c.version == version for c in self.inflight.values()
@@ -384,13 +389,21 @@ class Portions(PortionScheduling):
         self._refresh()
 
     def _submit(self, version: int, pid: int, worker: str, backup: bool) -> PortionCopy:
-        server = self.server.portable()
-        future = self.client.submit(
-            run_portion, server, self.token, version, pid, self.blocks[pid], self.model,
-            backup, self.timeout, self.delay, self.point,
-            workers=[worker], allow_other_workers=True, pure=False,
-            key=f"portion-{pid}-v{version}-{'b' if backup else 'o'}-{uuid.uuid4().hex[:6]}",
-        )  # fmt: skip
+        """Send a copy of portion ``pid`` to ``worker``: to its runner if the block is there
+        (see runners.py), else as a Dask task (which brings the block if it must)."""
+        block, future = self.blocks[pid], None
+        args = (self.server.portable(), self.token, version, pid)
+        rest = (self.model, backup, self.timeout, self.delay, self.point)
+        local = worker in self.where.get(pid, ()) and block.status == "finished"
+        if local and pid not in self.task_only:
+            future = self.runners.call(worker, block.key, *args, *rest)
+        if future is None:
+            future = self.client.submit(
+                run_portion, *args, block, *rest,
+                workers=[worker], allow_other_workers=True, pure=False,
+                key=f"portion-{pid}-v{version}-{'b' if backup else 'o'}-{uuid.uuid4().hex[:6]}",
+            )  # fmt: skip
+        self.arrivals.watch(future)
         copy = PortionCopy(version, pid, worker, time.time())
         self.inflight[future] = copy
         self.load[worker] = self.load.get(worker, 0) + 1
