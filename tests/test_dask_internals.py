@@ -7,6 +7,7 @@ When one of these fails after a Dask upgrade, ``dask_internals.py`` (or ``ps/pro
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 import threading
 import time
@@ -21,6 +22,7 @@ from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.runtime.dask_internals import (
     FUTURES_CANCELLED,
+    actor_call_future,
     actor_handle,
     actor_result,
     direct_actor,
@@ -250,3 +252,24 @@ def test_on_worker_loop_runs_a_coroutine_on_the_workers_event_loop(client):
     with pytest.raises(RuntimeError, match="not a running asyncio loop"):
         on_worker_loop(coroutine)
     assert coroutine.cr_frame is None  # closed: no "never awaited" warning
+
+
+def test_actor_call_future_is_a_concurrent_future_of_the_reply(server, client):
+    """The reply of a driver's actor call, as a ``concurrent.futures.Future`` (done-callbacks,
+    waited on with other futures); a failed call's error is the future's."""
+    actor = server.shards[0]
+    answered = actor_call_future(lambda: actor.current_version(), client)
+    assert isinstance(answered, concurrent.futures.Future)
+    assert answered.result(timeout=TIMEOUT) == 0
+    failed = actor_call_future(lambda: actor.push(np.ones(2, np.float32), 0, 0), client)
+    assert failed.exception(timeout=TIMEOUT) is not None  # a wrong-sized gradient
+
+
+def test_actor_call_future_refuses_before_calling_without_a_running_client_loop(client):
+    class _NoLoop:  # what a changed Dask could give: no asyncio loop on the client
+        loop = None
+
+    made = []
+    with pytest.raises(RuntimeError, match="not a running asyncio loop"):
+        actor_call_future(lambda: made.append(1), _NoLoop())
+    assert made == []  # refused before the call: the caller sends the work another way

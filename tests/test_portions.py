@@ -9,6 +9,7 @@ still running.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from distributed.client import FutureCancelledError
 from downpour_dask.core.params import split_range
 from downpour_dask.core.vectors import VectorStore
 from downpour_dask.sandblaster.portions import PortionCopy, Portions
+from downpour_dask.sandblaster.runners import RunnerCall
 from downpour_dask.sandblaster.shard import Finished, SandblasterShard
 from downpour_dask.sandblaster.tasks import PortionResult, _newest, forget_run
 
@@ -58,7 +60,7 @@ def _portions(restored: list[int], observer: _Observer | None = None) -> Portion
     portions._restore_blocks = lambda: restored.append(1)
     portions.blocks = [SimpleNamespace(key=f"block-{pid}", status="pending") for pid in range(10)]
     portions.nbytes, portions.metrics = {}, {}  # blocks of 0 bytes unless a test says otherwise
-    portions.finished = {}
+    portions.finished, portions.task_only = {}, set()
     return portions
 
 
@@ -351,3 +353,18 @@ def test_a_copy_of_the_current_batch_brings_its_finish_results_counted_or_not():
         _add(portions, future, version=3, portion=7, worker=worker)
         assert portions._collect(future, 3, [], counted, []) is (worker == "w1")
     assert portions.finished == {0: done, 1: done}
+
+
+def test_a_runner_call_that_is_lost_is_run_again_as_a_task():
+    """A runner whose worker went away, or that did not hold the block, gives no result: the
+    portion runs again, and from then on as a Dask task, which brings the block wherever it is
+    (a runner would be asked again for a block it does not hold)."""
+    restored: list[int] = []
+    portions = _portions(restored)
+    reply: concurrent.futures.Future = concurrent.futures.Future()
+    reply.set_exception(OSError("Unable to contact Actor's worker"))
+    lost = RunnerCall(reply, "runner-w1-7-v3")
+    _add(portions, lost, version=3, portion=7, worker="w1")
+    todo: list[int] = []
+    assert portions._collect(lost, 3, todo, {}, []) is False
+    assert todo == [7] and portions.task_only == {7} and restored

@@ -4,6 +4,7 @@ import asyncio
 import gc
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -375,8 +376,11 @@ def test_a_pass_is_not_held_back_by_the_last_ones_releases_and_its_score_adds_no
     sent a few ms before a pass's submissions would hold those back.  So a batch's portions and
     a finished score are released only after a later batch was submitted (the last ones at the
     end of the fit); a score is submitted with the next pass's portions, and its snapshot of the
-    iterate leads that pass's prelude on the shards instead of a program of its own."""
+    iterate leads that pass's prelude on the shards instead of a program of its own.  (Every
+    portion goes as a task here: one whose block is in memory would go to a runner, through
+    no scheduler; a block that must move still goes as a task.)"""
     (X, y), test = digits_binary
+    monkeypatch.setattr(Portions, "RUNNERS", False)
     recorded, send = [], client._send_to_scheduler
     programs, call_all = [], ParameterServer.call_all
 
@@ -617,6 +621,52 @@ def test_a_worker_killed_mid_batch_loses_nothing(digits_binary, three_workers, k
     assert {"worker_lost", "data_restored"} <= set(events["kind"])  # the kill hit the batch
     lost = events.loc[events["kind"] == "worker_lost", "data"]
     assert {d["worker"] for d in lost} == {victim}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_stopped_under_its_runners_portions_costs_time_not_counts(
+    digits_binary, three_workers
+):
+    """SIGSTOP of a worker holding no shard while its runner computes portions (each sleeps
+    0.25 s first, so the stop lands inside the batch), SIGCONT 2 s later: its runner's replies
+    come late, or not before copies elsewhere, and the pass counts every portion once, with
+    the exact gradient."""
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-2)
+    client = three_workers
+    workers = sorted(cluster_workers(client))
+    victim = workers[2]  # shards go to workers[0] and workers[1]
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)
+    done: dict = {}
+
+    def run_fit() -> None:
+        try:
+            done["est"] = est.fit(X, y, client=client, portion_delay={w: 0.25 for w in workers})
+        except Exception as err:  # shown by the assertions below, not lost in the thread
+            done["error"] = err
+
+    thread = threading.Thread(target=run_fit)
+    thread.start()
+    deadline = time.monotonic() + 90
+    running = lambda: client.run(_running, workers=[victim])[victim]  # noqa: E731
+    while not any("portion-runner" in key for key in running()):
+        assert thread.is_alive() and time.monotonic() < deadline, done.get("error")
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        thread.join(timeout=2.0)  # the fault's length; the fit may not end while it lasts
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    thread.join(timeout=150)
+    assert not thread.is_alive() and "est" in done, done.get("error")
+    params = model.init(np.random.default_rng(0))
+    loss, grad = serial_objective(model, params, X, y)
+    np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
+    assert est.objective_ == pytest.approx(loss, rel=1e-6)
+    pushes = est.experiment_.pushes
+    assert pushes["examples"].sum() == len(X) and len(pushes) == 24
 
 
 @pytest.mark.slow  # seconds of training (or processes): out of the quick loop

@@ -50,6 +50,7 @@ from ..runtime.cluster import cluster_workers
 from ..runtime.malloc import tune_malloc
 from .blocks import ArrayBlocks, ShardBlocks, default_portions
 from .portions import Portions
+from .runners import RunnerPool
 from .scoring import Scoring
 from .shard import SandblasterShard
 from .tasks import PortionResult, forget_run
@@ -166,6 +167,7 @@ class Coordinator:
                 mask[lo:hi] = model.l2
         self.mask = mask
         self.server: ParameterServer | None = None
+        self.runners: RunnerPool | None = None
         try:
             self._optimise(rows, workers)
         finally:
@@ -180,8 +182,9 @@ class Coordinator:
         if self.server is not None:
             self.server.close()
             self.server = None
-        if hasattr(self, "portions"):
-            self.portions.runners.close()
+        if self.runners is not None:
+            self.runners.close()
+            self.runners = None
 
     def _optimise(self, rows: list[list], workers: dict) -> None:
         est, client = self.est, self.client
@@ -238,17 +241,19 @@ class Coordinator:
         L-BFGS with the iterations and seconds left; gather the result."""
         est, client = self.est, self.client
         start = self.initial if self.x_last is None else self.x_last
+        self.token = uuid.uuid4().hex[:12]
+        self.tokens.append(self.token)
+        # the portions' runners (see runners.py) start while the shards and data blocks do
+        self.runners = RunnerPool(client, self.survivors(), self.token)
         self.server = ParameterServer.create(
             client, start, est.n_shards, optim.sgd(1.0), self.survivors(), est.timeout,
             shard_class=SandblasterShard, l2mask=self.mask, x=start,
         )  # fmt: skip
-        self.token = uuid.uuid4().hex[:12]
-        self.tokens.append(self.token)
         self._offset = max(0, self.done_iter)
         # before the data blocks arrive (see runtime/malloc.py); a worker leaving is no matter
         client.run(tune_malloc, workers=self.survivors(), on_error="ignore")
         self.portions = Portions(
-            client, self.server, self.data, ids, flat, data_model, self,
+            client, self.server, self.data, ids, flat, data_model, self, self.runners,
             token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
             delay=self.delay, workers=self.survivors(), keep=("x",),
         )  # fmt: skip

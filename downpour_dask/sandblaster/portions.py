@@ -5,9 +5,11 @@
 they free up (faster workers take more, data-local portions first), launches backup copies of
 stragglers near the end of a batch on idle workers (the rules are in
 :mod:`~downpour_dask.sandblaster.scheduling`), re-sends data blocks lost with a worker, and counts
-every portion once (the tasks are in :mod:`~downpour_dask.sandblaster.tasks`).  A pass ends on the
-shards: each runs the coordinator's *finish* program as soon as it holds every portion's gradient,
-and the task whose gradient completed it brings the program's dot products back with its result, so
+every portion once (the work itself is in :mod:`~downpour_dask.sandblaster.tasks`).  A portion
+whose data block is in its worker's memory goes straight to that worker's runner actor, any other
+as a Dask task (:mod:`~downpour_dask.sandblaster.runners`).  A pass ends on the shards: each runs
+the coordinator's *finish* program as soon as it holds every portion's gradient, and the portion
+whose gradient completed it brings the program's dot products back with its result, so
 the coordinator learns the objective, the slope and the next step's inner products without a round
 trip of its own.  What it reports goes to a :class:`PassObserver` (the coordinator, or a fake in the
 tests): events with structured data, and each counted portion.
@@ -34,8 +36,6 @@ from ..core.params import DTYPE
 from ..core.vectors import Command, Program, sum_replies, written
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
-from ..runtime.cluster import cluster_workers
-from ..runtime.dask_internals import FUTURES_CANCELLED
 from .blocks import ArrayBlocks, ShardBlocks
 from .runners import Arrivals, RunnerCall, RunnerPool
 from .scheduling import PortionCopy, PortionScheduling
@@ -73,6 +73,9 @@ class Portions(PortionScheduling):
         The model with ``l2 = 0`` (small: it goes with every portion task).
     observer : PassObserver
         Receives the events and the counted portions.
+    runners : RunnerPool
+        The workers' runners, started for the fit (see runners.py); a portion whose block is
+        in its worker's memory goes to that worker's runner.
     token : str
         The fit's id, under which workers cache the published parameters.
     timeout : float
@@ -92,9 +95,13 @@ class Portions(PortionScheduling):
     """
 
     #: A model whose parameters take at most this many bytes has each batch's point sent with
-    #: the portion tasks (it comes back with ``begin``): a task then makes no fetch, a round
+    #: the portions (it comes back with ``begin``): a portion then makes no fetch, a round
     #: trip to every shard.  Larger points stay off the driver, as the paper has it.
     INLINE_POINT_BYTES = 256 * 2**10
+
+    #: A portion whose data block is in its worker's memory is sent straight to that worker's
+    #: runner (see runners.py), not as a Dask task through the scheduler.
+    RUNNERS = True
 
     def __init__(
         self,
@@ -105,6 +112,7 @@ class Portions(PortionScheduling):
         rows: list,
         model: Model,
         observer: PassObserver,
+        runners: RunnerPool,
         *,
         token: str,
         timeout: float,
@@ -119,8 +127,7 @@ class Portions(PortionScheduling):
         self.batches, self.rows, self.model, self.observer = batches, rows, model, observer
         self.token, self.timeout, self.backup_tasks = token, timeout, backup_tasks
         self.delay = dict(delay or {})
-        # started first: they start while the blocks are placed (see runners.py)
-        self.runners = RunnerPool(client, workers or sorted(cluster_workers(client)), token)
+        self.runners = runners
         self.task_only: set[int] = set()  # portions a runner lost: tasks from now on
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
         # copies in flight, Dask tasks and runner calls; survives batches: stragglers hold slots
@@ -139,7 +146,7 @@ class Portions(PortionScheduling):
         self.where: dict[int, set[str]] = {}
         self.nbytes: dict[str, int] = {}  # block key -> bytes, as the scheduler counts them
         self.examples_seen = 0
-        self.point: np.ndarray | None = None  # the batch's point, if sent with its tasks
+        self.point: np.ndarray | None = None  # the batch's point, if sent with its portions
         self.finished: dict[int, Finished] = {}  # the batch's finish results, by shard index
         # A portion goes to a runner only once its block is in memory: wait for both to be
         # ready (they were started together), so that the first pass sends none as a task.
@@ -342,32 +349,6 @@ class Portions(PortionScheduling):
             )  # fmt: skip
 
     # -- scheduling ---------------------------------------------------------------------------
-    def _refresh(self, first: bool = False) -> None:
-        """Re-read the live workers (a killed one disappears, its restarted successor appears);
-        raise :class:`ShardLostError` if one of them held a shard."""
-        workers = cluster_workers(self.client)
-        if not first:
-            for gone in set(self.capacity) - set(workers):
-                self.observer.event(
-                    "worker_lost", f"{gone}: its portions are re-run elsewhere", worker=gone
-                )
-            self._check_shards(workers)
-        self.capacity = {w: self.DEPTH * info.get("nthreads", 1) for w, info in workers.items()}
-        self.metrics = {w: info.get("metrics", {}) for w, info in workers.items()}
-        placed = [b for b in self.blocks if b.status == "finished"]
-        try:  # where each block is: only a hint for data-local dispatch
-            who = self.client.who_has(placed)
-            unknown = [b.key for b in placed if b.key not in self.nbytes]
-            if unknown:  # once per block: sizes do not change
-                self.nbytes.update(self.client.nbytes(unknown, summary=False))
-        except FUTURES_CANCELLED:  # a block died meanwhile; _restore_blocks resends it
-            return
-        homes = self.data.homes  # where a block still being read will be
-        self.where = {
-            pid: set(who.get(block.key, ())) or ({homes[pid]} if pid in homes else set())
-            for pid, block in enumerate(self.blocks)
-        }
-
     def _scatter(self, pid: int) -> Future:
         """Send the rows of portion ``pid`` to one worker (Dask picks it, spreading blocks)."""
         return self.data.replace(self.client, self.rows[pid], self.timeout)
@@ -395,7 +376,7 @@ class Portions(PortionScheduling):
         args = (self.server.portable(), self.token, version, pid)
         rest = (self.model, backup, self.timeout, self.delay, self.point)
         local = worker in self.where.get(pid, ()) and block.status == "finished"
-        if local and pid not in self.task_only:
+        if local and self.RUNNERS and pid not in self.task_only:
             future = self.runners.call(worker, block.key, *args, *rest)
         if future is None:
             future = self.client.submit(

@@ -96,7 +96,7 @@ class RunnerPool:
         self.futures: dict[str, Future] = {
             worker: client.submit(
                 PortionRunner, actor=True, workers=[worker], allow_other_workers=False,
-                pure=False, key=f"sandblaster-runner-{token}-{uuid.uuid4().hex[:6]}",
+                pure=False, key=f"sandblaster-portion-runner-{token}-{uuid.uuid4().hex[:6]}",
             )  # fmt: skip
             for worker in workers
         }

@@ -19,6 +19,9 @@ from typing import NamedTuple
 import dask.config
 from dask.utils import parse_bytes
 
+from ..runtime.cluster import cluster_workers
+from ..runtime.dask_internals import FUTURES_CANCELLED
+
 
 class PortionCopy(NamedTuple):
     """One submitted copy of a portion (the original or a backup)."""
@@ -36,7 +39,8 @@ class PortionScheduling:
     queued and allowed per worker), ``freed`` (when each worker's last copy was collected),
     ``where`` (portion -> workers holding its block), ``blocks`` and ``nbytes`` (the blocks'
     futures and sizes), ``metrics`` (the workers' Dask metrics), ``client`` and ``observer``;
-    submits through ``_submit(version, pid, worker, backup)``.
+    submits through ``_submit(version, pid, worker, backup)``.  :meth:`_refresh` re-reads the
+    workers and where the blocks are (a lost shard's worker raises, through ``_check_shards``).
     """
 
     DEPTH = 4  # portions queued per worker thread, so a worker never waits for the driver
@@ -178,3 +182,29 @@ class PortionScheduling:
                 running=now - began,
             )  # fmt: skip
             free = self._free()
+
+    def _refresh(self, first: bool = False) -> None:
+        """Re-read the live workers (a killed one disappears, its restarted successor appears);
+        raise :class:`ShardLostError` if one of them held a shard."""
+        workers = cluster_workers(self.client)
+        if not first:
+            for gone in set(self.capacity) - set(workers):
+                self.observer.event(
+                    "worker_lost", f"{gone}: its portions are re-run elsewhere", worker=gone
+                )
+            self._check_shards(workers)
+        self.capacity = {w: self.DEPTH * info.get("nthreads", 1) for w, info in workers.items()}
+        self.metrics = {w: info.get("metrics", {}) for w, info in workers.items()}
+        placed = [b for b in self.blocks if b.status == "finished"]
+        try:  # where each block is: only a hint for data-local dispatch
+            who = self.client.who_has(placed)
+            unknown = [b.key for b in placed if b.key not in self.nbytes]
+            if unknown:  # once per block: sizes do not change
+                self.nbytes.update(self.client.nbytes(unknown, summary=False))
+        except FUTURES_CANCELLED:  # a block died meanwhile; _restore_blocks resends it
+            return
+        homes = self.data.homes  # where a block still being read will be
+        self.where = {
+            pid: set(who.get(block.key, ())) or ({homes[pid]} if pid in homes else set())
+            for pid, block in enumerate(self.blocks)
+        }

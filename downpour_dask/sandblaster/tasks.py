@@ -1,9 +1,11 @@
-"""Sandblaster's worker side: the Dask tasks that compute portions and score evaluations.
+"""Sandblaster's worker side: computing portions and scoring evaluations.
 
-* :func:`run_portion` computes one portion's gradient.  It fetches the published parameters once
-  per batch per worker (a cache keyed by run and version), unless the point of a small model
-  came with the task, and adds its gradient to the shards' accumulator directly, worker to
-  worker, never through the driver; it returns scalars only (:class:`PortionResult`).
+* :func:`run_portion` computes one portion's gradient, as a Dask task or called by the runner
+  actor of the worker holding the portion's block (:mod:`~downpour_dask.sandblaster.runners`).
+  It fetches the published parameters once per batch per worker (a cache keyed by run and
+  version), unless the point of a small model came with the portion, and adds its gradient to
+  the shards' accumulator directly, worker to worker, never through the driver; it returns
+  scalars only (:class:`PortionResult`).
 * :func:`evaluate_task` scores a snapshot of the iterate on the evaluation data (and, like a
   portion, stops waiting for shards once its attempt ended).
 * :func:`forget_run` (run on every worker when a fit ends) drops the run's cached parameters and
@@ -141,7 +143,8 @@ def run_portion(
     delay: Mapping[str, float] | None = None,
     params: np.ndarray | None = None,
 ) -> PortionResult:
-    """Dask task: add one portion's gradient at parameters ``version`` to the shards' ``acc``.
+    """Add one portion's gradient at parameters ``version`` to the shards' ``acc`` (a Dask task,
+    or a runner's call).
 
     ``model`` has ``l2 = 0``: the penalty is added once, on the shards.  ``delay`` maps worker
     addresses to seconds slept first: a fault-injection knob that makes a worker a straggler.
