@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from distributed import Client, Event, secede, wait
+from distributed import Client, Event, get_worker, secede, wait
 
 from downpour_dask import optim
 from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
@@ -29,6 +29,7 @@ from downpour_dask.runtime.dask_internals import (
     local_actor,
     on_worker_loop,
     release_hold,
+    running_as,
     scheduler_workers,
     task_cancelled,
 )
@@ -273,3 +274,20 @@ def test_actor_call_future_refuses_before_calling_without_a_running_client_loop(
     with pytest.raises(RuntimeError, match="not a running asyncio loop"):
         actor_call_future(lambda: made.append(1), _NoLoop())
     assert made == []  # refused before the call: the caller sends the work another way
+
+
+def _shown_while_running() -> tuple[list[str], list[str], list[str]]:
+    worker = get_worker()
+    own = [str(k) for k in worker.active_threads.values()]
+    with running_as("portion-7-v2-runner"):
+        inside = [str(k) for k in worker.active_threads.values()]
+    after = [str(k) for k in worker.active_threads.values()]
+    return own, inside, after
+
+
+def test_running_as_shows_a_threads_work_where_dask_lists_it_and_then_restores_it(client):
+    own, inside, after = client.submit(_shown_while_running, pure=False).result(timeout=TIMEOUT)
+    assert "portion-7-v2-runner" in inside and "portion-7-v2-runner" not in own + after
+    assert after == own  # the task's own entry is back, not dropped
+    with running_as("not on a worker"):  # outside a worker it does nothing
+        pass

@@ -12,8 +12,11 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
+import numpy as np
 import pytest
+from distributed import Client, LocalCluster
 
+from downpour_dask import SandblasterLBFGS, models
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.sandblaster.runners import Arrivals, RunnerCall, RunnerPool
 from downpour_dask.sandblaster.tasks import PortionResult
@@ -76,3 +79,37 @@ def test_a_runner_asked_for_a_block_its_worker_does_not_hold_answers_none(client
     assert call.reply.result(timeout=30) is None and call.status == "lost"
     pool.close()
     assert cluster_keys(beyond=before) == set()  # the runners are gone with the pool
+
+
+def _runner_portions(dask_worker) -> list[str]:
+    return [str(key) for key in dask_worker.active_threads.values() if "-runner" in str(key)]
+
+
+@pytest.mark.slow  # a cluster of its own
+@pytest.mark.timeout(120)
+def test_a_worker_with_two_threads_runs_two_of_its_runners_portions_at_once():
+    """A runner computes in its worker's thread pool, not in the one thread Dask keeps for
+    actors: with two threads, the worker's two portions (each sleeping 0.5 s first) run at
+    once, and both show where Dask lists its threads' work."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((400, 8)).astype(np.float32)
+    y = (X @ rng.standard_normal(8) > 0).astype(int)
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0")
+        as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        (worker,) = cluster_workers(client)
+        est = SandblasterLBFGS(models.LogisticRegression(8), max_iter=0, random_state=0)
+        done: dict = {}
+        delay = {worker: 0.5}
+        fit = threading.Thread(
+            target=lambda: done.update(est=est.fit(X, y, client=client, portion_delay=delay))
+        )
+        fit.start()
+        most = 0  # the most runner portions seen running at once
+        while fit.is_alive() and most < 2:
+            most = max(most, len(client.run(_runner_portions)[worker]))
+        fit.join(timeout=60)
+        assert "est" in done and most == 2
+        assert len(est.experiment_.pushes) == 2  # one portion per worker thread, each once

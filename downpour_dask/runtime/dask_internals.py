@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from distributed import Actor, Client, Future, get_worker
@@ -108,6 +110,37 @@ def actor_call_future(
         return await call
 
     return asyncio.run_coroutine_threadsafe(reply(), loop)
+
+
+@contextlib.contextmanager
+def running_as(key: str) -> Iterator[None]:
+    """Show the current thread, for as long as the block runs, as running ``key`` on this
+    worker: where Dask lists the threads running tasks (its profiler, its dashboard, anything
+    that asks a worker what it is busy with).
+
+    Work a worker's actor started in a thread of its own is invisible there otherwise.  Relies
+    on ``Worker.active_threads`` (thread id -> key) and ``Worker.active_threads_lock``, which
+    Dask fills for tasks and actor calls itself (checked: distributed 2024.x to 2026.8).  Does
+    nothing when not on a worker or when the worker no longer has them.
+    """
+    try:
+        worker = get_worker()
+        threads, lock = worker.active_threads, worker.active_threads_lock
+    except (ValueError, AttributeError):
+        yield
+        return
+    ident = threading.get_ident()
+    with lock:
+        before = threads.get(ident)  # a task's thread: its own key comes back after
+        threads[ident] = key
+    try:
+        yield
+    finally:
+        with lock:
+            if before is None:
+                threads.pop(ident, None)
+            else:
+                threads[ident] = before
 
 
 def task_cancelled() -> bool:

@@ -7,7 +7,7 @@ the memory of the worker that runs it, where the scheduler has nothing to decide
 worker gets a :class:`PortionRunner` actor for the fit, and a portion whose block that worker
 holds is sent to it: one message straight to the worker and the reply straight back, as the
 driver's calls to the shards go.  The runner computes the portion exactly as the task would
-(:func:`~downpour_dask.sandblaster.tasks.run_portion`), in its worker's actor thread.
+(:func:`~downpour_dask.sandblaster.tasks.run_portion`), in its worker's thread pool.
 
 Everything that needs the scheduler stays a Dask task: a portion whose block must move, a
 backup on a worker without the block, a portion sent before its worker's runner started.
@@ -17,8 +17,10 @@ backup on a worker without the block, a portion sent before its worker's runner 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import threading
 import uuid
 from collections.abc import Callable, Iterable
@@ -31,22 +33,40 @@ from ..runtime.dask_internals import (
     actor_call_future,
     direct_actor,
     release_hold,
+    running_as,
 )
 from .tasks import PortionResult, run_portion
 
 
 class PortionRunner:
-    """Dask actor: runs the portions of one fit whose data block is in its worker's memory."""
+    """Dask actor: runs the portions of one fit whose data block is in its worker's memory.
 
-    def run(self, block_key: Any, *args: Any) -> PortionResult | None:
+    A call returns to the worker's event loop at once; the portion runs in the worker's own
+    thread pool, as a task would, so that a worker with several threads runs as many portions
+    at a time (an actor's plain method would run in the single thread Dask keeps for actors).
+    """
+
+    async def run(self, block_key: Any, *args: Any) -> PortionResult | None:
         """:func:`~downpour_dask.sandblaster.tasks.run_portion` on the block of key
         ``block_key`` (``args`` are that function's other arguments, in order); None when
         the block is not in this worker's memory (it moved, or its worker was replaced)."""
-        try:
-            block = get_worker().data[block_key]
-        except KeyError:
-            return None
-        server, token, version, portion, *rest = args
+        worker = get_worker()
+        context = contextvars.copy_context()  # get_worker() works in the pool's thread too
+        return await asyncio.get_running_loop().run_in_executor(
+            worker.executors["default"], context.run, _run, worker, block_key, args
+        )
+
+
+def _run(worker: Any, block_key: Any, args: tuple) -> PortionResult | None:
+    """The runner's work, in a thread of the worker's pool: the block (read from memory, or
+    from disk if Dask spilled it), then the portion, shown as running where Dask lists its
+    threads' work."""
+    try:
+        block = worker.data[block_key]
+    except KeyError:
+        return None
+    server, token, version, portion, *rest = args
+    with running_as(f"portion-{portion}-v{version}-runner"):
         return run_portion(server, token, version, portion, block, *rest)
 
 
