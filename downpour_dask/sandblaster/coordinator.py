@@ -50,7 +50,6 @@ from ..runtime.cluster import cluster_workers
 from ..runtime.malloc import tune_malloc
 from .blocks import ArrayBlocks, ShardBlocks, default_portions
 from .portions import Portions
-from .runners import RunnerPool
 from .scoring import Scoring
 from .shard import SandblasterShard
 from .tasks import PortionResult, forget_run
@@ -167,7 +166,7 @@ class Coordinator:
                 mask[lo:hi] = model.l2
         self.mask = mask
         self.server: ParameterServer | None = None
-        self.runners: RunnerPool | None = None
+        self.portions: Portions | None = None
         try:
             self._optimise(rows, workers)
         finally:
@@ -182,9 +181,8 @@ class Coordinator:
         if self.server is not None:
             self.server.close()
             self.server = None
-        if self.runners is not None:
-            self.runners.close()
-            self.runners = None
+        if self.portions is not None:
+            self.portions.runners.close()  # (a restore's next attempt starts its own)
 
     def _optimise(self, rows: list[list], workers: dict) -> None:
         est, client = self.est, self.client
@@ -243,8 +241,6 @@ class Coordinator:
         start = self.initial if self.x_last is None else self.x_last
         self.token = uuid.uuid4().hex[:12]
         self.tokens.append(self.token)
-        # the portions' runners (see runners.py) start while the shards and data blocks do
-        self.runners = RunnerPool(client, self.survivors(), self.token)
         self.server = ParameterServer.create(
             client, start, est.n_shards, optim.sgd(1.0), self.survivors(), est.timeout,
             shard_class=SandblasterShard, l2mask=self.mask, x=start,
@@ -253,7 +249,7 @@ class Coordinator:
         # before the data blocks arrive (see runtime/malloc.py); a worker leaving is no matter
         client.run(tune_malloc, workers=self.survivors(), on_error="ignore")
         self.portions = Portions(
-            client, self.server, self.data, ids, flat, data_model, self, self.runners,
+            client, self.server, self.data, ids, flat, data_model, self,
             token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),
             delay=self.delay, workers=self.survivors(), keep=("x",),
         )  # fmt: skip

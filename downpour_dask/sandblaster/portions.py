@@ -36,6 +36,7 @@ from ..core.params import DTYPE
 from ..core.vectors import Command, Program, sum_replies, written
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
+from ..runtime.cluster import cluster_workers
 from .blocks import ArrayBlocks, ShardBlocks
 from .runners import Arrivals, RunnerCall, RunnerPool
 from .scheduling import PortionCopy, PortionScheduling
@@ -73,9 +74,6 @@ class Portions(PortionScheduling):
         The model with ``l2 = 0`` (small: it goes with every portion task).
     observer : PassObserver
         Receives the events and the counted portions.
-    runners : RunnerPool
-        The workers' runners, started for the fit (see runners.py); a portion whose block is
-        in its worker's memory goes to that worker's runner.
     token : str
         The fit's id, under which workers cache the published parameters.
     timeout : float
@@ -112,7 +110,6 @@ class Portions(PortionScheduling):
         rows: list,
         model: Model,
         observer: PassObserver,
-        runners: RunnerPool,
         *,
         token: str,
         timeout: float,
@@ -127,9 +124,13 @@ class Portions(PortionScheduling):
         self.batches, self.rows, self.model, self.observer = batches, rows, model, observer
         self.token, self.timeout, self.backup_tasks = token, timeout, backup_tasks
         self.delay = dict(delay or {})
-        self.runners = runners
         self.task_only: set[int] = set()  # portions a runner lost: tasks from now on
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
+        # Submitted right after the blocks: a Dask client sends the scheduler at most one batch
+        # of messages per 10 ms, and a submission of their own would hold the next one back.
+        live = workers if workers is not None else sorted(cluster_workers(client))
+        self.runners = RunnerPool(client, live, token)
+        self.started = False  # whether a pass has waited for the runners and blocks
         # copies in flight, Dask tasks and runner calls; survives batches: stragglers hold slots
         self.inflight: dict[Future | RunnerCall, PortionCopy] = {}
         self.arrivals = Arrivals()  # wakes the pass when any of them finishes
@@ -148,9 +149,6 @@ class Portions(PortionScheduling):
         self.examples_seen = 0
         self.point: np.ndarray | None = None  # the batch's point, if sent with its portions
         self.finished: dict[int, Finished] = {}  # the batch's finish results, by shard index
-        # A portion goes to a runner only once its block is in memory: wait for both to be
-        # ready (they were started together), so that the first pass sends none as a task.
-        self.runners.wait(self.blocks, timeout)
         self._refresh(first=True)
 
     # -- what the coordinator adds to the next pass -------------------------------------------
@@ -204,6 +202,9 @@ class Portions(PortionScheduling):
         )
         version = begun[0][0]
         self.point = np.concatenate([values for _, values in begun]) if send else None
+        if not self.started:  # a portion goes to a runner once its block is in memory: the
+            self.runners.wait(self.blocks, self.timeout)  # first pass waits for all of them
+            self.started = True
         self._refresh()
         t_start = last_progress = time.time()
         self.observer.event(
