@@ -363,7 +363,7 @@ def test_a_runner_call_that_is_lost_is_run_again_as_a_task():
     portions = _portions(restored)
     reply: concurrent.futures.Future = concurrent.futures.Future()
     reply.set_exception(OSError("Unable to contact Actor's worker"))
-    lost = RunnerCall(reply, "runner-w1-7-v3")
+    lost = RunnerCall(reply)
     _add(portions, lost, version=3, portion=7, worker="w1")
     todo: list[int] = []
     assert portions._collect(lost, 3, todo, {}, []) is False

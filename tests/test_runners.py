@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, Event, LocalCluster
 
 from downpour_dask import SandblasterLBFGS, models
 from downpour_dask.runtime.cluster import cluster_workers
@@ -31,7 +31,7 @@ def _call(outcome: object = None, *, pending: bool = False) -> RunnerCall:
             reply.set_exception(outcome)
         else:
             reply.set_result(outcome)
-    return RunnerCall(reply, "runner-w1-3-v2")
+    return RunnerCall(reply)
 
 
 def test_a_runner_call_reads_as_the_pass_reads_a_dask_future():
@@ -113,3 +113,26 @@ def test_a_worker_with_two_threads_runs_two_of_its_runners_portions_at_once():
         fit.join(timeout=60)
         assert "est" in done and most == 2
         assert len(est.experiment_.pushes) == 2  # one portion per worker thread, each once
+
+
+def _fails() -> None:
+    raise ValueError("this block could not be read")
+
+
+@pytest.mark.timeout(30)  # the wait below would last 120 s if a failed block did not end it
+def test_the_first_pass_stops_waiting_for_blocks_once_one_failed(client, cluster_keys):
+    before = cluster_keys()
+    workers = sorted(cluster_workers(client))
+    pool = RunnerPool(client, workers, "test")
+    release = Event()
+    held = client.submit(release.wait, 60, pure=False)  # a block still being read
+    failed = client.submit(_fails, pure=False)
+    try:
+        pool.wait([held, failed], timeout=120)
+        assert failed.status == "error" and held.status == "pending"
+    finally:
+        release.set()
+        held.result(timeout=30)
+        pool.close()
+    client.cancel([held, failed])
+    assert not [k for k in cluster_keys(beyond=before) if "portion-runner" in k]

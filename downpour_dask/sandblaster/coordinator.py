@@ -239,12 +239,12 @@ class Coordinator:
         L-BFGS with the iterations and seconds left; gather the result."""
         est, client = self.est, self.client
         start = self.initial if self.x_last is None else self.x_last
-        self.token = uuid.uuid4().hex[:12]
-        self.tokens.append(self.token)
         self.server = ParameterServer.create(
             client, start, est.n_shards, optim.sgd(1.0), self.survivors(), est.timeout,
             shard_class=SandblasterShard, l2mask=self.mask, x=start,
         )  # fmt: skip
+        self.token = uuid.uuid4().hex[:12]
+        self.tokens.append(self.token)
         self._offset = max(0, self.done_iter)
         # before the data blocks arrive (see runtime/malloc.py); a worker leaving is no matter
         client.run(tune_malloc, workers=self.survivors(), on_error="ignore")

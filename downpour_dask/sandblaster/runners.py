@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -79,8 +80,8 @@ class RunnerCall:
     whose worker died.
     """
 
-    def __init__(self, reply: concurrent.futures.Future, key: str):
-        self.reply, self.key = reply, key
+    def __init__(self, reply: concurrent.futures.Future):
+        self.reply = reply
 
     def done(self) -> bool:
         return self.reply.done()
@@ -125,10 +126,17 @@ class RunnerPool:
 
     def wait(self, blocks: list[Future], timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the runners to start and for ``blocks`` to be in
-        their workers' memory, so that the first pass sends its portions to the runners.  What
-        is not ready by then (a block lost with its worker, say) the pass deals with as ever."""
-        with contextlib.suppress(TimeoutError, FUTURES_CANCELLED):
-            wait([*blocks, *self.futures.values()], timeout=timeout)
+        their workers' memory, so that the first pass sends its portions to the runners.  The
+        wait ends early if a block or runner fails or is lost (its worker died, say): the pass
+        deals with that as ever, and sends what is not ready as Dask tasks."""
+        pending = [*blocks, *self.futures.values()]
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError, FUTURES_CANCELLED):
+                wait(pending, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            if any(f.status not in ("pending", "finished") for f in pending):
+                return
+            pending = [f for f in pending if f.status == "pending"]
 
     def call(self, worker: str, block_key: Any, *args: Any) -> RunnerCall | None:
         """Send a portion to ``worker``'s runner (``args`` as for :meth:`PortionRunner.run`);
@@ -141,7 +149,7 @@ class RunnerPool:
         except RuntimeError:
             self.usable = False
             return None
-        return RunnerCall(reply, f"runner-{worker}-{args[3]}-v{args[2]}")
+        return RunnerCall(reply)
 
     def _handle(self, worker: str) -> Any:
         handle = self.handles.get(worker)
