@@ -22,15 +22,17 @@ from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.runtime.dask_internals import (
     FUTURES_CANCELLED,
-    actor_call_future,
     actor_handle,
     actor_result,
+    as_worker,
+    call_worker,
     direct_actor,
     local_actor,
     on_worker_loop,
     release_hold,
     running_as,
     scheduler_workers,
+    serve_on_worker,
     task_cancelled,
 )
 
@@ -255,25 +257,59 @@ def test_on_worker_loop_runs_a_coroutine_on_the_workers_event_loop(client):
     assert coroutine.cr_frame is None  # closed: no "never awaited" warning
 
 
-def test_actor_call_future_is_a_concurrent_future_of_the_reply(server, client):
-    """The reply of a driver's actor call, as a ``concurrent.futures.Future`` (done-callbacks,
-    waited on with other futures); a failed call's error is the future's."""
-    actor = server.shards[0]
-    answered = actor_call_future(lambda: actor.current_version(), client)
-    assert isinstance(answered, concurrent.futures.Future)
-    assert answered.result(timeout=TIMEOUT) == 0
-    failed = actor_call_future(lambda: actor.push(np.ones(2, np.float32), 0, 0), client)
-    assert failed.exception(timeout=TIMEOUT) is not None  # a wrong-sized gradient
+def _serving(dask_worker) -> None:
+    serve_on_worker(dask_worker, "downpour_dask_test_echo", _echo)
 
 
-def test_actor_call_future_refuses_before_calling_without_a_running_client_loop(client):
+async def _echo(value=None):
+    if value == "fail":
+        raise ValueError("asked to fail")
+    return {"echo": value, "worker": get_worker().address if value == "who" else None}
+
+
+def test_a_handler_served_on_a_worker_answers_the_drivers_call(client):
+    """``call_worker`` reaches a handler ``serve_on_worker`` installed, straight from the
+    driver, as a ``concurrent.futures.Future``; a handler's error is the future's."""
+    worker = sorted(client.scheduler_info()["workers"])[0]
+    client.run(_serving, workers=[worker])
+    answer = call_worker(client, worker, "downpour_dask_test_echo", value=7)
+    assert isinstance(answer, concurrent.futures.Future)
+    assert answer.result(timeout=TIMEOUT)["echo"] == 7
+    failed = call_worker(client, worker, "downpour_dask_test_echo", value="fail")
+    assert isinstance(failed.exception(timeout=TIMEOUT), ValueError)
+
+
+def test_call_worker_refuses_before_sending_without_a_running_client_loop():
     class _NoLoop:  # what a changed Dask could give: no asyncio loop on the client
         loop = None
 
-    made = []
+        def rpc(self, address):  # pragma: no cover - must not be reached
+            raise AssertionError("sent")
+
     with pytest.raises(RuntimeError, match="not a running asyncio loop"):
-        actor_call_future(lambda: made.append(1), _NoLoop())
-    assert made == []  # refused before the call: the caller sends the work another way
+        call_worker(_NoLoop(), "tcp://127.0.0.1:9", "op")
+
+
+def _worker_in_a_plain_thread() -> tuple[str, str]:
+    worker, found = get_worker(), {}
+
+    def look() -> None:
+        try:
+            get_worker()
+        except ValueError:
+            found["before"] = "none"
+        with as_worker(worker):
+            found["inside"] = get_worker().address
+
+    thread = threading.Thread(target=look)
+    thread.start()
+    thread.join(timeout=TIMEOUT)
+    return found["before"], found["inside"]
+
+
+def test_as_worker_gives_a_plain_thread_its_worker(client):
+    before, inside = client.submit(_worker_in_a_plain_thread, pure=False).result(timeout=TIMEOUT)
+    assert before == "none" and inside.startswith("tcp://")
 
 
 def _shown_while_running() -> tuple[list[str], list[str], list[str]]:

@@ -669,6 +669,44 @@ def test_a_worker_stopped_under_its_runners_portions_costs_time_not_counts(
     assert pushes["examples"].sum() == len(X) and len(pushes) == 24
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_retired_mid_batch_is_let_go_and_loses_nothing(digits_binary, three_workers):
+    """``retire_workers`` on a worker holding no shard, while its portions run: Dask retires
+    it (a fit holds no actor there: its portions came by message, not through an actor, which
+    Dask would refuse to retire), its blocks move, and the pass counts every portion once."""
+    (X, y), _ = digits_binary
+    model = models.LogisticRegression(64, l2=1e-2)
+    client = three_workers
+    workers = sorted(cluster_workers(client))
+    victim = workers[2]  # shards go to workers[0] and workers[1]
+    est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)
+    done: dict = {}
+
+    def run_fit() -> None:
+        try:
+            done["est"] = est.fit(X, y, client=client, portion_delay={w: 0.25 for w in workers})
+        except Exception as err:  # shown by the assertions below, not lost in the thread
+            done["error"] = err
+
+    thread = threading.Thread(target=run_fit)
+    thread.start()
+    deadline = time.monotonic() + 90
+    running = lambda: client.run(_running, workers=[victim])[victim]  # noqa: E731
+    while not any(key.endswith("-runner") for key in running()):
+        assert thread.is_alive() and time.monotonic() < deadline, done.get("error")
+        time.sleep(0.02)
+    retired = client.retire_workers([victim], close_workers=True)
+    thread.join(timeout=150)
+    assert victim in retired and victim not in cluster_workers(client)
+    assert not thread.is_alive() and "est" in done, done.get("error")
+    loss, grad = serial_objective(model, model.init(np.random.default_rng(0)), X, y)
+    np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
+    assert est.objective_ == pytest.approx(loss, rel=1e-6)
+    pushes = est.experiment_.pushes
+    assert pushes["examples"].sum() == len(X) and len(pushes) == 24
+
+
 @pytest.mark.slow  # seconds of training (or processes): out of the quick loop
 @pytest.mark.timeout(120)
 def test_mlp_reaches_useful_accuracy_on_mnist5k(client, tmp_path):

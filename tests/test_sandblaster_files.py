@@ -9,7 +9,7 @@ from downpour_dask import datasets, models
 from downpour_dask.sandblaster.blocks import ShardBlocks, read_block
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
 from downpour_dask.sandblaster.portions import Portions
-from downpour_dask.sandblaster.runners import RunnerPool
+from downpour_dask.sandblaster.runners import Runners
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,14 @@ def test_files_reach_scipys_optimum_with_each_block_read_once_and_no_rows_sent(
     files, X, y = digits_files
     model = models.LogisticRegression(64, l2=3e-2)  # well conditioned: few passes
     scattered, submitted = _recording(client, monkeypatch)
-    sent, call = [], RunnerPool.call
+    sent, call = [], Runners.call
 
     def recording_call(self, worker, block_key, *args):  # which block, and was it there
         held = {str(key) for key in self.client.has_what([worker]).get(worker, ())}
         sent.append(str(block_key) in held)
         return call(self, worker, block_key, *args)
 
-    monkeypatch.setattr(RunnerPool, "call", recording_call)
+    monkeypatch.setattr(Runners, "call", recording_call)
     est = SandblasterLBFGS(
         model, portions_per_batch=4, max_iter=100, tol=1e-8, backup_tasks=False, random_state=0
     ).fit(files, client=client)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from distributed import Actor, Client, Future, get_worker
+from distributed import worker as _dask_worker
 from distributed.client import FuturesCancelledError
 
 #: What waiting on futures raises when one of them was cancelled -- e.g. scattered data that a
@@ -89,27 +90,52 @@ def on_worker_loop(coroutine: Any) -> concurrent.futures.Future:
     return asyncio.run_coroutine_threadsafe(coroutine, loop)
 
 
-def actor_call_future(
-    make_call: Callable[[], Any], client: Client
-) -> concurrent.futures.Future:
-    """Make an actor call in the driver (``make_call()``, e.g. ``lambda: handle.run(x)``) and
-    return a ``concurrent.futures.Future`` of its reply: one that can be waited on together with
-    other futures and calls its done-callbacks when the reply arrives.
+def serve_on_worker(worker: Any, op: str, handler: Callable[..., Any]) -> None:
+    """Have ``worker`` answer messages ``{"op": op, ...}`` with ``handler`` (called with the
+    message's other fields as keyword arguments; a coroutine is awaited), as its own handlers
+    (``gather``, ``actor_execute``...) answer theirs.
 
-    Awaiting an ``ActorFuture`` is public; doing it on the client's event loop relies on
-    ``Client.loop`` being a tornado ``IOLoop`` over asyncio whose ``asyncio_loop`` runs (checked:
-    distributed 2024.x to 2026.8, tornado 6.x).  Raises ``RuntimeError``, before any call is
-    made, when that is not so; the caller then sends the work another way.
+    Relies on ``Worker.handlers``, the dict of op -> handler that ``distributed.core.Server``
+    dispatches by, which Dask's own extensions fill from their worker plugins (checked:
+    distributed 2024.x to 2026.8).  No fallback: a changed dispatch fails here, loudly.
+    """
+    worker.handlers[op] = handler
+
+
+def call_worker(client: Client, address: str, op: str, **msg: Any) -> concurrent.futures.Future:
+    """Send the worker at ``address`` the message ``{"op": op, **msg}`` from the driver, over
+    the client's own connections (straight to the worker, never through the scheduler); a
+    ``concurrent.futures.Future`` of its answer (an ``OSError`` if the worker is gone).
+
+    Relies on ``Client.rpc`` (the client's connection pool, as ``client.rpc(address).op(...)``
+    reaches a worker) and ``Client.loop`` being a tornado ``IOLoop`` over asyncio whose
+    ``asyncio_loop`` runs (checked: distributed 2024.x to 2026.8, tornado 6.x).  Raises
+    ``RuntimeError``, before sending anything, when the loop is not so.
     """
     loop = getattr(getattr(client, "loop", None), "asyncio_loop", None)
     if not isinstance(loop, asyncio.AbstractEventLoop) or not loop.is_running():
         raise RuntimeError("this client's event loop is not a running asyncio loop")
-    call = make_call()
 
-    async def reply() -> Any:
-        return await call
+    async def send() -> Any:
+        return await getattr(client.rpc(address), op)(**msg)
 
-    return asyncio.run_coroutine_threadsafe(reply(), loop)
+    return asyncio.run_coroutine_threadsafe(send(), loop)
+
+
+@contextlib.contextmanager
+def as_worker(worker: Any) -> Iterator[None]:
+    """Make ``distributed.get_worker()`` return ``worker`` in this thread while the block runs,
+    as Dask arranges for a task's thread.
+
+    Work a worker handler started in a thread of its own has no worker otherwise.  Relies on
+    ``distributed.worker._worker_cvar``, the context variable ``get_worker`` reads (checked:
+    distributed 2024.x to 2026.8).  No fallback: a changed ``get_worker`` fails here, loudly.
+    """
+    token = _dask_worker._worker_cvar.set(worker)
+    try:
+        yield
+    finally:
+        _dask_worker._worker_cvar.reset(token)
 
 
 @contextlib.contextmanager

@@ -166,7 +166,6 @@ class Coordinator:
                 mask[lo:hi] = model.l2
         self.mask = mask
         self.server: ParameterServer | None = None
-        self.portions: Portions | None = None
         try:
             self._optimise(rows, workers)
         finally:
@@ -181,8 +180,6 @@ class Coordinator:
         if self.server is not None:
             self.server.close()
             self.server = None
-        if self.portions is not None:
-            self.portions.runners.close()  # (a restore's next attempt starts its own)
 
     def _optimise(self, rows: list[list], workers: dict) -> None:
         est, client = self.est, self.client

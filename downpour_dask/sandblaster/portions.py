@@ -36,9 +36,8 @@ from ..core.params import DTYPE
 from ..core.vectors import Command, Program, sum_replies, written
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
-from ..runtime.cluster import cluster_workers
 from .blocks import ArrayBlocks, ShardBlocks
-from .runners import Arrivals, RunnerCall, RunnerPool
+from .runners import Arrivals, RunnerCall, Runners
 from .scheduling import PortionCopy, PortionScheduling
 from .shard import Finish, Finished, SandblasterShard
 from .tasks import PortionResult, run_portion
@@ -126,11 +125,8 @@ class Portions(PortionScheduling):
         self.delay = dict(delay or {})
         self.task_only: set[int] = set()  # portions a runner lost: tasks from now on
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
-        # Submitted right after the blocks: a Dask client sends the scheduler at most one batch
-        # of messages per 10 ms, and a submission of their own would hold the next one back.
-        live = workers if workers is not None else sorted(cluster_workers(client))
-        self.runners = RunnerPool(client, live, token)
-        self.started = False  # whether a pass has waited for the runners and blocks
+        self.runners = Runners(client)  # the workers' runners (see runners.py)
+        self.started = False  # whether a pass has waited for the blocks to be in memory
         # copies in flight, Dask tasks and runner calls; survives batches: stragglers hold slots
         self.inflight: dict[Future | RunnerCall, PortionCopy] = {}
         self.arrivals = Arrivals()  # wakes the pass when any of them finishes
@@ -203,7 +199,7 @@ class Portions(PortionScheduling):
         version = begun[0][0]
         self.point = np.concatenate([values for _, values in begun]) if send else None
         if not self.started:  # a portion goes to a runner once its block is in memory: the
-            self.runners.wait(self.blocks, self.timeout)  # first pass waits for all of them
+            self.runners.wait(self.blocks, self.timeout)  # first pass waits for the blocks
             self.started = True
         self._refresh()
         t_start = last_progress = time.time()

@@ -1,18 +1,19 @@
-"""Portions sent straight to a standing actor on the worker that holds their data.
+"""Portions sent straight to the worker that holds their data, not through the scheduler.
 
 A portion sent as a Dask task goes driver -> scheduler -> worker, and its result worker ->
 scheduler -> driver; the client sends the scheduler at most one batch of messages per 10 ms.
 That is several milliseconds of each pass, paid even when the portion's data block is already in
-the memory of the worker that runs it, where the scheduler has nothing to decide.  So each
-worker gets a :class:`PortionRunner` actor for the fit, and a portion whose block that worker
-holds is sent to it: one message straight to the worker and the reply straight back, as the
-driver's calls to the shards go.  The runner computes the portion exactly as the task would
-(:func:`~downpour_dask.sandblaster.tasks.run_portion`), in its worker's thread pool.
+the memory of the worker that runs it, where the scheduler has nothing to decide.  So every
+worker gets a *runner*: a handler (installed by the :class:`PortionRunner` worker plugin) that
+takes a portion whose block it holds in one message from the driver, computes it in the worker's
+thread pool exactly as the task would (:func:`~downpour_dask.sandblaster.tasks.run_portion`) and
+answers straight back, as the driver's calls to the shards go.  A handler, not an actor: Dask
+does not retire a worker that holds an actor, and a fit must not keep its cluster from shrinking.
 
-Everything that needs the scheduler stays a Dask task: a portion whose block must move, a
-backup on a worker without the block, a portion sent before its worker's runner started.
-:class:`RunnerCall` gives a runner's reply the few parts of a Dask future a pass reads, and
-:class:`Arrivals` waits for the first of both kinds to finish.
+Everything that needs the scheduler stays a Dask task: a portion whose block must move, a backup
+on a worker without the block, a portion a runner could not take.  :class:`RunnerCall` gives a
+runner's answer the few parts of a Dask future a pass reads, and :class:`Arrivals` waits for the
+first of both kinds to finish.
 """
 
 from __future__ import annotations
@@ -20,42 +21,57 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from distributed import Client, Future, get_worker, wait
+from distributed import Client, Future, WorkerPlugin, wait
+from distributed.protocol import to_serialize
 
 from ..runtime.dask_internals import (
     FUTURES_CANCELLED,
-    actor_call_future,
-    direct_actor,
-    release_hold,
+    as_worker,
+    call_worker,
     running_as,
+    serve_on_worker,
 )
 from .tasks import PortionResult, run_portion
 
+#: The message a runner answers (the op of a Dask worker handler).
+OP = "downpour_dask_sandblaster_portion"
 
-class PortionRunner:
-    """Dask actor: runs the portions of one fit whose data block is in its worker's memory.
 
-    A call returns to the worker's event loop at once; the portion runs in the worker's own
-    thread pool, as a task would, so that a worker with several threads runs as many portions
-    at a time (an actor's plain method would run in the single thread Dask keeps for actors).
-    """
+class PortionRunner(WorkerPlugin):
+    """Dask worker plugin: installs the runner on every worker, present and to come."""
 
-    async def run(self, block_key: Any, *args: Any) -> PortionResult | None:
-        """:func:`~downpour_dask.sandblaster.tasks.run_portion` on the block of key
-        ``block_key`` (``args`` are that function's other arguments, in order); None when
-        the block is not in this worker's memory (it moved, or its worker was replaced)."""
-        worker = get_worker()
-        context = contextvars.copy_context()  # get_worker() works in the pool's thread too
-        return await asyncio.get_running_loop().run_in_executor(
-            worker.executors["default"], context.run, _run, worker, block_key, args
+    name = "downpour-dask-sandblaster-runner"
+
+    def setup(self, worker: Any) -> None:
+        async def run_portion_here(payload: tuple) -> Any:  # (Dask logs handlers by name)
+            return await _serve(worker, payload)
+
+        serve_on_worker(worker, OP, run_portion_here)
+
+
+async def _serve(worker: Any, payload: tuple) -> Any:
+    """The runner: ``payload`` is (block key, :func:`run_portion`'s other arguments in order).
+    The portion runs in the worker's thread pool, as a task would, so that a worker with
+    several threads runs as many at a time; the event loop stays free meanwhile.  The answer
+    is ``("ok", result or None)`` (None: the block is not in this worker's memory, or the
+    portion failed while the worker was closing) or ``("error", exception)``: the driver raises
+    it, and the worker logs no traceback of its own for an error that is the caller's to
+    report."""
+    block_key, args = payload
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(
+            worker.executors["default"], _run, worker, block_key, args
         )
+    except Exception as err:
+        if getattr(worker.status, "name", "running") != "running":  # retired, or closing:
+            return to_serialize(("ok", None))  # lost, as Dask re-runs such a worker's tasks
+        return to_serialize(("error", err))
+    return to_serialize(("ok", result))
 
 
 def _run(worker: Any, block_key: Any, args: tuple) -> PortionResult | None:
@@ -67,17 +83,17 @@ def _run(worker: Any, block_key: Any, args: tuple) -> PortionResult | None:
     except KeyError:
         return None
     server, token, version, portion, *rest = args
-    with running_as(f"portion-{portion}-v{version}-runner"):
+    with as_worker(worker), running_as(f"portion-{portion}-v{version}-runner"):
         return run_portion(server, token, version, portion, block, *rest)
 
 
 class RunnerCall:
-    """A portion sent to a :class:`PortionRunner`: what a pass reads of a Dask future.
+    """A portion sent to a runner: what a pass reads of a Dask future.
 
-    ``status`` is ``"pending"`` until the reply arrives, then ``"finished"`` or ``"error"`` (the
-    portion raised); ``"lost"`` when the runner's worker could not be reached or the reply
-    says the block was not there -- the pass then runs the portion again, as for a Dask task
-    whose worker died.
+    ``status`` is ``"pending"`` until the answer arrives, then ``"finished"`` or ``"error"``
+    (the portion raised); ``"lost"`` when the worker could not be reached, did not hold the
+    block or left the cluster (:meth:`abandon`) -- the pass then runs the portion again, as for
+    a Dask task whose worker died.
     """
 
     def __init__(self, reply: concurrent.futures.Future):
@@ -86,50 +102,63 @@ class RunnerCall:
     def done(self) -> bool:
         return self.reply.done()
 
-    @property
-    def status(self) -> str:
-        if not self.reply.done():
-            return "pending"
+    def abandon(self) -> None:
+        """Give the call up (its worker left the cluster): it is lost at once, where a call
+        to a worker that is gone would wait out Dask's connect timeout first."""
+        self.reply.cancel()
+
+    def _answer(self) -> tuple[str, Any]:
+        if self.reply.cancelled():
+            return "lost", None
         error = self.reply.exception()
         if isinstance(error, OSError):  # the worker died, or its connection did
-            return "lost"
+            return "lost", None
         if error is not None:
-            return "error"
-        return "finished" if self.reply.result() is not None else "lost"
+            return "error", error
+        kind, value = self.reply.result()
+        if kind == "ok":
+            return ("finished", value) if value is not None else ("lost", None)
+        return "error", value
+
+    @property
+    def status(self) -> str:
+        return self._answer()[0] if self.reply.done() else "pending"
 
     def result(self, timeout: float | None = None) -> PortionResult | None:
-        """The portion's result; None if the call was lost (see :attr:`status`)."""
-        return None if self.status == "lost" else self.reply.result(timeout)
+        """The portion's result; None if the call was lost (see :attr:`status`); raises the
+        portion's error."""
+        concurrent.futures.wait([self.reply], timeout=timeout)
+        kind, value = self._answer()
+        if kind == "error":
+            raise value
+        return value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self.reply.exception(timeout)
+        concurrent.futures.wait([self.reply], timeout=timeout)
+        kind, value = self._answer()
+        return value if kind == "error" else None
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
         self.reply.add_done_callback(lambda _: callback(self))
 
 
-class RunnerPool:
-    """One :class:`PortionRunner` per worker for the fit ``token``: started without waiting,
-    used once started, released by :meth:`close`."""
+class Runners:
+    """The driver's side of the workers' runners for one fit (see the module's docstring)."""
 
-    def __init__(self, client: Client, workers: Iterable[str], token: str):
+    def __init__(self, client: Client):
         self.client = client
-        self.futures: dict[str, Future] = {
-            worker: client.submit(
-                PortionRunner, actor=True, workers=[worker], allow_other_workers=False,
-                pure=False, key=f"sandblaster-portion-runner-{token}-{uuid.uuid4().hex[:6]}",
-            )  # fmt: skip
-            for worker in workers
-        }
-        self.handles: dict[str, Any] = {}
-        self.usable = True  # False once the client's loop cannot take actor calls
+        # The client's own connections go to the workers; one made with
+        # ``direct_to_workers=False`` may not reach them: it keeps Dask tasks only.
+        self.usable = client.direct_to_workers is not False
+        if self.usable:  # (again on every fit: cheap, and a new worker gets it from Dask)
+            client.register_plugin(PortionRunner())
 
     def wait(self, blocks: list[Future], timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the runners to start and for ``blocks`` to be in
-        their workers' memory, so that the first pass sends its portions to the runners.  The
-        wait ends early if a block or runner fails or is lost (its worker died, say): the pass
-        deals with that as ever, and sends what is not ready as Dask tasks."""
-        pending = [*blocks, *self.futures.values()]
+        """Wait up to ``timeout`` seconds for ``blocks`` to be in their workers' memory, so that
+        the first pass sends its portions to the runners.  The wait ends early if a block fails
+        or is lost (its worker died, say): the pass deals with that as ever, and sends what is
+        not ready as Dask tasks."""
+        pending = list(blocks) if self.usable else []
         deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError, FUTURES_CANCELLED):
@@ -139,33 +168,16 @@ class RunnerPool:
             pending = [f for f in pending if f.status == "pending"]
 
     def call(self, worker: str, block_key: Any, *args: Any) -> RunnerCall | None:
-        """Send a portion to ``worker``'s runner (``args`` as for :meth:`PortionRunner.run`);
-        None if that runner has not started (or cannot be called): send a task instead."""
-        handle = self._handle(worker)
-        if handle is None:
+        """Send a portion to ``worker``'s runner (``args``: :func:`run_portion`'s arguments
+        after the block, in order); None if runners cannot be used: send a task instead."""
+        if not self.usable:
             return None
         try:
-            reply = actor_call_future(lambda: handle.run(block_key, *args), self.client)
+            reply = call_worker(self.client, worker, OP, payload=to_serialize((block_key, args)))
         except RuntimeError:
             self.usable = False
             return None
         return RunnerCall(reply)
-
-    def _handle(self, worker: str) -> Any:
-        handle = self.handles.get(worker)
-        if handle is not None or not self.usable:
-            return handle
-        future = self.futures.get(worker)
-        if future is None or future.status != "finished":
-            return None
-        handle = self.handles[worker] = direct_actor(future.result(timeout=5), self.client)
-        return handle
-
-    def close(self) -> None:
-        """Let go of the runners (Dask deletes an actor once nothing refers to it)."""
-        for held in [*self.handles.values(), *self.futures.values()]:
-            release_hold(held)
-        self.handles, self.futures = {}, {}
 
 
 class Arrivals:

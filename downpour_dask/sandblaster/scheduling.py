@@ -192,6 +192,9 @@ class PortionScheduling:
                 self.observer.event(
                     "worker_lost", f"{gone}: its portions are re-run elsewhere", worker=gone
                 )
+                for future, copy in self.inflight.items():  # Dask re-runs its own tasks
+                    if copy.worker == gone and hasattr(future, "abandon"):
+                        future.abandon()  # a runner's call: lost now, not at a timeout
             self._check_shards(workers)
         self.capacity = {w: self.DEPTH * info.get("nthreads", 1) for w, info in workers.items()}
         self.metrics = {w: info.get("metrics", {}) for w, info in workers.items()}
