@@ -6,7 +6,7 @@ they free up (faster workers take more, data-local portions first), launches bac
 stragglers near the end of a batch on idle workers (the rules are in
 :mod:`~downpour_dask.sandblaster.scheduling`), re-sends data blocks lost with a worker, and counts
 every portion once (the work itself is in :mod:`~downpour_dask.sandblaster.tasks`).  A portion
-whose data block is in its worker's memory goes straight to that worker's runner actor, any other
+whose data block is in its worker's memory goes straight to that worker's runner, any other
 as a Dask task (:mod:`~downpour_dask.sandblaster.runners`).  A pass ends on the shards: each runs
 the coordinator's *finish* program as soon as it holds every portion's gradient, and the portion
 whose gradient completed it brings the program's dot products back with its result, so

@@ -1,7 +1,7 @@
 """Sandblaster's worker side: computing portions and scoring evaluations.
 
 * :func:`run_portion` computes one portion's gradient, as a Dask task or called by the runner
-  actor of the worker holding the portion's block (:mod:`~downpour_dask.sandblaster.runners`).
+  of the worker holding the portion's block (:mod:`~downpour_dask.sandblaster.runners`).
   It fetches the published parameters once per batch per worker (a cache keyed by run and
   version), unless the point of a small model came with the portion, and adds its gradient to
   the shards' accumulator directly, worker to worker, never through the driver; it returns
