@@ -18,6 +18,7 @@ from distributed.client import FutureCancelledError
 
 from downpour_dask.core.params import split_range
 from downpour_dask.core.vectors import VectorStore
+from downpour_dask.sandblaster import scheduling
 from downpour_dask.sandblaster.portions import PortionCopy, Portions
 from downpour_dask.sandblaster.runners import RunnerCall
 from downpour_dask.sandblaster.shard import Finished, SandblasterShard
@@ -368,3 +369,25 @@ def test_a_runner_call_that_is_lost_is_run_again_as_a_task():
     todo: list[int] = []
     assert portions._collect(lost, 3, todo, {}, []) is False
     assert todo == [7] and portions.task_only == {7} and restored
+
+
+def test_a_runner_call_to_a_worker_that_left_is_given_up_at_the_next_look(monkeypatch):
+    """A Dask task on a worker that left is re-run by Dask; a runner's call would wait out
+    Dask's connect timeout (30 s) before failing, so the pass gives it up when it sees the
+    worker gone, and runs the portion again."""
+    observer = _Observer()
+    portions = _portions([], observer)
+    portions.client = SimpleNamespace(who_has=lambda blocks: {}, nbytes=lambda *a, **k: {})
+    portions.server = SimpleNamespace(workers=["w1"])
+    portions.data = SimpleNamespace(homes={})
+    stays, gone = concurrent.futures.Future(), concurrent.futures.Future()
+    on_w1, on_w2 = RunnerCall(stays), RunnerCall(gone)
+    _add(portions, on_w1, version=3, portion=1, worker="w1")
+    _add(portions, on_w2, version=3, portion=7, worker="w2")
+    monkeypatch.setattr(scheduling, "cluster_workers", lambda client: {"w1": {"nthreads": 1}})
+    portions._refresh()
+    assert on_w2.status == "lost" and on_w1.status == "pending"
+    assert ("worker_lost", {"worker": "w2"}) in observer.events
+    todo: list[int] = []
+    portions._collect(on_w2, 3, todo, {}, [])
+    assert todo == [7] and portions.task_only == {7}

@@ -144,7 +144,7 @@ def running_as(key: str) -> Iterator[None]:
     worker: where Dask lists the threads running tasks (its profiler, its dashboard, anything
     that asks a worker what it is busy with).
 
-    Work a worker's actor started in a thread of its own is invisible there otherwise.  Relies
+    Work a worker handler started in a thread of its own is invisible there otherwise.  Relies
     on ``Worker.active_threads`` (thread id -> key) and ``Worker.active_threads_lock``, which
     Dask fills for tasks and actor calls itself (checked: distributed 2024.x to 2026.8).  Does
     nothing when not on a worker or when the worker no longer has them.
