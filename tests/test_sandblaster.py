@@ -1,6 +1,7 @@
 """Sandblaster L-BFGS: shard vector machine, coordinator, and the estimator on real clusters."""
 
 import asyncio
+import concurrent.futures
 import gc
 import os
 import signal
@@ -23,6 +24,7 @@ from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.sandblaster.coordinator import Coordinator
 from downpour_dask.sandblaster.estimator import SandblasterLBFGS
 from downpour_dask.sandblaster.portions import Portions
+from downpour_dask.sandblaster.runners import RunnerCall, Runners
 from downpour_dask.sandblaster.shard import Finish, SandblasterShard
 
 
@@ -442,6 +444,47 @@ def test_a_pass_is_not_held_back_by_the_last_ones_releases_and_its_score_adds_no
             assert submitted > batch or batch == last, (what, batch, submitted)
     fit(X, y, client=client)  # the same fit without eval_data
     assert with_scores <= sum(programs) + 1  # one: the final score's snapshot (no pass left)
+
+
+def test_scores_go_to_the_runner_holding_the_evaluation_data_and_fall_back_to_tasks(
+    client, digits_binary, monkeypatch
+):
+    """Each iteration's score goes straight to the runner of the worker holding the evaluation
+    data, not through the scheduler; a runner that does not hold it (its worker was replaced,
+    say) answers so, and the scores go as Dask tasks from then on, none missing."""
+    (X, y), test = digits_binary
+    submitted, scored, score = [], [], Runners.score
+    submit = client.submit
+
+    def recording_submit(func, *args, **kwargs):
+        submitted.append(getattr(func, "__name__", ""))
+        return submit(func, *args, **kwargs)
+
+    def recording_score(self, worker, data_key, *args):
+        scored.append(worker)
+        return score(self, worker, data_key, *args)
+
+    monkeypatch.setattr(client, "submit", recording_submit)
+    monkeypatch.setattr(Runners, "score", recording_score)
+    fit = SandblasterLBFGS(
+        models.LogisticRegression(64, l2=1e-2), max_iter=4, tol=0.0, random_state=0
+    ).fit  # fmt: skip
+    est = fit(X, y, eval_data=test, client=client)
+    assert est.experiment_.evals["accuracy"].notna().all()
+    assert len(scored) == len(est.experiment_.evals) and "evaluate_task" not in submitted
+
+    def not_there(self, worker, data_key, *args):  # as a replaced worker would answer
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        reply.set_result(("ok", None))
+        scored.append(worker)
+        return RunnerCall(reply)
+
+    scored.clear()
+    monkeypatch.setattr(Runners, "score", not_there)
+    est = fit(X, y, eval_data=test, client=client)
+    assert est.experiment_.evals["accuracy"].notna().all()
+    assert len(scored) == 1  # asked once; every score after it went as a task
+    assert submitted.count("evaluate_task") == len(est.experiment_.evals)
 
 
 def _copies_stay_on_the_shards(limit: int) -> None:

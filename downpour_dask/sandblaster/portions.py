@@ -96,8 +96,8 @@ class Portions(PortionScheduling):
     #: trip to every shard.  Larger points stay off the driver, as the paper has it.
     INLINE_POINT_BYTES = 256 * 2**10
 
-    #: A portion whose data block is in its worker's memory is sent straight to that worker's
-    #: runner (see runners.py), not as a Dask task through the scheduler.
+    #: A portion whose data block is in its worker's memory (and a score) is sent straight to
+    #: that worker's runner (see runners.py), not as a Dask task through the scheduler.
     RUNNERS = True
 
     def __init__(
@@ -125,7 +125,7 @@ class Portions(PortionScheduling):
         self.delay = dict(delay or {})
         self.task_only: set[int] = set()  # portions a runner lost: tasks from now on
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
-        self.runners = Runners(client)  # the workers' runners (see runners.py)
+        self.runners = Runners(client, enabled=self.RUNNERS)  # the workers' (see runners.py)
         self.started = False  # whether a pass has waited for the blocks to be in memory
         # copies in flight, Dask tasks and runner calls; survives batches: stragglers hold slots
         self.inflight: dict[Future | RunnerCall, PortionCopy] = {}
@@ -373,7 +373,7 @@ class Portions(PortionScheduling):
         args = (self.server.portable(), self.token, version, pid)
         rest = (self.model, backup, self.timeout, self.delay, self.point)
         local = worker in self.where.get(pid, ()) and block.status == "finished"
-        if local and self.RUNNERS and pid not in self.task_only:
+        if local and pid not in self.task_only:
             future = self.runners.call(worker, block.key, *args, *rest)
         if future is None:
             future = self.client.submit(

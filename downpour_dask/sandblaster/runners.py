@@ -36,7 +36,7 @@ from ..runtime.dask_internals import (
     running_as,
     serve_on_worker,
 )
-from .tasks import PortionResult, run_portion
+from .tasks import PortionResult, evaluate_task, run_portion
 
 #: The message a runner answers (the op of a Dask worker handler).
 OP = "downpour_dask_sandblaster_portion"
@@ -55,17 +55,18 @@ class PortionRunner(WorkerPlugin):
 
 
 async def _serve(worker: Any, payload: tuple) -> Any:
-    """The runner: ``payload`` is (block key, :func:`run_portion`'s other arguments in order).
-    The portion runs in the worker's thread pool, as a task would, so that a worker with
-    several threads runs as many at a time; the event loop stays free meanwhile.  The answer
-    is ``("ok", result or None)`` (None: the block is not in this worker's memory, or the
-    portion failed while the worker was closing) or ``("error", exception)``: the driver raises
-    it, and the worker logs no traceback of its own for an error that is the caller's to
-    report."""
-    block_key, args = payload
+    """The runner: ``payload`` is (what, data key, arguments): ``"portion"`` with the block's
+    key and :func:`run_portion`'s other arguments in order, or ``"score"`` with the evaluation
+    data's key and :func:`evaluate_task`'s.  The work runs in the worker's thread pool, as a
+    task would, so that a worker with several threads runs as many at a time; the event loop
+    stays free meanwhile.  The answer is ``("ok", result or None)`` (None: the data is not in
+    this worker's memory, or the work failed while the worker was closing) or ``("error",
+    exception)``: the driver raises it, and the worker logs no traceback of its own for an
+    error that is the caller's to report."""
+    what, key, args = payload
     try:
         result = await asyncio.get_running_loop().run_in_executor(
-            worker.executors["default"], _run, worker, block_key, args
+            worker.executors["default"], _run, worker, what, key, args
         )
     except Exception as err:
         if getattr(worker.status, "name", "running") != "running":  # retired, or closing:
@@ -74,17 +75,21 @@ async def _serve(worker: Any, payload: tuple) -> Any:
     return to_serialize(("ok", result))
 
 
-def _run(worker: Any, block_key: Any, args: tuple) -> PortionResult | None:
-    """The runner's work, in a thread of the worker's pool: the block (read from memory, or
-    from disk if Dask spilled it), then the portion, shown as running where Dask lists its
-    threads' work."""
+def _run(worker: Any, what: str, key: Any, args: tuple) -> Any:
+    """The runner's work, in a thread of the worker's pool: the data (read from memory, or
+    from disk if Dask spilled it), then the portion or the score, shown as running where Dask
+    lists its threads' work."""
     try:
-        block = worker.data[block_key]
+        data = worker.data[key]
     except KeyError:
         return None
+    if what == "score":
+        server, model, timeout, token = args
+        with as_worker(worker), running_as(f"evaluate-{token}-runner"):
+            return evaluate_task(server, model, data, timeout, token)
     server, token, version, portion, *rest = args
     with as_worker(worker), running_as(f"portion-{portion}-v{version}-runner"):
-        return run_portion(server, token, version, portion, block, *rest)
+        return run_portion(server, token, version, portion, data, *rest)
 
 
 class RunnerCall:
@@ -141,15 +146,18 @@ class RunnerCall:
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
         self.reply.add_done_callback(lambda _: callback(self))
 
+    def release(self) -> None:
+        """Nothing to let go of on the cluster (as a Dask future's ``release``)."""
+
 
 class Runners:
     """The driver's side of the workers' runners for one fit (see the module's docstring)."""
 
-    def __init__(self, client: Client):
+    def __init__(self, client: Client, enabled: bool = True):
         self.client = client
         # The client's own connections go to the workers; one made with
         # ``direct_to_workers=False`` may not reach them: it keeps Dask tasks only.
-        self.usable = client.direct_to_workers is not False
+        self.usable = enabled and client.direct_to_workers is not False
         if self.usable:  # (again on every fit: cheap, and a new worker gets it from Dask)
             client.register_plugin(PortionRunner())
 
@@ -170,10 +178,18 @@ class Runners:
     def call(self, worker: str, block_key: Any, *args: Any) -> RunnerCall | None:
         """Send a portion to ``worker``'s runner (``args``: :func:`run_portion`'s arguments
         after the block, in order); None if runners cannot be used: send a task instead."""
+        return self._send(worker, ("portion", block_key, args))
+
+    def score(self, worker: str, data_key: Any, *args: Any) -> RunnerCall | None:
+        """Have ``worker``'s runner score the iterate on the evaluation data it holds
+        (``args``: :func:`evaluate_task`'s arguments after the data); None as for :meth:`call`."""
+        return self._send(worker, ("score", data_key, args))
+
+    def _send(self, worker: str, payload: tuple) -> RunnerCall | None:
         if not self.usable:
             return None
         try:
-            reply = call_worker(self.client, worker, OP, payload=to_serialize((block_key, args)))
+            reply = call_worker(self.client, worker, OP, payload=to_serialize(payload))
         except RuntimeError:
             self.usable = False
             return None

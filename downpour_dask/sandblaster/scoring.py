@@ -3,13 +3,15 @@ coordinator iterates on.
 
 The coordinator asks for a score after an iteration (:meth:`Scoring.submit`).  The shards copy
 ``x`` to ``xe`` first thing in their next program, the next pass's prelude (no round trip of its
-own), and the scoring task is submitted just before that pass's portions, so that it goes to the
-scheduler in one batch of messages with them: a Dask client sends at most one batch per 10 ms,
-and a scoring task submitted on its own a few ms before the portions held them back by the rest
-of that interval.  The task pulls ``xe`` from the shards and scores it on the evaluation data,
-which lives on one worker (scattered again from the driver's copy if that worker died).  The
-coordinator waits for the score when the next one is due (:meth:`Scoring.finish`), or at the end
-of the fit, which then launches a score no pass came to carry.
+own), and the score is sent just before that pass's portions: to the runner of the worker holding
+the evaluation data (:mod:`~downpour_dask.sandblaster.runners`), one message straight there and
+back, so that it runs before the portions queued behind it; or, where there is no runner, as a
+Dask task in one batch of messages with the pass's tasks (a Dask client sends at most one batch
+per 10 ms, and a task submitted on its own a few ms before the portions held them back by the
+rest of that interval).  The score pulls ``xe`` from the shards and scores it on the evaluation
+data, which lives on one worker (scattered again from the driver's copy if that worker died).
+The coordinator waits for the score when the next one is due (:meth:`Scoring.finish`), or at the
+end of the fit, which then launches a score no pass came to carry.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import send_to_workers
 from .portions import Portions
+from .runners import RunnerCall, Runners
 from .tasks import evaluate_task
 
 
@@ -63,8 +66,10 @@ class Scoring:
         self.client, self.model, self.evaluation = client, model, evaluation
         self.metric, self.timeout, self.workers, self.event = metric, timeout, workers, event
         self.data: Future | None = None  # the evaluation data on its worker
-        # the row awaiting its score, and the scoring task (None until it is submitted)
-        self.pending: tuple[dict[str, Any], Future | None] | None = None
+        self.home: str | None = None  # ... that worker
+        self.tasks_only = False  # after a runner did not have the data: Dask tasks from then on
+        # the row awaiting its score, and its call or task (None until it is sent)
+        self.pending: tuple[dict[str, Any], Future | RunnerCall | None] | None = None
         self.place(restored=False)
 
     def place(self, restored: bool) -> None:
@@ -72,6 +77,7 @@ class Scoring:
         key = f"sandblaster-eval-{uuid.uuid4().hex[:12]}"
         sent = send_to_workers(self.client, {key: self.evaluation}, self.workers(), self.timeout)
         self.data = sent[key]
+        self.home = min(self.client.who_has([self.data]).get(key, ()), default=None)
         if restored:
             self.event("data_restored", "the evaluation data scattered again", evaluation=True)
 
@@ -83,21 +89,32 @@ class Scoring:
         docstring)."""
         portions.lead([("copy", "x", "xe")])  # the next iterations may move x
         self.pending = (row, None)
-        portions.before_next_submit(lambda: self._launch_if_waiting(row, server, token))
+        portions.before_next_submit(
+            lambda: self._launch_if_waiting(row, server, token, portions.runners)
+        )
 
-    def _launch_if_waiting(self, row: dict[str, Any], server: ParameterServer, token: str) -> None:
-        """Submit the scoring task of ``row`` unless it was submitted or given up already."""
+    def _launch_if_waiting(
+        self, row: dict[str, Any], server: ParameterServer, token: str, runners: Runners
+    ) -> None:
+        """Send the score of ``row`` unless it was sent or given up already."""
         if self.pending is not None and self.pending[0] is row and self.pending[1] is None:
-            self._launch(row, server, token)
+            self._launch(row, server, token, runners)
 
-    def _launch(self, row: dict[str, Any], server: ParameterServer, token: str) -> Future:
-        """Submit the scoring task of ``row`` (placing the data again if its worker died)."""
+    def _launch(
+        self, row: dict[str, Any], server: ParameterServer, token: str, runners: Runners
+    ) -> Future | RunnerCall:
+        """Send the score of ``row`` to the data's runner, else as a Dask task (placing the
+        data again first if its worker died)."""
         if self.data is None or self.data.status != "finished":
             self.place(restored=True)
-        future = self.client.submit(
-            evaluate_task, server.portable(), self.model, self.data, self.timeout, token,
-            pure=False,
-        )  # fmt: skip
+        args = (server.portable(), self.model, self.timeout, token)
+        future = None
+        if self.home is not None and not self.tasks_only:
+            future = runners.score(self.home, self.data.key, *args)
+        if future is None:
+            future = self.client.submit(
+                evaluate_task, args[0], self.model, self.data, self.timeout, token, pure=False
+            )
         self.pending = (row, future)
         return future
 
@@ -116,9 +133,13 @@ class Scoring:
             row, future = self.pending
             if future is None:
                 portions.run([])  # the snapshot, if it still leads
-                future = self._launch(row, server, token)
+                future = self._launch(row, server, token, portions.runners)
             try:
-                row["loss"], row[self.metric] = future.result(timeout=self.timeout)
+                scored = future.result(timeout=self.timeout)
+                if scored is None:  # a runner's worker left, or did not hold the data
+                    self.tasks_only = True
+                    raise CancelledError("the evaluation data was not where it was sent")
+                row["loss"], row[self.metric] = scored
                 portions.retired.append(future)
                 self.pending = None
                 return
@@ -132,7 +153,7 @@ class Scoring:
                     ) from err  # fmt: skip
                 if not (again and isinstance(err, CancelledError)):
                     raise
-                self._launch(row, server, token)
+                self._launch(row, server, token, portions.runners)
 
     def drop(self) -> None:
         """Give up the pending score (its shards were lost)."""
