@@ -666,21 +666,14 @@ def test_a_worker_killed_mid_batch_loses_nothing(digits_binary, three_workers, k
     assert {d["worker"] for d in lost} == {victim}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_a_worker_stopped_under_its_runners_portions_costs_time_not_counts(
-    digits_binary, three_workers
-):
-    """SIGSTOP of a worker holding no shard while its runner computes portions (each sleeps
-    0.25 s first, so the stop lands inside the batch), SIGCONT 2 s later: its runner's replies
-    come late, or not before copies elsewhere, and the pass counts every portion once, with
-    the exact gradient."""
-    (X, y), _ = digits_binary
+def _fault_under_a_runner(client: Client, data, fault) -> tuple[SandblasterLBFGS, str]:
+    """One pass over ``data`` (24 portions, each sleeping 0.25 s first) on a three-worker
+    cluster, with ``fault(victim)`` done to the worker holding no shard once its runner computes
+    a portion; checks that the pass gave the exact gradient, counting every portion once."""
+    X, y = data
     model = models.LogisticRegression(64, l2=1e-2)
-    client = three_workers
     workers = sorted(cluster_workers(client))
     victim = workers[2]  # shards go to workers[0] and workers[1]
-    pid = client.run(os.getpid, workers=[victim])[victim]
     est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)
     done: dict = {}
 
@@ -697,19 +690,36 @@ def test_a_worker_stopped_under_its_runners_portions_costs_time_not_counts(
     while not any(key.endswith("-runner") for key in running()):
         assert thread.is_alive() and time.monotonic() < deadline, done.get("error")
         time.sleep(0.02)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        thread.join(timeout=2.0)  # the fault's length; the fit may not end while it lasts
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    fault(victim)
     thread.join(timeout=150)
     assert not thread.is_alive() and "est" in done, done.get("error")
-    params = model.init(np.random.default_rng(0))
-    loss, grad = serial_objective(model, params, X, y)
+    loss, grad = serial_objective(model, model.init(np.random.default_rng(0)), X, y)
     np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
     assert est.objective_ == pytest.approx(loss, rel=1e-6)
     pushes = est.experiment_.pushes
     assert pushes["examples"].sum() == len(X) and len(pushes) == 24
+    return est, victim
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_stopped_under_its_runners_portions_costs_time_not_counts(
+    digits_binary, three_workers
+):
+    """SIGSTOP of a worker holding no shard while its runner computes portions, SIGCONT 2 s
+    later: its runner's answers come late, or not before copies elsewhere, and the pass counts
+    every portion once, with the exact gradient."""
+    client = three_workers
+
+    def stop_for_two_seconds(victim: str) -> None:
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.0)  # the fault's length, not a wait for a result
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    _fault_under_a_runner(client, digits_binary[0], stop_for_two_seconds)
 
 
 @pytest.mark.slow
@@ -718,36 +728,14 @@ def test_a_worker_retired_mid_batch_is_let_go_and_loses_nothing(digits_binary, t
     """``retire_workers`` on a worker holding no shard, while its portions run: Dask retires
     it (a fit holds no actor there: its portions came by message, not through an actor, which
     Dask would refuse to retire), its blocks move, and the pass counts every portion once."""
-    (X, y), _ = digits_binary
-    model = models.LogisticRegression(64, l2=1e-2)
     client = three_workers
-    workers = sorted(cluster_workers(client))
-    victim = workers[2]  # shards go to workers[0] and workers[1]
-    est = SandblasterLBFGS(model, portions_per_batch=24, max_iter=0, random_state=0)
-    done: dict = {}
-
-    def run_fit() -> None:
-        try:
-            done["est"] = est.fit(X, y, client=client, portion_delay={w: 0.25 for w in workers})
-        except Exception as err:  # shown by the assertions below, not lost in the thread
-            done["error"] = err
-
-    thread = threading.Thread(target=run_fit)
-    thread.start()
-    deadline = time.monotonic() + 90
-    running = lambda: client.run(_running, workers=[victim])[victim]  # noqa: E731
-    while not any(key.endswith("-runner") for key in running()):
-        assert thread.is_alive() and time.monotonic() < deadline, done.get("error")
-        time.sleep(0.02)
-    retired = client.retire_workers([victim], close_workers=True)
-    thread.join(timeout=150)
+    retired: dict = {}
+    _, victim = _fault_under_a_runner(
+        client,
+        digits_binary[0],
+        lambda victim: retired.update(client.retire_workers([victim], close_workers=True)),
+    )
     assert victim in retired and victim not in cluster_workers(client)
-    assert not thread.is_alive() and "est" in done, done.get("error")
-    loss, grad = serial_objective(model, model.init(np.random.default_rng(0)), X, y)
-    np.testing.assert_allclose(est.gradient_, grad, rtol=0, atol=1e-6 * np.abs(grad).max())
-    assert est.objective_ == pytest.approx(loss, rel=1e-6)
-    pushes = est.experiment_.pushes
-    assert pushes["examples"].sum() == len(X) and len(pushes) == 24
 
 
 @pytest.mark.slow  # seconds of training (or processes): out of the quick loop
