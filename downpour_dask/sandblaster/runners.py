@@ -7,8 +7,10 @@ the memory of the worker that runs it, where the scheduler has nothing to decide
 worker gets a *runner*: a handler (installed by the :class:`PortionRunner` worker plugin) that
 takes a portion whose block it holds in one message from the driver, computes it in the worker's
 thread pool exactly as the task would (:func:`~downpour_dask.sandblaster.tasks.run_portion`) and
-answers straight back, as the driver's calls to the shards go.  A handler, not an actor: Dask
-does not retire a worker that holds an actor, and a fit must not keep its cluster from shrinking.
+answers straight back, as the driver's calls to the shards go.  A fit's scores of ``eval_data``
+go the same way to the worker holding the evaluation data (see
+:mod:`~downpour_dask.sandblaster.scoring`).  A handler, not an actor: Dask does not retire a
+worker that holds an actor, and a fit must not keep its cluster from shrinking.
 
 Everything that needs the scheduler stays a Dask task: a portion whose block must move, a backup
 on a worker without the block, a portion a runner could not take.  :class:`RunnerCall` gives a
