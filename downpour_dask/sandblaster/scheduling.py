@@ -21,6 +21,7 @@ from dask.utils import parse_bytes
 
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import FUTURES_CANCELLED
+from .runners import RunnerCall
 
 
 class PortionCopy(NamedTuple):
@@ -193,8 +194,8 @@ class PortionScheduling:
                     "worker_lost", f"{gone}: its portions are re-run elsewhere", worker=gone
                 )
                 for future, copy in self.inflight.items():  # Dask re-runs its own tasks
-                    if copy.worker == gone and hasattr(future, "abandon"):
-                        future.abandon()  # a runner's call: lost now, not at a timeout
+                    if copy.worker == gone and isinstance(future, RunnerCall):
+                        future.abandon()  # lost now, not at Dask's connect timeout
             self._check_shards(workers)
         self.capacity = {w: self.DEPTH * info.get("nthreads", 1) for w, info in workers.items()}
         self.metrics = {w: info.get("metrics", {}) for w, info in workers.items()}

@@ -67,7 +67,7 @@ class Scoring:
         self.metric, self.timeout, self.workers, self.event = metric, timeout, workers, event
         self.data: Future | None = None  # the evaluation data on its worker
         self.home: str | None = None  # ... that worker
-        self.tasks_only = False  # after a runner did not have the data: Dask tasks from then on
+        self.task_only = False  # after a runner did not have the data: Dask tasks from then on
         # the row awaiting its score, and its call or task (None until it is sent)
         self.pending: tuple[dict[str, Any], Future | RunnerCall | None] | None = None
         self.place(restored=False)
@@ -109,7 +109,7 @@ class Scoring:
             self.place(restored=True)
         args = (server.portable(), self.model, self.timeout, token)
         future = None
-        if self.home is not None and not self.tasks_only:
+        if self.home is not None and not self.task_only:
             future = runners.score(self.home, self.data.key, *args)
         if future is None:
             future = self.client.submit(
@@ -137,7 +137,7 @@ class Scoring:
             try:
                 scored = future.result(timeout=self.timeout)
                 if scored is None:  # a runner's worker left, or did not hold the data
-                    self.tasks_only = True
+                    self.task_only = True
                     raise CancelledError("the evaluation data was not where it was sent")
                 row["loss"], row[self.metric] = scored
                 portions.retired.append(future)
