@@ -148,3 +148,13 @@ def test_a_runner_call_given_up_is_lost_at_once():
     call = _call(pending=True)
     call.abandon()
     assert call.done() and call.status == "lost" and call.result(timeout=1) is None
+
+
+@pytest.mark.timeout(30)  # an unbounded wait would hang here: this fails first
+def test_waiting_for_a_runners_answer_ends_at_its_timeout():
+    """A score whose worker is stopped must not hold the fit past ``timeout``."""
+    call = _call(pending=True)
+    with pytest.raises(TimeoutError):
+        call.result(timeout=0.05)
+    with pytest.raises(TimeoutError):
+        call.exception(timeout=0.05)

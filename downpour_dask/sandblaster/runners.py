@@ -131,18 +131,23 @@ class RunnerCall:
     def status(self) -> str:
         return self._answer()[0] if self.reply.done() else "pending"
 
+    def _settled(self, timeout: float | None) -> tuple[str, Any]:
+        """The answer, waited for up to ``timeout`` seconds (``TimeoutError`` after that)."""
+        concurrent.futures.wait([self.reply], timeout=timeout)
+        if not self.reply.done():  # (a call given up is done, though wait() does not say so)
+            raise TimeoutError(f"no answer from the runner within {timeout} s")
+        return self._answer()
+
     def result(self, timeout: float | None = None) -> PortionResult | None:
         """The portion's result; None if the call was lost (see :attr:`status`); raises the
-        portion's error."""
-        concurrent.futures.wait([self.reply], timeout=timeout)
-        kind, value = self._answer()
+        portion's error, or ``TimeoutError`` if no answer came within ``timeout`` seconds."""
+        kind, value = self._settled(timeout)
         if kind == "error":
             raise value
         return value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        concurrent.futures.wait([self.reply], timeout=timeout)
-        kind, value = self._answer()
+        kind, value = self._settled(timeout)
         return value if kind == "error" else None
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
