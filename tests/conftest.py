@@ -19,6 +19,7 @@ from typing import Any
 import dask
 import pytest
 from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import SchedulerPlugin
 
 # The worker processes of the clusters the tests start come from a fork server that imported
 # Dask, numpy and pandas once, instead of each importing them anew (Dask's own test suite does
@@ -105,6 +106,42 @@ def kill_during_fit() -> Callable[[Client, str, Callable[[], Any]], dict]:
     """``kill_during_fit(client, victim, fit)``: run ``fit`` and SIGKILL ``victim`` inside a
     batch (a test using it is a slow one)."""
     return _kill_during_fit
+
+
+class _RaceNextClients(SchedulerPlugin):
+    """Makes Dask's handshake race for the next ``n`` clients to connect: a broadcast to all
+    clients (what a client cancelling futures sends) queued behind each one's greeting, so
+    the two leave in one batch -- what a cancel arriving in the same turn of the scheduler's
+    loop does by chance (see ``runtime/dask_internals.worker_client``)."""
+
+    name = "race-next-clients"
+
+    def __init__(self, n: int):
+        self.n, self.raced = n, 0
+
+    def add_client(self, scheduler: Any, client: str) -> None:
+        if self.raced < self.n:
+            self.raced += 1
+            cancelled = {"op": "cancelled-keys", "keys": [], "reason": None, "msg": None}
+            scheduler.loop.add_callback(scheduler.report, cancelled)
+
+
+def _clients_raced(dask_scheduler) -> int:
+    return dask_scheduler.plugins[_RaceNextClients.name].raced
+
+
+@pytest.fixture
+def race_next_clients() -> Callable[[Client, int], Callable[[], int]]:
+    """``race_next_clients(client, n)``: the next ``n`` clients to connect to ``client``'s
+    scheduler (a worker's, the first time a task asks for one) meet Dask's handshake race;
+    returns a function telling how many did.  The scheduler must run in the test's process
+    (a ``LocalCluster``'s does)."""
+
+    def arm(client: Client, n: int) -> Callable[[], int]:
+        client.register_plugin(_RaceNextClients(n))
+        return lambda: client.run_on_scheduler(_clients_raced)
+
+    return arm
 
 
 @pytest.fixture

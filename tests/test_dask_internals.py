@@ -14,12 +14,13 @@ import time
 
 import numpy as np
 import pytest
-from distributed import Client, Event, get_worker, secede, wait
+from distributed import Client, Event, Variable, get_client, get_worker, secede, wait
 
 from downpour_dask import optim
 from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.runtime.dask_internals import (
     FUTURES_CANCELLED,
     actor_handle,
@@ -34,6 +35,7 @@ from downpour_dask.runtime.dask_internals import (
     scheduler_workers,
     serve_on_worker,
     task_cancelled,
+    worker_client,
 )
 
 TIMEOUT = 30
@@ -327,3 +329,36 @@ def test_running_as_shows_a_threads_work_where_dask_lists_it_and_then_restores_i
     assert after == own  # the task's own entry is back, not dropped
     with running_as("not on a worker"):  # outside a worker it does nothing
         pass
+
+
+def _variable_through_the_worker_client(name: str) -> tuple[str, int]:
+    client = worker_client(timeout=TIMEOUT)
+    return client.status, Variable(name, client=client).get(timeout=TIMEOUT)
+
+
+def _variable_through_get_client(name: str) -> str:
+    try:
+        client = get_client(timeout=TIMEOUT)
+    except AssertionError:
+        return "AssertionError"
+    return client.status
+
+
+@pytest.mark.slow  # its own cluster: workers that have not made their client yet
+@pytest.mark.timeout(120)
+def test_a_workers_client_connects_through_dasks_handshake_race(three_workers, race_next_clients):
+    client = three_workers
+    first, second, _ = sorted(cluster_workers(client))
+    Variable("answer", client=client).set(42)
+    raced = race_next_clients(client, 1)
+    made = client.submit(_variable_through_the_worker_client, "answer", workers=[first], pure=False)
+    assert made.result(timeout=TIMEOUT) == ("running", 42)
+    assert raced() == 1  # it did meet the race
+    # the race is real: Dask's own get_client fails it, and leaves its half-made client behind
+    race_next_clients(client, 1)
+    plain = client.submit(_variable_through_get_client, "answer", workers=[second], pure=False)
+    assert plain.result(timeout=TIMEOUT) == "AssertionError", (
+        "Dask no longer fails this handshake: worker_client's retry can go"
+    )
+    again = client.submit(_variable_through_get_client, "answer", workers=[second], pure=False)
+    assert again.result(timeout=TIMEOUT) == "connecting"  # what a task gets next, never connected

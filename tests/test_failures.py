@@ -147,6 +147,23 @@ def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(three_worker
     assert kinds[-1] == "stop"
 
 
+@pytest.mark.slow  # its own cluster: workers that have not made their client yet
+@pytest.mark.timeout(240)
+def test_replicas_whose_workers_client_meets_dasks_handshake_race_train_all_the_same(
+    three_workers, race_next_clients, mnist
+):
+    # A broadcast to all clients (a cancel: the driver restarting a replica, another user)
+    # in the same turn of the scheduler's loop as a worker's client connects made a
+    # model-parallel replica's task fail in CI, and with it the fit.
+    client = three_workers
+    train, test = mnist
+    raced = race_next_clients(client, 2)
+    est = _estimator(n_replicas=2, partitions=2, max_epochs=1).fit(train, client=client)
+    assert raced() == 2
+    assert "replica_failed" not in _kinds(est)
+    assert est.score(test) > 0.8
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_streaming_replica_restarts_from_its_files_on_another_worker(

@@ -19,7 +19,7 @@ from itertools import islice
 from typing import Any
 
 import numpy as np
-from distributed import get_client, secede
+from distributed import secede
 
 from ..core.sparse import SparseBatch
 from ..data.hashing import minibatches, read_hashed
@@ -28,6 +28,7 @@ from ..ps.protocol import ShardLostError
 from ..ps.refs import ActorRef
 from ..ps.rows import RowsLink, SparseLayout
 from ..ps.rows_wire import RowsWireClient
+from ..runtime.dask_internals import worker_client
 from .registry import keep_acked
 from .sparse_accrual import AccruingReplica
 from .sparse_loop import run_sparse_replica
@@ -112,7 +113,7 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
             if not run:
                 raise
             generations[err.shard] = links[err.shard].generation
-            actor = await_replacement(get_client(), run, err.shard,
+            actor = await_replacement(worker_client(), run, err.shard,
                                       generations[err.shard], timeout)
             generations[err.shard] += 1
             refs[err.shard] = actor

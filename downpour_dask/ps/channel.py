@@ -38,7 +38,7 @@ import numpy as np
 from distributed import Variable
 
 from ..core.params import DTYPE
-from ..runtime.dask_internals import actor_result, local_actor, task_cancelled
+from ..runtime.dask_internals import actor_result, local_actor, task_cancelled, worker_client
 from .calls import Done, Half
 from .protocol import (
     FencedError,
@@ -238,7 +238,7 @@ class DaskShardChannel:
         if self.replacements is None:
             return None
         with contextlib.suppress(TimeoutError, OSError):
-            return Variable(self.replacements).get(timeout=timeout)
+            return Variable(self.replacements, client=worker_client()).get(timeout=timeout)
         return None
 
     def replaced(self, key: str, sent: float) -> bool:
@@ -321,7 +321,8 @@ class DaskShardChannel:
         if self.replacements is None:
             return 0
         with contextlib.suppress(TimeoutError, OSError, TypeError, ValueError, RuntimeError):
-            return int(Variable(generation_variable(self.replacements)).get(timeout=1.0))
+            name = generation_variable(self.replacements)
+            return int(Variable(name, client=worker_client()).get(timeout=1.0))
         return 0
 
     def _replacement(self, lost_key: str) -> Any | None:

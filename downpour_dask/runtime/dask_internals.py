@@ -21,7 +21,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from distributed import Actor, Client, Future, get_worker
+from distributed import Actor, Client, Future, get_client, get_worker
+from distributed import client as _dask_client
 from distributed import worker as _dask_worker
 from distributed.client import FuturesCancelledError
 
@@ -187,16 +188,62 @@ def task_cancelled() -> bool:
         return False
 
 
+#: How often :func:`worker_client` makes a worker's client again after Dask's handshake race.
+WORKER_CLIENT_TRIES = 3
+_WORKER_CLIENT_LOCK = threading.Lock()
+
+
+def worker_client(timeout: float | None = None) -> Client:
+    """The Dask client of the worker running this task, connected to the scheduler.
+
+    What ``distributed.get_client()`` returns inside a task, made robust to a race in Dask's
+    handshake: a worker makes its client the first time a task asks for one (an actor handle,
+    a ``Variable``), and if the scheduler broadcasts to all clients (another client cancelling
+    futures, a driver restarting a replica) in the same turn of its event loop as it greets the
+    new client, the greeting arrives in a batch of two and the client's constructor fails its
+    ``assert len(msg) == 1``.  Worse, the half-made client stays registered as the default, so
+    the next ``get_client()`` on that worker returns it, never connected.  A task that would
+    have failed for no fault of its own instead forgets the half-made client, closes it and
+    connects again, up to :data:`WORKER_CLIENT_TRIES` times.
+
+    Relies on ``distributed.client._global_clients`` (the registry of default clients) and
+    ``_del_global_client``, on a half-made client's ``status`` staying ``"connecting"`` with no
+    ``scheduler_comm``, and on the ``AssertionError`` itself (checked: distributed 2026.8; the
+    test makes the race on purpose).  Outside a worker it is ``get_client()``.
+    """
+    with _WORKER_CLIENT_LOCK:  # the tasks of one worker make one client, one at a time
+        for attempt in range(WORKER_CLIENT_TRIES):
+            before = list(_dask_client._global_clients.values())
+            try:
+                return get_client(timeout=timeout)
+            except AssertionError:
+                if attempt == WORKER_CLIENT_TRIES - 1:
+                    raise
+                for client in list(_dask_client._global_clients.values()):
+                    if client not in before and client.status == "connecting":
+                        _dask_client._del_global_client(client)
+                        with contextlib.suppress(Exception):
+                            client.close(timeout=timeout)
+    raise AssertionError("unreachable")
+
+
 def actor_handle(cls: type, address: str, key: str) -> Actor:
     """A handle to the actor ``key`` of class ``cls`` living on the worker at ``address``.
 
     Lets a task reach an actor from a plain (class, address, key) triple instead of receiving
-    a handle in its arguments (see :class:`downpour_dask.ps.refs.ActorRef` for why).
+    a handle in its arguments (see :class:`downpour_dask.ps.refs.ActorRef` for why).  Inside
+    a worker, its client is made first, by :func:`worker_client`.
 
     Relies on the constructor ``distributed.Actor(cls, address, key)``, which Dask itself uses
     to unpickle handles (``Actor.__reduce__``) but does not document for users (checked:
     distributed 2024.x to 2026.8).  No fallback: a changed signature fails here, loudly.
     """
+    try:
+        get_worker()
+    except ValueError:  # outside a worker: the handle binds the default client
+        pass
+    else:
+        worker_client()
     return Actor(cls, address, key)
 
 
