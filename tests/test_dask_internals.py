@@ -7,6 +7,7 @@ When one of these fails after a Dask upgrade, ``dask_internals.py`` (or ``ps/pro
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import pickle
 import threading
@@ -20,6 +21,7 @@ from downpour_dask import optim
 from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.runtime import dask_internals
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.runtime.dask_internals import (
     FUTURES_CANCELLED,
@@ -342,6 +344,16 @@ def _variable_through_get_client(name: str) -> str:
     except AssertionError:
         return "AssertionError"
     return client.status
+
+
+@pytest.mark.timeout(30)
+def test_worker_client_on_an_event_loop_never_waits_for_its_lock(client):
+    # the loop's thread must not wait for a thread that, making the client, waits for the loop
+    async def on_a_loop() -> Client:
+        return worker_client(timeout=TIMEOUT)
+
+    with dask_internals._WORKER_CLIENT_LOCK:
+        assert asyncio.run(on_a_loop()) is client
 
 
 @pytest.mark.slow  # its own cluster: workers that have not made their client yet

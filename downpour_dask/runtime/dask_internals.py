@@ -209,8 +209,16 @@ def worker_client(timeout: float | None = None) -> Client:
     Relies on ``distributed.client._global_clients`` (the registry of default clients) and
     ``_del_global_client``, on a half-made client's ``status`` staying ``"connecting"`` with no
     ``scheduler_comm``, and on the ``AssertionError`` itself (checked: distributed 2026.8; the
-    test makes the race on purpose).  Outside a worker it is ``get_client()``.
+    test makes the race on purpose).  Outside a worker it is ``get_client()``, and so it is on
+    an event loop, where Dask makes a client that connects only when awaited (and where the
+    lock could wait for a thread that waits for the loop).
     """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return get_client(timeout=timeout)
     with _WORKER_CLIENT_LOCK:  # the tasks of one worker make one client, one at a time
         for attempt in range(WORKER_CLIENT_TRIES):
             before = list(_dask_client._global_clients.values())
