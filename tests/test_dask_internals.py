@@ -352,7 +352,7 @@ def test_worker_client_on_an_event_loop_never_waits_for_its_lock(client):
     async def on_a_loop() -> Client:
         return worker_client(timeout=TIMEOUT)
 
-    with dask_internals._WORKER_CLIENT_LOCK:
+    with dask_internals._CLIENT_LOCK:
         assert asyncio.run(on_a_loop()) is client
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from distributed import Client, Security
 
+from ..runtime.dask_internals import connect_client
 from .errors import Unreachable, UsageError, one_line
 
 #: The --tls-* flags, by the :class:`distributed.Security` argument each one gives.
@@ -81,7 +82,7 @@ def connect(scheduler: str, args: argparse.Namespace, quiet: bool = False) -> Cl
     if not quiet:
         print(f"connecting to {scheduler} (timeout {args.connect_timeout:g} s)", file=sys.stderr)
     try:
-        return Client(scheduler, timeout=args.connect_timeout, security=security)
+        return connect_client(scheduler, args.connect_timeout, security=security)
     except (OSError, TimeoutError, ValueError, TypeError) as err:  # TypeError: TLS, no creds
         raise Unreachable(
             f"cannot reach the Dask scheduler at {scheduler!r} within "

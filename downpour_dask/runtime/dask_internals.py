@@ -188,44 +188,33 @@ def task_cancelled() -> bool:
         return False
 
 
-#: How often :func:`worker_client` makes a worker's client again after Dask's handshake race.
-WORKER_CLIENT_TRIES = 3
-_WORKER_CLIENT_LOCK = threading.Lock()
+#: How often a client is made again after Dask's handshake race (:func:`connect_client`).
+CLIENT_TRIES = 3
+_CLIENT_LOCK = threading.Lock()
 
 
-def worker_client(timeout: float | None = None) -> Client:
-    """The Dask client of the worker running this task, connected to the scheduler.
+def _through_handshake_race(connect: Callable[[], Client], timeout: float | None) -> Client:
+    """``connect()`` -- a new client, or the worker's -- made again when Dask's handshake race
+    fails it, up to :data:`CLIENT_TRIES` times.
 
-    What ``distributed.get_client()`` returns inside a task, made robust to a race in Dask's
-    handshake: a worker makes its client the first time a task asks for one (an actor handle,
-    a ``Variable``), and if the scheduler broadcasts to all clients (another client cancelling
-    futures, a driver restarting a replica) in the same turn of its event loop as it greets the
-    new client, the greeting arrives in a batch of two and the client's constructor fails its
-    ``assert len(msg) == 1``.  Worse, the half-made client stays registered as the default, so
-    the next ``get_client()`` on that worker returns it, never connected.  A task that would
-    have failed for no fault of its own instead forgets the half-made client, closes it and
-    connects again, up to :data:`WORKER_CLIENT_TRIES` times.
+    A new client sends ``register-client`` and expects the scheduler's greeting alone.  If the
+    scheduler broadcasts to all clients (a cancel, from any client: a driver restarting a
+    replica, a notebook) in the same turn of its event loop, the greeting arrives in a batch of
+    two and the client's constructor fails its ``assert len(msg) == 1``.  The half-made client
+    stays registered as the default client, never connected: the next ``get_client()`` returns
+    it.  So it is forgotten and closed before the next try.
 
-    Relies on ``distributed.client._global_clients`` (the registry of default clients) and
-    ``_del_global_client``, on a half-made client's ``status`` staying ``"connecting"`` with no
-    ``scheduler_comm``, and on the ``AssertionError`` itself (checked: distributed 2026.8; the
-    test makes the race on purpose).  Outside a worker it is ``get_client()``, and so it is on
-    an event loop, where Dask makes a client that connects only when awaited (and where the
-    lock could wait for a thread that waits for the loop).
+    Relies on ``distributed.client._global_clients`` (the registry of default clients),
+    ``_del_global_client``, a half-made client's ``status`` staying ``"connecting"``, and the
+    ``AssertionError`` itself (checked: distributed 2026.8; the tests make the race on purpose).
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        return get_client(timeout=timeout)
-    with _WORKER_CLIENT_LOCK:  # the tasks of one worker make one client, one at a time
-        for attempt in range(WORKER_CLIENT_TRIES):
+    with _CLIENT_LOCK:  # one client made at a time, so a half-made one is this call's
+        for attempt in range(CLIENT_TRIES):
             before = list(_dask_client._global_clients.values())
             try:
-                return get_client(timeout=timeout)
+                return connect()
             except AssertionError:
-                if attempt == WORKER_CLIENT_TRIES - 1:
+                if attempt == CLIENT_TRIES - 1:
                     raise
                 for client in list(_dask_client._global_clients.values()):
                     if client not in before and client.status == "connecting":
@@ -233,6 +222,31 @@ def worker_client(timeout: float | None = None) -> Client:
                         with contextlib.suppress(Exception):
                             client.close(timeout=timeout)
     raise AssertionError("unreachable")
+
+
+def connect_client(address: str, timeout: float, **kwargs: Any) -> Client:
+    """``distributed.Client(address, timeout=timeout, **kwargs)``, made again when Dask's
+    handshake race fails it (see :func:`_through_handshake_race`): for a command connecting
+    to a cluster where other clients work."""
+    return _through_handshake_race(lambda: Client(address, timeout=timeout, **kwargs), timeout)
+
+
+def worker_client(timeout: float | None = None) -> Client:
+    """The Dask client of the worker running this task, connected to the scheduler.
+
+    What ``distributed.get_client()`` returns inside a task, made again when Dask's handshake
+    race fails it (see :func:`_through_handshake_race`).  A worker makes its client the first
+    time a task asks for one (an actor handle, a ``Variable``): a replica's task on a fresh
+    worker, restarted there while its driver cancels the old tasks, met the race in CI.
+    Outside a worker it is ``get_client()``, and so it is on an event loop, where Dask makes a
+    client that connects only when awaited (and where the lock could wait for a thread that
+    waits for the loop).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _through_handshake_race(lambda: get_client(timeout=timeout), timeout)
+    return get_client(timeout=timeout)
 
 
 def actor_handle(cls: type, address: str, key: str) -> Actor:
