@@ -242,11 +242,24 @@ def worker_client(timeout: float | None = None) -> Client:
     client that connects only when awaited (and where the lock could wait for a thread that
     waits for the loop).
     """
+    made = _made_worker_client()
+    if made is not None:  # every call but a worker's first: no lock, no look-up
+        return made
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return _through_handshake_race(lambda: get_client(timeout=timeout), timeout)
     return get_client(timeout=timeout)
+
+
+def _made_worker_client() -> Client | None:
+    """The client of the worker running this task if it made one that is connected, else None
+    (relies on ``Worker._client``, where ``get_client`` keeps it)."""
+    try:
+        client = get_worker()._client
+    except (ValueError, AttributeError):
+        return None
+    return client if client is not None and client.status == "running" else None
 
 
 def actor_handle(cls: type, address: str, key: str) -> Actor:
@@ -260,12 +273,13 @@ def actor_handle(cls: type, address: str, key: str) -> Actor:
     to unpickle handles (``Actor.__reduce__``) but does not document for users (checked:
     distributed 2024.x to 2026.8).  No fallback: a changed signature fails here, loudly.
     """
-    try:
-        get_worker()
-    except ValueError:  # outside a worker: the handle binds the default client
-        pass
-    else:
-        worker_client()
+    if _made_worker_client() is None:
+        try:
+            get_worker()
+        except ValueError:  # outside a worker: the handle binds the default client
+            pass
+        else:
+            worker_client()
     return Actor(cls, address, key)
 
 
