@@ -9,6 +9,7 @@ are marked ``@pytest.mark.slow`` so that ``pytest -m "not slow"`` is a quick inn
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import signal
 import threading
@@ -114,10 +115,8 @@ class _RaceNextClients(SchedulerPlugin):
     the two leave in one batch -- what a cancel arriving in the same turn of the scheduler's
     loop does by chance (see ``runtime/dask_internals.worker_client``)."""
 
-    name = "race-next-clients"
-
-    def __init__(self, n: int):
-        self.n, self.raced = n, 0
+    def __init__(self, n: int, name: str):
+        self.n, self.raced, self.name = n, 0, name
 
     def add_client(self, scheduler: Any, client: str) -> None:
         if self.raced < self.n:
@@ -126,8 +125,8 @@ class _RaceNextClients(SchedulerPlugin):
             scheduler.loop.add_callback(scheduler.report, cancelled)
 
 
-def _clients_raced(dask_scheduler) -> int:
-    return dask_scheduler.plugins[_RaceNextClients.name].raced
+def _clients_raced(dask_scheduler, name: str) -> int:
+    return dask_scheduler.plugins[name].raced
 
 
 @pytest.fixture
@@ -138,8 +137,11 @@ def race_next_clients() -> Callable[[Client, int], Callable[[], int]]:
     (a ``LocalCluster``'s does)."""
 
     def arm(client: Client, n: int) -> Callable[[], int]:
-        client.register_plugin(_RaceNextClients(n))
-        return lambda: client.run_on_scheduler(_clients_raced)
+        armed = next(names)
+        client.register_plugin(_RaceNextClients(n, armed))
+        return lambda: client.run_on_scheduler(_clients_raced, name=armed)
+
+    names = (f"race-next-clients-{i}" for i in itertools.count())
 
     return arm
 
