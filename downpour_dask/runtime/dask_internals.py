@@ -273,13 +273,12 @@ def actor_handle(cls: type, address: str, key: str) -> Actor:
     to unpickle handles (``Actor.__reduce__``) but does not document for users (checked:
     distributed 2024.x to 2026.8).  No fallback: a changed signature fails here, loudly.
     """
-    if _made_worker_client() is None:
-        try:
-            get_worker()
-        except ValueError:  # outside a worker: the handle binds the default client
-            pass
-        else:
-            worker_client()
+    try:
+        get_worker()
+    except ValueError:  # outside a worker: the handle binds the default client
+        pass
+    else:
+        worker_client()  # at once when the worker's client is connected already
     return Actor(cls, address, key)
 
 
