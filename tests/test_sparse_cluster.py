@@ -124,9 +124,9 @@ def test_data_that_does_not_fit_the_model_is_refused_before_any_work(client, tmp
         fit_sparse(small, bad, client=client)
 
 
-def kill_after_a_checkpoint(pid, root, shard, updates=0):
+def kill_after_a_checkpoint(pid, root, shard, updates=0, after=None):
     """A thread that SIGKILLs process ``pid`` once a checkpoint under ``root`` holds more than
-    ``updates`` updates of ``shard`` (within 120 s)."""
+    ``updates`` updates of ``shard`` and the event ``after`` (if given) is set (within 120 s)."""
 
     def checkpointed():
         manifests = root.glob("sparse-*/manifest.json")
@@ -134,7 +134,9 @@ def kill_after_a_checkpoint(pid, root, shard, updates=0):
 
     def kill():
         deadline = time.monotonic() + 120
-        while not checkpointed() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if checkpointed() and (after is None or after.is_set()):
+                break
             time.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
 
@@ -212,11 +214,21 @@ def test_a_killed_replica_worker_is_restarted_and_the_fit_finishes_with_every_st
     # every other collection of the replicas' records runs on the workers but its answer comes
     # too late (as on a busy machine): the records it carried must come with the next one
     collections, collect = itertools.count(), DaskCluster.collect
+    # The kill waits until the driver holds some of replica 2's records: the shards' memory of
+    # its later pushes is numbered from them (a replica killed before its first collection
+    # takes its whole log along, as documented; on a fast machine 750 updates came first).
+    held = threading.Event()
 
     def half_of_them_late(self, function, *args):
         found = collect(self, function, *args)
         if function is records_after and next(collections) % 2 == 0:
             return {worker: TimeoutError("answered too late") for worker in found}
+        if function is records_after and any(
+            records and key.startswith("sparse-replica-2-")
+            for answer in found.values() if isinstance(answer, dict)
+            for key, records in answer.items()
+        ):
+            held.set()
         return found
 
     monkeypatch.setattr(DaskCluster, "collect", half_of_them_late)
@@ -226,7 +238,7 @@ def test_a_killed_replica_worker_is_restarted_and_the_fit_finishes_with_every_st
     victim = workers[2]  # shards 0 and 1 are on workers 0 and 1; replica 2 alone on worker 2
     pid = client.run(os.getpid, workers=[victim])[victim]
 
-    killer = kill_after_a_checkpoint(pid, tmp_path, shard=0, updates=750)  # ~1/3 of the run
+    killer = kill_after_a_checkpoint(pid, tmp_path, shard=0, updates=750, after=held)  # ~1/3
     fit = fit_sparse(model, data, client=client, n_replicas=3, n_shards=2, batch_size=16,
                      max_epochs=10_000, max_steps=1500, checkpoint_dir=tmp_path,
                      checkpoint_every=0.2, timeout=30, n_fetch=2, n_push=2)
