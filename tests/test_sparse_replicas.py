@@ -241,3 +241,28 @@ def test_the_records_a_dead_replica_lacks_are_rebuilt_from_the_shards_memory(n_f
             k: v for k, v in want.items() if k not in ("time", "bytes")}
         assert 0 < got["bytes"] <= want["bytes"] and got["time"] == pytest.approx(
             want["time"], abs=1.0)
+
+
+@pytest.mark.parametrize(("n_fetch", "n_push"), [(1, 1), (2, 3)])
+@pytest.mark.parametrize("start_step", [0, 6])
+def test_a_dead_replica_none_of_whose_records_was_collected_is_rebuilt_from_the_shards_memory(
+        n_fetch, n_push, start_step):
+    # killed before the driver's first collection: its task's first session says its start
+    model = FactorizationMachine(200, 4, n_factors=2)
+    layout, shards = shards_for(model, 2, optim.adagrad(0.1))
+    links = [RowsLink(s, i, 1, 10.0, first_step=start_step) for i, s in enumerate(shards)]
+    batches = click_batches(12, n_rows=200, numeric=0)
+    if (n_fetch, n_push) == (1, 1):  # (a restarted task numbers its pushes from 0: first_seq)
+        records = run_sparse_replica(model, links, layout, batches, replica=1, started=0.0,
+                                     start_step=start_step, first_seq=0 if start_step else None)
+    else:
+        records = AccruingReplica(model, layout, iter(batches), 1, n_fetch, n_push, 0.1,
+                                  start_step=start_step, started=0.0).run(links)
+    remembered = [asyncio.run(s.recent_pushes(1)) for s in shards]
+    rebuilt = fill_gap([], remembered, n_push, 0.0, replica=1, first_step=start_step)
+    assert len(rebuilt) == len(records) == 2 * 12 // n_push
+    for got, want in zip(rebuilt, records):  # the same, but the clock, the pulls' bytes and
+        assert {k: v for k, v in got.items() if k not in ("time", "bytes")} == {  # the transport
+            k: v for k, v in want.items() if k not in ("time", "bytes", "transport")}
+    # an earlier incarnation's session (it started elsewhere) is not this one's to rebuild
+    assert fill_gap([], remembered, n_push, 0.0, replica=1, first_step=start_step + 1) == []

@@ -20,9 +20,12 @@ particular to sparse replicas:
   (:meth:`~downpour_dask.ps.table.SparseShard.recent_pushes`: session, push number, what the
   push said and got): :func:`fill_gap` rebuilds the missing records from them, numbering their
   steps on from the last collected record of the same session (a session's pushes are
-  ``n_push`` steps apart).  A rebuilt record has the shard's clock for ``time`` and counts
-  only the push's bytes (the pulls in between are not known).  A push to a shard that was lost
-  too, or of a session none of whose records was collected, stays unknown.  The log of a fit
+  ``n_push`` steps apart), or, in the task's first session, from the step its id says the
+  session started at (:func:`~downpour_dask.ps.rows.session_start`: a replica killed before
+  the driver's first collection).  A rebuilt record has the shard's clock for ``time`` and
+  counts only the push's bytes (the pulls in between are not known).  A push to a shard that
+  was lost too, or of a later session (after a shard was replaced) none of whose records was
+  collected, stays unknown.  The log of a fit
   is then every dead incarnation's records, followed by each replica's last incarnation's own
   result (:meth:`SparseTasks.records`).
 """
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..ps.rows import session_start
 from .wind_down import wind_down
 
 #: Push records of this worker process's sparse replicas, per (run, task key): the list the
@@ -60,10 +64,19 @@ def records_after(run: str, taken: dict[str, int]) -> dict[str, list[dict[str, A
 
 
 def fill_gap(records: list[dict[str, Any]], recent: list[list[dict[str, Any]]], n_push: int,
-             started: float) -> list[dict[str, Any]]:
-    """``records`` (collected of a replica that died) followed by the records rebuilt from
-    ``recent`` (per shard, its :meth:`~downpour_dask.ps.table.SparseShard.recent_pushes` of
-    that replica) of the pushes they lack; ``started``: the fit's wall-clock start."""
+             started: float, replica: int | None = None,
+             first_step: int | None = None) -> list[dict[str, Any]]:
+    """``records`` (collected of an incarnation of ``replica`` that died) followed by the
+    records rebuilt from ``recent`` (per shard, its
+    :meth:`~downpour_dask.ps.table.SparseShard.recent_pushes` of that replica) of the pushes
+    they lack; ``started``: the fit's wall-clock start.
+
+    A push is numbered on from the last collected record of its session.  The incarnation's
+    first session (its id says it starts at ``first_step``, the step the incarnation started
+    from: :func:`~downpour_dask.ps.rows.session_start`) needs none: its k-th push is at step
+    ``first_step + (k + 1) * n_push - 1``; a record rebuilt so does not know its
+    ``transport``.  Other sessions none of whose records was collected stay unknown (earlier
+    incarnations' among them: their records are kept already)."""
     last: dict[tuple[int, str], dict[str, Any]] = {}
     seen = set()
     for r in records:
@@ -75,11 +88,17 @@ def fill_gap(records: list[dict[str, Any]], recent: list[list[dict[str, Any]]], 
     for shard, entries in enumerate(recent):
         for entry in entries:
             known = last.get((shard, entry["session"]))
-            if known is None or entry["seq"] <= known["seq"] or (
-                    (shard, entry["session"], entry["seq"]) in seen):
+            first = session_start(entry["session"])
+            if (shard, entry["session"], entry["seq"]) in seen:
+                continue
+            if known is not None and entry["seq"] > known["seq"]:
+                step = known["step"] + (entry["seq"] - known["seq"]) * n_push
+            elif known is None and first is not None and first == first_step:
+                known = {"replica": replica}  # (first_step given: so is replica)
+                step = first + (entry["seq"] + 1) * n_push - 1
+            else:
                 continue
             seen.add((shard, entry["session"], entry["seq"]))
-            step = known["step"] + (entry["seq"] - known["seq"]) * n_push
             rebuilt.append({**known, **entry, "time": entry["time"] - started, "shard": shard,
                             "step": step})
     rebuilt.sort(key=lambda r: (r["step"], r["shard"]))
@@ -139,11 +158,13 @@ class SparseTasks:
         self.dead: dict[int, list[str]] = {r: [] for r in range(len(workers))}
         self.kept: dict[str, list[dict[str, Any]]] = {}
         self.taken: dict[str, int] = {}  # per task key: how many records its worker handed over
+        self.starts: dict[str, int] = {}  # per task key: the step its replica started from
         self.collected_at = time.monotonic()
         self.tasks = [self._submit(r, 0) for r in range(len(workers))]
 
     def _submit(self, replica: int, step: int) -> Any:
         key = f"sparse-replica-{replica}-{self.cluster.run}-{self.generation}"
+        self.starts[key] = step
         return self.start(replica, self.data[replica], step, self.workers[replica], key)
 
     def slots_of(self, replica: int) -> list[int]:
@@ -162,7 +183,7 @@ class SparseTasks:
         self.collect(force=True)
         if self.recent is not None:
             self.kept[key] = fill_gap(self.kept.get(key, []), self.recent(replica), self.n_push,
-                                      self.started)
+                                      self.started, replica, self.starts[key])
 
     def resume_replica(self, replica: int, workers: list[str], start_step: int) -> None:
         """Start ``replica`` again on ``workers[0]`` after ``start_step`` steps."""

@@ -50,11 +50,12 @@ def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: 
 
 
 def _link(ref: ActorRef, s: int, replica: int, timeout: float, n_tables: int,
-          secret: bytes | None) -> RowsLink:
+          secret: bytes | None, first_step: int | None = None) -> RowsLink:
     """A line to shard ``s``: in-process if it is on this worker, else over the direct wire
-    when ``secret`` is given and the shard offers an endpoint, else actor messages."""
+    when ``secret`` is given and the shard offers an endpoint, else actor messages.
+    ``first_step``: the task's first links say the step their pushes are numbered from."""
     shard = ref.open() if isinstance(ref, ActorRef) else ref  # (a replacement's handle)
-    link = RowsLink(shard, s, replica, timeout)
+    link = RowsLink(shard, s, replica, timeout, first_step=first_step)
     if link.local or secret is None:
         return link
     try:
@@ -89,9 +90,11 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
         accruing = AccruingReplica(model, layout, batches, replica, n_fetch, n_push, alpha,
                                    start_step, max_steps, started, records)
     start, first_seq = start_step, (0 if start_step else None)
+    first_step: int | None = start_step  # (a later session's numbering starts mid-accrual)
     while True:
-        links = [_link(ref, s, replica, timeout, len(layout.specs), secret)
+        links = [_link(ref, s, replica, timeout, len(layout.specs), secret, first_step)
                  for s, ref in enumerate(refs)]
+        first_step = None
         for link, generation in zip(links, generations):
             link.generation = generation
         keys = [ref.key for ref in refs]

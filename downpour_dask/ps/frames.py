@@ -56,7 +56,8 @@ OK = STATUS.pack(0, 0)
 
 #: Longest shard id and secret a hello may carry (ids are 32 hex digits, secrets 32 bytes).
 MAX_KEY = 64
-#: Longest session string a request may carry (sessions are 32 hex digits).
+#: Longest session string a request may carry (32 hex digits, and in a sparse replica's first
+#: sessions "S" and the step they start at: see ps/rows.py).
 MAX_SESSION = 64
 #: Largest push number, version or example count a request may carry (2**53: exact as float).
 MAX_COUNT = 2**53

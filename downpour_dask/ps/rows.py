@@ -73,6 +73,18 @@ class SparseLayout(NamedTuple):
         return parts
 
 
+#: What separates a session id (lowercase hex) from the step its pushes are numbered from (see
+#: RowsLink): a letter, as the wire takes sessions of letters and digits only.
+_STARTS_AT = "S"
+
+
+def session_start(session: str) -> int | None:
+    """The step the pushes of ``session`` are numbered from, if its id says (a replica task's
+    first links), else None."""
+    _, at, step = session.rpartition(_STARTS_AT)
+    return int(step) if at and step.isdigit() else None
+
+
 class RowsLink:
     """A replica's line to one sparse shard (see the module docstring).
 
@@ -87,9 +99,15 @@ class RowsLink:
         Seconds a call may take before the shard counts as lost.
     wire : object, optional
         A :class:`~downpour_dask.ps.rows_wire.RowsWireClient` to the shard.
+    first_step : int, optional
+        For the links a replica task starts with: the step its pushes are numbered from.  The
+        session id carries it (:func:`session_start`), so the shards' memory of the pushes
+        can be numbered without any of the replica's own records
+        (``downpour/sparse_replicas.fill_gap``).
     """
 
-    def __init__(self, shard: Any, index: int, replica: int, timeout: float, wire: Any = None):
+    def __init__(self, shard: Any, index: int, replica: int, timeout: float, wire: Any = None,
+                 first_step: int | None = None):
         if not isinstance(shard, SparseShard):
             found = local_actor(shard.key)
             shard = found if isinstance(found, SparseShard) else shard
@@ -97,6 +115,8 @@ class RowsLink:
         self.local = isinstance(shard, SparseShard)
         self.wire = None if self.local else wire
         self.session = uuid.uuid4().hex
+        if first_step is not None:
+            self.session += f"{_STARTS_AT}{int(first_step)}"
         self.generation = 0
 
     @property
