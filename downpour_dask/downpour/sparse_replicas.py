@@ -87,19 +87,18 @@ def fill_gap(records: list[dict[str, Any]], recent: list[list[dict[str, Any]]], 
     rebuilt = []
     for shard, entries in enumerate(recent):
         for entry in entries:
-            known = last.get((shard, entry["session"]))
-            first = session_start(entry["session"])
             if (shard, entry["session"], entry["seq"]) in seen:
                 continue
+            known = last.get((shard, entry["session"]))
             if known is not None and entry["seq"] > known["seq"]:
-                step = known["step"] + (entry["seq"] - known["seq"]) * n_push
-            elif known is None and first is not None and first == first_step:
-                known = {"replica": replica}  # (first_step given: so is replica)
-                step = first + (entry["seq"] + 1) * n_push - 1
+                base, step = known, known["step"] + (entry["seq"] - known["seq"]) * n_push
+            elif (known is None and first_step is not None
+                  and session_start(entry["session"]) == first_step):
+                base, step = {"replica": replica}, first_step + (entry["seq"] + 1) * n_push - 1
             else:
                 continue
             seen.add((shard, entry["session"], entry["seq"]))
-            rebuilt.append({**known, **entry, "time": entry["time"] - started, "shard": shard,
+            rebuilt.append({**base, **entry, "time": entry["time"] - started, "shard": shard,
                             "step": step})
     rebuilt.sort(key=lambda r: (r["step"], r["shard"]))
     return [*records, *rebuilt]
