@@ -21,11 +21,16 @@ once more with a 1-byte token in place of each array (the shard applies a gradie
 replica installs nothing): what is left without the transfer, the bound of any same-host
 transport that would skip the kernel's copies.
 
+With ``--pinned yes`` every row on the cluster runs with each worker process pinned to a CPU of
+its own (:func:`downpour_dask.pin_workers`); ``--pinned both`` runs them both ways in every
+round, and a pinned row's shares are of the pinned ceiling and minimal server.
+
 The script runs in rounds, each running every row once (the serial loop too), so that drift of
 the machine falls on all rows alike; it reports each row's median over the rounds, ratios of
 medians against the serial loop, and the range of the row's runs against that median.
 
     python benchmarks/bench_downpour.py [--seconds 4] [--repeats 3] [--token-bound]
+                                        [--pinned {no,yes,both}]
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 from distributed import Client, LocalCluster, Variable  # noqa: E402
 
-from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
+from downpour_dask import DownpourSGD, datasets, models, pin_workers, unpin_workers  # noqa: E402
 from downpour_dask.data.datasets import minibatches  # noqa: E402
 from downpour_dask.ps import frames  # noqa: E402
 from downpour_dask.runtime.malloc import tune_malloc  # noqa: E402
@@ -237,6 +242,36 @@ CONFIGURATIONS = [  # (replicas, shards, transport) for each n_fetch = n_push
 ]  # fmt: skip
 
 
+def one_round(client, model, train, seconds: float, token_bound: bool, label: str = ""):
+    """Every row on the cluster once (the ceiling, the minimal server and each Downpour
+    configuration, for n_fetch = n_push = 1 and 4): ``{(row name + label, every): examples/s}``."""
+    X, y = train.X, train.y
+    rates = {(CEILING + label, "-"): no_communication_examples_per_s(client, model, X, y, seconds)}
+    for every in (1, 4):
+        rates[(MINIMAL + label, str(every))] = minimal_ps_examples_per_s(
+            client, model, X, y, seconds, every
+        )
+        if token_bound:
+            rates[(TOKENS + label, str(every))] = minimal_ps_examples_per_s(
+                client, model, X, y, seconds, every, payload=False
+            )
+        for replicas, shards, transport in CONFIGURATIONS:
+            name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
+            name += ", actor messages" if transport == "dask" else ""
+            rates[(name + label, str(every))] = downpour_examples_per_s(
+                client, model, train, replicas, every, seconds, shards,
+                transport=transport,
+            )  # fmt: skip
+    return rates
+
+
+SERIAL = "serial numpy loop (1 thread, in process)"
+CEILING = "serial loop on both workers at once, no communication"
+MINIMAL = "minimal parameter server, raw sockets, no library"
+TOKENS = "minimal parameter server, 1-byte tokens, no arrays"
+PINNED = " (pinned)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=4.0)
@@ -245,6 +280,11 @@ def main() -> None:
         "--token-bound", action="store_true",
         help="also run the minimal server with 1-byte tokens instead of its arrays",
     )  # fmt: skip
+    parser.add_argument(
+        "--pinned", choices=["no", "yes", "both"], default="no",
+        help="run the cluster's rows with each worker pinned to a CPU of its own "
+        "(downpour_dask.pin_workers), or both ways in every round",
+    )  # fmt: skip
     args = parser.parse_args()
     train, _ = datasets.load("mnist5k")
     model = models.MLP(784, (256,), 10)
@@ -252,10 +292,7 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"python {platform.python_version()}"
     )
-    serial_name = "serial numpy loop (1 thread, in process)"
-    ceiling_name = "serial loop on both workers at once, no communication"
-    minimal_name = "minimal parameter server, raw sockets, no library"
-    token_name = "minimal parameter server, 1-byte tokens, no arrays"
+    states = {"no": [False], "yes": [True], "both": [False, True]}[args.pinned]
     runs: dict[tuple[str, str], list[float]] = {}
     with (
         LocalCluster(
@@ -265,47 +302,38 @@ def main() -> None:
     ):
         # Rounds: every row once per round, so that the machine's drift falls on all rows alike.
         for _ in range(args.repeats):
-            runs.setdefault((serial_name, "-"), []).append(
+            runs.setdefault((SERIAL, "-"), []).append(
                 serial_examples_per_s(model, train.X, train.y, args.seconds)
             )
-            runs.setdefault((ceiling_name, "-"), []).append(
-                no_communication_examples_per_s(client, model, train.X, train.y, args.seconds)
-            )
-            for every in (1, 4):
-                runs.setdefault((minimal_name, str(every)), []).append(
-                    minimal_ps_examples_per_s(client, model, train.X, train.y, args.seconds, every)
-                )
-                if args.token_bound:
-                    runs.setdefault((token_name, str(every)), []).append(
-                        minimal_ps_examples_per_s(
-                            client, model, train.X, train.y, args.seconds, every, payload=False
-                        )
-                    )
-                for replicas, shards, transport in CONFIGURATIONS:
-                    name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
-                    name += ", actor messages" if transport == "dask" else ""
-                    rate = downpour_examples_per_s(
-                        client, model, train, replicas, every, args.seconds, shards,
-                        transport=transport,
-                    )  # fmt: skip
-                    runs.setdefault((name, str(every)), []).append(rate)
-    serial = statistics.median(runs[(serial_name, "-")])
-    ceiling = statistics.median(runs[(ceiling_name, "-")])
+            for pinned in states:
+                if pinned:
+                    pin_workers(client)
+                rates = one_round(
+                    client, model, train, args.seconds, args.token_bound,
+                    PINNED if pinned else "",
+                )  # fmt: skip
+                unpin_workers(client)
+                for key, rate in rates.items():
+                    runs.setdefault(key, []).append(rate)
+    serial = statistics.median(runs[(SERIAL, "-")])
     print(
         f"\nMLP 784-256-10, batch {BATCH}, median of {args.repeats} rounds of {args.seconds:.0f} s "
-        f"runs (each round runs every row once)"
+        f"runs (each round runs every row once); a pinned row's shares are of the pinned ceiling "
+        f"and minimal server"
     )
     print(
-        f"{'configuration':55} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs serial':>10} "
+        f"{'configuration':64} {'n_fetch=n_push':>14} {'examples/s':>11} {'vs serial':>10} "
         f"{'of ceiling':>10} {'of minimal':>10}  {'runs, vs serial':>15}"
     )
     for (name, every), rates in runs.items():
+        label = PINNED if name.endswith(PINNED) else ""
         rate = statistics.median(rates)
+        ceiling = statistics.median(runs.get((CEILING + label, "-"), [float("nan")]))
         spread = f"{min(rates) / serial:.2f}-{max(rates) / serial:.2f}x"
-        minimal = runs.get((minimal_name, every))
+        minimal = runs.get((MINIMAL + label, every))
         of_minimal = f"{rate / statistics.median(minimal):.0%}" if minimal else "-"
         print(
-            f"{name:55} {every:>14} {rate:>11,.0f} {rate / serial:>9.2f}x {rate / ceiling:>9.0%}"
+            f"{name:64} {every:>14} {rate:>11,.0f} {rate / serial:>9.2f}x {rate / ceiling:>9.0%}"
             f" {of_minimal:>10}  {spread:>15}"
         )
 

@@ -41,6 +41,8 @@ ON_FIRST_USE = {
     "SparseDownpourClassifier": ".downpour.sparse_estimator",
     "attach": ".live",
     "expected_failed_checks": ".base",
+    "pin_workers": ".runtime.affinity",
+    "unpin_workers": ".runtime.affinity",
 }
 
 
@@ -80,4 +82,6 @@ __all__ = [
     "expected_failed_checks",
     "models",
     "optim",
+    "pin_workers",
+    "unpin_workers",
 ]

@@ -358,3 +358,39 @@ def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
         return dict(identity["workers"])
     except (AttributeError, TypeError, KeyError):
         return dict(client.scheduler_info(n_workers=-1).get("workers", {}))
+
+
+def run_within(client: Client, function: Callable[..., Any], workers: list[str], timeout: float):
+    """``client.run(function, workers=workers)``, which has no timeout of its own, waiting at
+    most ``timeout`` seconds: ``Client._run`` under ``Client.sync``'s ``callback_timeout``
+    (checked: distributed 2024.x to 2026.8; a changed name fails loudly)."""
+    return client.sync(client._run, function, workers=workers, callback_timeout=timeout)
+
+
+def register_worker_plugin(client: Client, plugin: Any, name: str, timeout: float) -> None:
+    """``client.register_plugin(plugin, name=name)`` for a worker plugin, waiting at most
+    ``timeout`` seconds; an error in a worker's ``setup`` is raised here.
+
+    Relies on ``Client._register_worker_plugin(plugin, name, idempotent)`` (checked:
+    distributed 2024.x to 2026.8).
+    """
+    register = client._register_worker_plugin
+    client.sync(register, plugin=plugin, name=name, idempotent=False, callback_timeout=timeout)
+
+
+def unregister_worker_plugin(client: Client, name: str, timeout: float) -> bool:
+    """``client.unregister_worker_plugin(name)`` waiting at most ``timeout`` seconds (every
+    worker's ``teardown`` runs); False, and nothing done, if no such plugin is registered.
+
+    Relies on ``Client._unregister_worker_plugin(name)``, ``Client._run_on_scheduler`` and the
+    scheduler's ``worker_plugins`` (checked: distributed 2024.x to 2026.8).  Asked first, since
+    the scheduler logs an error for a name it does not have.
+    """
+    if not client.sync(client._run_on_scheduler, _has_plugin, name, callback_timeout=timeout):
+        return False
+    client.sync(client._unregister_worker_plugin, name=name, callback_timeout=timeout)
+    return True
+
+
+def _has_plugin(name: str, dask_scheduler: Any = None) -> bool:
+    return name in dask_scheduler.worker_plugins
