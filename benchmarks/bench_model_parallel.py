@@ -21,7 +21,10 @@ With ``--ab [NAME ...]`` each configuration also runs with the speed-ups listed 
 code's runs in every repeat, so a change is measured against what it replaced on the same
 machine at the same moment.
 
-    python benchmarks/bench_model_parallel.py [--seconds 10] [--repeats 3]
+With ``--pinned yes`` the workers run pinned to a CPU each (:func:`downpour_dask.pin_workers`),
+with ``--pinned both`` both ways in every repeat (ratios against P = 1 of the same kind).
+
+    python benchmarks/bench_model_parallel.py [--seconds 10] [--repeats 3] [--pinned both]
     python benchmarks/bench_model_parallel.py --ab [NAME ...] [--every 1 4]
 """
 
@@ -41,13 +44,14 @@ import numpy as np  # noqa: E402
 from bench_downpour import BATCH, serial_examples_per_s  # noqa: E402  (the same baseline loop)
 from distributed import Client, LocalCluster  # noqa: E402
 
-from downpour_dask import DownpourSGD, models  # noqa: E402
+from downpour_dask import DownpourSGD, models, pin_workers, unpin_workers  # noqa: E402
 from downpour_dask.core.partition import PartitionPlan  # noqa: E402
 from downpour_dask.core.partition_part import MLPPart  # noqa: E402
 from downpour_dask.downpour.model_parallel import MailboxLink  # noqa: E402
 from downpour_dask.downpour.replica_loop import ReplicaLoop  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
+PINNED = " (pinned)"
 
 #: The speed-ups ``--ab`` switches off for its "before" rows: (class, attribute, before, now).
 BEFORE = [
@@ -135,6 +139,11 @@ def main() -> None:
         help="also run with these of BEFORE's speed-ups off (none named: all of them)",
     )
     parser.add_argument("--every", type=int, nargs="+", default=[1, 4], help="n_fetch = n_push")
+    parser.add_argument(
+        "--pinned", choices=["no", "yes", "both"], default="no",
+        help="run with each worker pinned to a CPU of its own (downpour_dask.pin_workers), or "
+        "both ways in every repeat",
+    )  # fmt: skip
     args = parser.parse_args()
     model = models.MLP(FEATURES, HIDDEN, CLASSES)
     X, y = synthetic(8192)
@@ -153,18 +162,26 @@ def main() -> None:
         ) as cluster,
         Client(cluster) as client,
     ):
-        configs = [(1, False), (2, False)]
         off = [name for _, name, _, _ in BEFORE] if args.ab == [] else args.ab or []
-        if off:  # interleaved: every repeat runs each configuration once
-            configs = [(1, True), (1, False), (2, True), (2, False)]
+        # interleaved: every repeat runs each configuration once
+        configs = [
+            (partitions, before, pinned)
+            for pinned in {"no": [False], "yes": [True], "both": [False, True]}[args.pinned]
+            for partitions in (1, 2)
+            for before in ([True, False] if off else [False])
+        ]
         for every in args.every:
-            runs: dict[tuple[int, bool], list] = {config: [] for config in configs}
+            runs: dict[tuple[int, bool, bool], list] = {config: [] for config in configs}
             for _ in range(args.repeats):
-                for partitions, before in configs:
+                for partitions, before, pinned in configs:
                     client.run(switch, before, off)
+                    if pinned:
+                        pin_workers(client)
                     run = replica_run(client, model, X, y, partitions, every, args.seconds)
-                    runs[(partitions, before)].append(run)
+                    unpin_workers(client)
+                    runs[(partitions, before, pinned)].append(run)
                     label = f"P = {partitions}" + (" (no ...)" if before else "")
+                    label += PINNED if pinned else ""
                     steps = ", ".join(f"CPU {c:.0f} ms + wait {w:.0f} ms" for c, w in run[2])
                     print(
                         f"  run: n = {every}, {label}: {run[0]:,.1f} examples/s"
@@ -172,14 +189,15 @@ def main() -> None:
                         flush=True,
                     )
             client.run(switch, False, off)
-            base = _median([r for r, *_ in runs[(1, False)]])
-            best_base = _best([r for r, *_ in runs[(1, False)]])
-            for (partitions, before), measured in runs.items():
+            for (partitions, before, pinned), measured in runs.items():
+                base = _median([r for r, *_ in runs[(1, False, pinned)]])
+                best_base = _best([r for r, *_ in runs[(1, False, pinned)]])
                 rate, best = _median([r for r, *_ in measured]), _best([r for r, *_ in measured])
                 sent = _median([s for _, s, _ in measured])
                 cpu = _median([float(np.mean([c for c, _ in p])) for *_, p in measured if p])
                 wait = _median([float(np.mean([w for _, w in p])) for *_, p in measured if p])
                 name = f"1 replica, P = {partitions}" + (f" (no {'+'.join(off)})" if before else "")
+                name += PINNED if pinned else ""
                 ratios = (rate / base, best, best / best_base)
                 rows.append((name, str(every), rate, *ratios, sent, cpu, wait))
     plan = PartitionPlan(model, 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import pickle
 import threading
 import time
@@ -16,6 +17,7 @@ import time
 import numpy as np
 import pytest
 from distributed import Client, Event, Variable, get_client, get_worker, secede, wait
+from distributed.diagnostics.plugin import WorkerPlugin
 
 from downpour_dask import optim
 from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
@@ -32,11 +34,14 @@ from downpour_dask.runtime.dask_internals import (
     direct_actor,
     local_actor,
     on_worker_loop,
+    register_worker_plugin,
     release_hold,
+    run_within,
     running_as,
     scheduler_workers,
     serve_on_worker,
     task_cancelled,
+    unregister_worker_plugin,
     worker_client,
 )
 
@@ -169,6 +174,49 @@ def test_scheduler_workers_asks_the_scheduler_itself(client, monkeypatch):
     workers = scheduler_workers(client)
     assert set(workers) == expected and len(workers) == 2
     assert all(info["nthreads"] == 1 for info in workers.values())
+
+
+def _pid_of() -> int:
+    return os.getpid()
+
+
+async def _slow_answer() -> str:
+    await asyncio.sleep(5.0)  # on the worker's event loop, which goes on meanwhile
+    return "late"
+
+
+def test_run_within_answers_like_client_run_and_gives_up_at_its_timeout(client):
+    workers = sorted(scheduler_workers(client))
+    answers = run_within(client, _pid_of, workers, timeout=30)
+    assert answers == client.run(_pid_of)
+    with pytest.raises((TimeoutError, asyncio.TimeoutError)):  # not the answer, 5 s later
+        run_within(client, _slow_answer, workers, timeout=0.2)
+
+
+class _Marker(WorkerPlugin):
+    """Counts its set-ups and tear-downs on each worker."""
+
+    def setup(self, worker):
+        worker._marker_events = [*getattr(worker, "_marker_events", []), "setup"]
+
+    def teardown(self, worker):
+        worker._marker_events = [*getattr(worker, "_marker_events", []), "teardown"]
+
+
+def _marker_events(dask_worker) -> list[str]:
+    return list(getattr(dask_worker, "_marker_events", []))
+
+
+def test_a_worker_plugin_is_set_up_and_torn_down_on_every_worker_and_only_once(client):
+    name = "downpour-dask-test-marker"
+    before = client.run(_marker_events)
+    register_worker_plugin(client, _Marker(), name, timeout=30)
+    assert unregister_worker_plugin(client, name, timeout=30)
+    assert not unregister_worker_plugin(client, name, timeout=30)  # none left: nothing done
+    after = client.run(_marker_events)
+    assert {w: e[len(before[w]) :] for w, e in after.items()} == {
+        w: ["setup", "teardown"] for w in before
+    }
 
 
 def test_a_call_into_a_lost_actor_raises_the_error_is_shard_lost_recognises(client):
