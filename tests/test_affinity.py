@@ -11,6 +11,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, datasets, pin_workers, unpin_workers
+from downpour_dask.runtime import cluster as cluster_module
 from downpour_dask.runtime.affinity import PLUGIN_NAME, split_cpus, thread_cpus
 from downpour_dask.runtime.dask_internals import scheduler_workers
 
@@ -140,3 +141,62 @@ def test_a_worker_its_nanny_restarts_after_sigkill_is_pinned_again(fresh_pair):
     assert all(cpus == pinned[victim] for cpus in threads.values())
     assert PLUGIN_NAME in client.run(_plugins)[newcomer]
     assert unpin_workers(client, timeout=30)
+
+
+def _one_run_each(threads_by_worker: dict[str, dict[int, list[int]]]) -> list[list[int]]:
+    """Each worker's CPUs, asserting that all the threads of a worker have the same."""
+    runs = []
+    for threads in threads_by_worker.values():
+        (run,) = {tuple(cpus) for cpus in threads.values()}
+        runs.append(list(run))
+    return sorted(runs)
+
+
+@needs_two_cpus
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("busy_threads", "variable", "pinned"),
+    [(99, None, True), (1, None, False), (99, "0", False)],
+    ids=["every-worker-busy", "fewer-replicas-than-workers", "turned-off"],
+)
+def test_an_embedded_cluster_is_pinned_only_when_its_fit_keeps_every_worker_busy(
+    busy_threads, variable, pinned, monkeypatch, capsys
+):
+    monkeypatch.setattr(cluster_module, "current_client", lambda: None)  # not the suite's
+    if variable is None:
+        monkeypatch.delenv(cluster_module.PIN_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(cluster_module.PIN_VARIABLE, variable)
+    with cluster_module.cluster_client(None, announce=True, busy_threads=busy_threads) as client:
+        line = capsys.readouterr().err
+        runs = _one_run_each(client.run(thread_cpus))
+    if pinned:
+        assert runs == split_cpus(CPUS, len(runs))
+        assert f"{len(runs)} workers pinned to CPUs" in line
+    else:
+        assert all(run == CPUS for run in runs)
+        assert "pinned" not in line
+
+
+#: The workers of an embedded cluster: one per core, 2 to 8 (runtime/cluster.py).
+EMBEDDED = max(2, min(os.cpu_count() or 2, 8))
+
+
+@pytest.mark.slow  # starts (and closes) two embedded clusters
+@pytest.mark.skipif(len(CPUS) < EMBEDDED, reason="fewer CPUs to use than embedded workers")
+@pytest.mark.timeout(240)
+def test_a_fit_pins_its_embedded_cluster_when_it_has_a_replica_for_every_worker(
+    monkeypatch, capsys
+):
+    monkeypatch.setattr(cluster_module, "current_client", lambda: None)
+    monkeypatch.delenv(cluster_module.PIN_VARIABLE, raising=False)
+    train, test = datasets.load("digits")
+    lines = {}
+    for replicas in (1, EMBEDDED):
+        est = DownpourSGD("mlp", n_replicas=replicas, max_epochs=4, random_state=0, verbose=1)
+        est.fit(train)  # client=None: an embedded cluster
+        err = capsys.readouterr().err
+        lines[replicas] = next(x for x in err.splitlines() if "started a local Dask" in x)
+        assert est.score(test) > 0.8
+    assert "pinned" not in lines[1]
+    assert f"{EMBEDDED} workers pinned to CPUs" in lines[EMBEDDED]

@@ -69,8 +69,7 @@ class DownpourSGD(ParamServerEstimator):
         (back-pressure).  More hides more round-trip latency when steps are short, but lets a
         replica run further ahead of the shards.
     local_learning_rate : float, optional
-        The replica's local rate ``alpha`` between fetches; default ``learning_rate``. 0 gives the
-        paper's plain overwrite-on-fetch.
+        The replicas' rate ``alpha`` between fetches; default ``learning_rate`` (0: overwrite).
     warmstart_steps : int, default 0
         Steps replica 0 trains alone before the other replicas start.
     max_epochs, max_steps : int, optional
@@ -316,8 +315,8 @@ class DownpourSGD(ParamServerEstimator):
         eval_data : Dataset or (X, y), optional
             Evaluated every ``eval_every`` seconds and at the end (``experiment_.evals``).
         client : distributed.Client, optional
-            The cluster to run on; by default the current Dask client (the last ``Client()``
-            made), and when there is none an embedded local cluster, started and closed here.
+            The cluster; by default the current Dask client, else an embedded local cluster
+            started and closed here (pinned when replicas >= workers: ``cluster_client``).
         callback : callable, optional
             Called with a :class:`~downpour_dask.log.Progress` snapshot about four times a
             second while training (progress bars, live plots).  An exception it raises stops
@@ -341,7 +340,8 @@ class DownpourSGD(ParamServerEstimator):
         model = train = None
         if not is_distributed(data):  # in memory: every check before any cluster work
             model, train = prepare_fit(self, data, y)
-        with cluster_client(client, self.security, announce=self.verbose >= 1) as active:
+        busy = float("inf") if self.n_replicas == "auto" else self.n_replicas  # "auto": 1 a worker
+        with cluster_client(client, self.security, self.verbose >= 1, busy) as active:
             if model is None:  # files, Dask collections: Dask labels are read on the cluster
                 model, train = prepare_fit(self, data, y, active)
             evaluation = evaluation_data(self, model, eval_data)

@@ -17,7 +17,11 @@ from typing import Any
 
 from distributed import Client, LocalCluster, Security, default_client, get_worker
 
+from .affinity import pin_workers
 from .dask_internals import scheduler_workers
+
+#: Set to ``0`` to leave an embedded cluster's workers unpinned (see :func:`cluster_client`).
+PIN_VARIABLE = "DOWNPOUR_DASK_PIN_WORKERS"
 
 
 def check_security(value: Any) -> None:
@@ -47,21 +51,27 @@ def current_client() -> Client | None:
     return client if client.status == "running" else None
 
 
-def dashboard_line(cluster: Any) -> str:
-    """One line naming the embedded cluster and where its dashboard is (or how to get one)."""
-    workers = len(cluster.workers)
+def dashboard_line(cluster: Any, pinned: dict[str, list[int]] | None = None) -> str:
+    """One line naming the embedded cluster, whether its workers are ``pinned`` (each worker's
+    CPUs), and where its dashboard is (or how to get one)."""
+    workers = f"{len(cluster.workers)} workers"
+    if pinned:
+        workers += f" pinned to CPUs {', '.join(map(str, sorted(pinned.values())))}"
     link = cluster.dashboard_link if importlib.util.find_spec("bokeh") else None
     where = (
         f"dashboard at {link}"
         if link
         else "no dashboard (it needs bokeh: pip install 'downpour-dask[notebooks]')"
     )
-    return f"downpour-dask: started a local Dask cluster of {workers} workers; {where}"
+    return f"downpour-dask: started a local Dask cluster of {workers}; {where}"
 
 
 @contextlib.contextmanager
 def cluster_client(
-    client: Client | None, security: Security | bool | None = None, announce: bool = False
+    client: Client | None,
+    security: Security | bool | None = None,
+    announce: bool = False,
+    busy_threads: float = 0,
 ) -> Iterator[Client]:
     """Yield the cluster to run on: ``client``, else the current default client, else an embedded
     local cluster (worker processes) that is closed afterwards.
@@ -74,6 +84,15 @@ def cluster_client(
     ``distributed.Security`` with certificates for every role) the embedded cluster is always
     started, listening on TLS only and refusing clients without credentials.  With ``announce``,
     a started cluster's dashboard link is printed to stderr (one line).
+
+    A started cluster's workers are pinned to CPUs of their own
+    (:func:`~downpour_dask.runtime.affinity.pin_workers`) when the fit keeps at least
+    ``busy_threads`` computing threads busy -- as many replicas as workers, or more: each
+    worker's threads then stay with their data and two workers never share a core while another
+    idles.  With fewer replicas than workers a pinned worker could not borrow the idle cores,
+    so it is not pinned; nor where the CPUs are fewer than the workers, or where the
+    environment sets ``DOWNPOUR_DASK_PIN_WORKERS=0``.  A cluster the caller brings is never
+    pinned (``downpour_dask.pin_workers(client)`` does that).
 
     Raises
     ------
@@ -110,8 +129,12 @@ def cluster_client(
         ) as cluster,
         Client(cluster, security=cluster.security) as embedded,
     ):
+        pinned = None
+        if busy_threads >= n_workers and os.environ.get(PIN_VARIABLE, "1") != "0":
+            with contextlib.suppress(ValueError, RuntimeError):  # too few CPUs; not Linux
+                pinned = pin_workers(embedded)
         if announce:
-            print(dashboard_line(cluster), file=sys.stderr, flush=True)
+            print(dashboard_line(cluster, pinned), file=sys.stderr, flush=True)
         yield embedded
 
 
