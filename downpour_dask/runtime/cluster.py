@@ -8,6 +8,7 @@ client if there is one (as Dask and dask-ml do), and otherwise starts an embedde
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import os
@@ -86,13 +87,14 @@ def cluster_client(
     a started cluster's dashboard link is printed to stderr (one line).
 
     A started cluster's workers are pinned to CPUs of their own
-    (:func:`~downpour_dask.runtime.affinity.pin_workers`) when the fit keeps at least
-    ``busy_threads`` computing threads busy -- as many replicas as workers, or more: each
-    worker's threads then stay with their data and two workers never share a core while another
-    idles.  With fewer replicas than workers a pinned worker could not borrow the idle cores,
-    so it is not pinned; nor where the CPUs are fewer than the workers, or where the
-    environment sets ``DOWNPOUR_DASK_PIN_WORKERS=0``.  A cluster the caller brings is never
-    pinned (``downpour_dask.pin_workers(client)`` does that).
+    (:func:`~downpour_dask.runtime.affinity.pin_workers`) when ``busy_threads``, the replicas
+    the fit runs, are at least as many as the workers: each worker's threads then stay with
+    their data, and two workers' replicas never share a core while the other runs helpers.  With
+    fewer replicas than workers, pinned workers could not borrow the idle cores, so they are
+    left unpinned; so are they where the CPUs are fewer than the workers, where pinning fails
+    or times out (it is only a speed-up), or where the environment sets
+    ``DOWNPOUR_DASK_PIN_WORKERS=0``.  A cluster the caller brings is never pinned here
+    (``downpour_dask.pin_workers(client)`` does that).
 
     Raises
     ------
@@ -131,8 +133,8 @@ def cluster_client(
     ):
         pinned = None
         if busy_threads >= n_workers and os.environ.get(PIN_VARIABLE, "1") != "0":
-            with contextlib.suppress(ValueError, RuntimeError):  # too few CPUs; not Linux
-                pinned = pin_workers(embedded)
+            with contextlib.suppress(ValueError, RuntimeError, TimeoutError, asyncio.TimeoutError):
+                pinned = pin_workers(embedded, timeout=30)
         if announce:
             print(dashboard_line(cluster, pinned), file=sys.stderr, flush=True)
         yield embedded
