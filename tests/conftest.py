@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dask
@@ -56,18 +56,31 @@ def client(cluster):
         yield client
 
 
+def fresh_client(n_workers: int) -> Iterator[Client]:
+    """Yield a client of a fresh cluster of ``n_workers`` single-threaded worker processes,
+    every one of them up; the cluster is closed afterwards (a fixture's body)."""
+    with (
+        LocalCluster(
+            n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster, timeout=60) as client,
+    ):
+        client.wait_for_workers(n_workers, timeout=60)
+        yield client
+
+
 @pytest.fixture
 def three_workers():
     """A client of a fresh three-worker cluster, for tests that kill workers (nannies start a
     new worker after a kill); a test using it is a slow one."""
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster, timeout=60) as client,
-    ):
-        client.wait_for_workers(3, timeout=60)
-        yield client
+    yield from fresh_client(3)
+
+
+@pytest.fixture
+def two_workers():
+    """A client of a fresh two-worker cluster, for tests that change its worker processes for
+    good (the shared one must stay as it is)."""
+    yield from fresh_client(2)
 
 
 def _running_on_workers(dask_worker) -> list[str]:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from downpour_dask import DownpourSGD, datasets, pin_workers, unpin_workers
 from downpour_dask.runtime import cluster as cluster_module
@@ -33,19 +33,6 @@ def test_more_workers_than_cpus_is_refused_naming_both_counts():
         split_cpus([0, 1], 0)
 
 
-@pytest.fixture
-def fresh_pair():
-    """A client of a fresh 2-worker cluster: pinning changes its processes for good."""
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster, timeout=60) as client,
-    ):
-        client.wait_for_workers(2, timeout=60)
-        yield client
-
-
 def _thread_started_now() -> list[int]:
     """The CPUs a thread started at this moment may use (it inherits its starter's)."""
     seen = []
@@ -62,8 +49,8 @@ def _every_thread_on(client: Client, pinned: dict[str, list[int]]) -> None:
 
 @needs_two_cpus
 @pytest.mark.timeout(120)
-def test_each_worker_runs_on_cpus_of_its_own_until_unpinned(fresh_pair):
-    client = fresh_pair
+def test_each_worker_runs_on_cpus_of_its_own_until_unpinned(two_workers):
+    client = two_workers
     before = client.run(thread_cpus)
     pinned = pin_workers(client, timeout=30)
     assert sorted(pinned) == sorted(before)
@@ -81,8 +68,8 @@ def test_each_worker_runs_on_cpus_of_its_own_until_unpinned(fresh_pair):
 
 @needs_two_cpus
 @pytest.mark.timeout(120)
-def test_a_pinning_that_cannot_be_made_changes_nothing(fresh_pair):
-    client = fresh_pair
+def test_a_pinning_that_cannot_be_made_changes_nothing(two_workers):
+    client = two_workers
     before = client.run(thread_cpus)
     with pytest.raises(ValueError, match=r"cannot pin 2 workers.*only 1 CPU"):
         pin_workers(client, cpus=CPUS[:1], timeout=30)
@@ -94,8 +81,8 @@ def test_a_pinning_that_cannot_be_made_changes_nothing(fresh_pair):
 
 @needs_two_cpus
 @pytest.mark.timeout(180)
-def test_a_fit_on_pinned_workers_trains_and_the_pinning_is_given_back(fresh_pair):
-    client = fresh_pair
+def test_a_fit_on_pinned_workers_trains_and_the_pinning_is_given_back(two_workers):
+    client = two_workers
     train, test = datasets.load("digits")
     pinned = pin_workers(client, timeout=30)
     try:
@@ -123,8 +110,8 @@ def _plugins(dask_worker) -> list[str]:
 @pytest.mark.slow
 @needs_two_cpus
 @pytest.mark.timeout(180)
-def test_a_worker_its_nanny_restarts_after_sigkill_is_pinned_again(fresh_pair):
-    client = fresh_pair
+def test_a_worker_its_nanny_restarts_after_sigkill_is_pinned_again(two_workers):
+    client = two_workers
     pinned = pin_workers(client, timeout=30)
     victim = sorted(pinned)[0]
     pids = client.run(_pid)

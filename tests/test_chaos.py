@@ -24,7 +24,8 @@ import threading
 import time
 
 import pytest
-from distributed import Client, LocalCluster
+from conftest import fresh_client
+from distributed import Client
 
 from downpour_dask import DownpourSGD, datasets, models
 from downpour_dask.checkpoint import read_checkpoint
@@ -40,13 +41,7 @@ STOPPED_FOR = 12.0
 
 @pytest.fixture(scope="module")
 def chaos_client():
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster, timeout=60) as client,
-    ):
-        yield client
+    yield from fresh_client(3)
 
 
 @pytest.fixture(scope="module")
