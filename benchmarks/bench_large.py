@@ -53,6 +53,8 @@ benchmarks/README.md has a grid run.
 
     python benchmarks/bench_large.py                   # 10^7 rows; ~2 min to write the data once
     python benchmarks/bench_large.py --rounds 3        # every method 3 times in turns: medians
+    python benchmarks/bench_large.py --pinned          # and each Downpour method with the
+                                                       # workers pinned (downpour_dask.pin_workers)
     python benchmarks/bench_large.py --rows 100000 --target 0.91 --linear-target 0.88  # quick
 """
 
@@ -72,7 +74,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import dask.dataframe as dd  # noqa: E402
@@ -94,7 +96,7 @@ from large_data import (  # noqa: E402
 from sklearn.linear_model import SGDClassifier  # noqa: E402
 from sklearn.neural_network import MLPClassifier  # noqa: E402
 
-from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
+from downpour_dask import DownpourSGD, datasets, models, pin_workers, unpin_workers  # noqa: E402
 
 # -- one method's run ------------------------------------------------------------------------
 
@@ -212,6 +214,7 @@ class Method:
     linear: bool
     make: Callable  # sklearn: estimator factory; downpour: model factory
     settings: dict = field(default_factory=dict)
+    pinned: bool = False  # the workers pinned to a CPU each for the run (downpour_dask.pin_workers)
 
 
 def methods(grid: bool) -> list[Method]:
@@ -299,6 +302,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per method, at most")
     parser.add_argument("--dask-ml-blocks", type=int, default=4, help="blocks per partial_fit")
     parser.add_argument("--grid", action="store_true", help="also run the tuning grid")
+    parser.add_argument("--pinned", action="store_true",
+                        help="also run each Downpour method with the workers pinned to a CPU each")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every method this many times, in turns (medians reported)")
     args = parser.parse_args()
@@ -317,6 +322,9 @@ def main() -> None:
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
     )
     todo = methods(args.grid)
+    if args.pinned:
+        ours = [m for m in todo if m.kind == "downpour"]
+        todo += [replace(m, name=f"{m.name}, pinned", pinned=True) for m in ours]
     traces: dict[str, list[Trace]] = {m.name: [] for m in todo}
     with (
         LocalCluster(
@@ -339,8 +347,11 @@ def main() -> None:
                     client, m.make, files, test, stop_at, args.budget, args.dask_ml_blocks
                 )
             else:
+                if m.pinned:
+                    pin_workers(client)
                 trace = run_downpour(client, m.make(), files, test, stop_at, args.budget,
                                      **m.settings)  # fmt: skip
+                unpin_workers(client)
             traces[m.name].append(trace)
             t, rows = trace.time_to(stop_at)
             print(
