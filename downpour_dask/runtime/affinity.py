@@ -7,14 +7,16 @@ replica and a far push update.  Left to the kernel's scheduler, on a machine wit
 as workers these threads spread over every core: a helper reads a buffer out of the other
 core's cache, and two workers' busy threads meet on one core while the other core runs helpers.
 Pinned, each worker's threads and their data stay together.  On the 2-core development machine
-that raised Downpour's share of the no-communication ceiling, and let 4 replicas keep up with 2
-(``benchmarks/README.md``, ``bench_downpour.py --pinned both``).
+that raised Downpour's share of the no-communication ceiling and brought 4 replicas to within a
+few points of 2 (``benchmarks/README.md``, ``bench_downpour.py --pinned both``).
 
-Opt-in, because it takes CPUs away: a pinned worker can no longer borrow an idle core (a fit
-with fewer replicas than workers, a worker that also serves other work), and a cluster sharing
-its host with other jobs may have better uses for the cores.  Pinning is a Dask worker plugin,
-so a worker its nanny restarts is pinned again; :func:`unpin_workers` gives every worker back
-the CPUs it had.  Linux only (``os.sched_setaffinity``).
+It takes CPUs away: a pinned worker can no longer borrow an idle core (a fit with fewer replicas
+than workers, a worker that also serves other work), and a cluster sharing its host with other
+jobs may have better uses for the cores.  So a cluster the user brings is pinned only when asked;
+an embedded cluster pins itself when its fit has a replica for every worker
+(:func:`~downpour_dask.runtime.cluster.cluster_client`).  Pinning is a Dask worker plugin, so a
+worker its nanny restarts is pinned again; :func:`unpin_workers` gives every worker back the CPUs
+it had.  Linux only (``os.sched_setaffinity``).
 """
 
 from __future__ import annotations
