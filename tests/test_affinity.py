@@ -12,25 +12,13 @@ from distributed import Client
 
 from downpour_dask import DownpourSGD, datasets, pin_workers, unpin_workers
 from downpour_dask.runtime import cluster as cluster_module
-from downpour_dask.runtime.affinity import PLUGIN_NAME, split_cpus, thread_cpus
+from downpour_dask.runtime.affinity import PLUGIN_NAME
+from downpour_dask.runtime.cpus import HELPER_PREFIX, split_cpus, thread_cpus, thread_policies
 from downpour_dask.runtime.dask_internals import scheduler_workers
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 needs_two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="pinning 2 workers needs 2 CPUs")
-
-
-def test_cpus_are_split_into_disjoint_runs_covering_them_all():
-    assert split_cpus([0, 1], 2) == [[0], [1]]
-    assert split_cpus(range(8), 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    assert split_cpus([5, 3, 3, 9], 1) == [[3, 5, 9]]  # sorted, each CPU once
-
-
-def test_more_workers_than_cpus_is_refused_naming_both_counts():
-    with pytest.raises(ValueError, match=r"cannot pin 3 workers.*only 2 CPU\(s\) \[0, 1\]"):
-        split_cpus([0, 1], 3)
-    with pytest.raises(ValueError, match="n_workers must be at least 1"):
-        split_cpus([0, 1], 0)
 
 
 def _thread_started_now() -> list[int]:
@@ -40,6 +28,20 @@ def _thread_started_now() -> list[int]:
     thread.start()
     thread.join(timeout=30)
     return seen
+
+
+def _helper_policies(client: Client) -> set[int]:
+    """The scheduling policies of the cluster's helper threads (``downpour-wire-*``)."""
+    found = client.run(thread_policies)
+    policies = {
+        policy
+        for threads in found.values()
+        for name, each in threads.items()
+        if name.startswith(HELPER_PREFIX)
+        for policy in each
+    }
+    assert policies, "no helper thread on any worker"
+    return policies
 
 
 def _every_thread_on(client: Client, pinned: dict[str, list[int]]) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..core.params import DTYPE
+from ..runtime.cpus import helper_thread
 from . import frames
 from .dispatch import Reply, call_shard, check_request, read_payload
 
@@ -103,8 +104,7 @@ class ShardService:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._closed = False
         self.out_of_files = 0  # times accept() found no file descriptor (diagnostics, tests)
-        thread = threading.Thread(target=self._greet, name="downpour-wire-accept", daemon=True)
-        thread.start()
+        helper_thread(self._greet, "downpour-wire-accept").start()
 
     # -- registry --------------------------------------------------------------------------------
     def register(
@@ -264,12 +264,7 @@ class ShardService:
         self._pending.pop(conn, None)
         self._selector.unregister(conn)
         try:
-            threading.Thread(
-                target=self._serve,
-                args=(conn, reg, shard),
-                name="downpour-wire-shard",
-                daemon=True,
-            ).start()
+            helper_thread(self._serve, "downpour-wire-shard", (conn, reg, shard)).start()
         except RuntimeError:  # no thread to be had
             self._slots.release()
             conn.close()

@@ -43,6 +43,7 @@ import numpy as np
 
 from ..core.compression import INDEX, SparseGradient
 from ..core.params import DTYPE
+from ..runtime.cpus import helper_thread
 from . import frames
 from .frames import (
     EXCHANGE,
@@ -110,7 +111,7 @@ class WireClient:
         self._waiting: queue.SimpleQueue[WireCall | None] = queue.SimpleQueue()
         self._broken: BaseException | None = None
         for target in (self._send, self._receive):
-            threading.Thread(target=target, name="downpour-wire-replica", daemon=True).start()
+            helper_thread(target, "downpour-wire-replica").start()
 
     # -- the calls, with the actor methods' signatures --------------------------------------------
     def pull(

@@ -22,12 +22,13 @@ it had.  Linux only (``os.sched_setaffinity``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from .cpus import helpers_as_batch, pin_threads, require_affinity, split_cpus
 from .dask_internals import (
     register_worker_plugin,
     run_within,
@@ -37,69 +38,6 @@ from .dask_internals import (
 
 #: The plugin's name on the cluster (one pinning at a time: a new one replaces it).
 PLUGIN_NAME = "downpour-dask-pinned-cpus"
-
-
-def split_cpus(cpus: Iterable[int], n_workers: int) -> list[list[int]]:
-    """``cpus`` split into ``n_workers`` disjoint runs of consecutive CPUs, as equal as they
-    can be (the first ones get one more when they do not divide evenly).
-
-    Raises ValueError when there are fewer CPUs than workers: two workers on one CPU would
-    compete for it the whole fit, which is what pinning is meant to prevent.
-    """
-    pool = sorted(set(cpus))
-    if n_workers < 1:
-        raise ValueError(f"n_workers must be at least 1, got {n_workers}")
-    if n_workers > len(pool):
-        raise ValueError(
-            f"cannot pin {n_workers} workers to CPUs of their own: only {len(pool)} CPU(s) "
-            f"{pool} are available to them; use at most {len(pool)} workers per host, or "
-            f"leave them unpinned"
-        )
-    size, extra = divmod(len(pool), n_workers)
-    runs, start = [], 0
-    for i in range(n_workers):
-        stop = start + size + (1 if i < extra else 0)
-        runs.append(pool[start:stop])
-        start = stop
-    return runs
-
-
-def _require_affinity() -> None:
-    if not hasattr(os, "sched_setaffinity"):
-        raise RuntimeError(
-            "pinning workers to CPUs needs os.sched_setaffinity, which this platform "
-            "(Linux only) does not have"
-        )
-
-
-def pin_threads(cpus: Iterable[int]) -> int:
-    """Let every thread of this process run on ``cpus`` only; return how many threads were set.
-
-    Linux's affinity belongs to a thread, not to a process, so each one is set; threads started
-    afterwards inherit the affinity of the thread that starts them.
-    """
-    _require_affinity()
-    allowed = set(cpus)
-    pinned = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), allowed)
-        except ProcessLookupError:  # the thread ended since the listing
-            continue
-        pinned += 1
-    return pinned
-
-
-def thread_cpus() -> dict[int, list[int]]:
-    """Each thread of this process (native id) and the CPUs it may run on."""
-    _require_affinity()
-    found = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            found[int(tid)] = sorted(os.sched_getaffinity(int(tid)))
-        except ProcessLookupError:
-            continue
-    return found
 
 
 class PinnedCPUs(WorkerPlugin):
@@ -126,17 +64,19 @@ class PinnedCPUs(WorkerPlugin):
             return
         before = sorted(os.sched_getaffinity(0))
         pin_threads(cpus)
+        helpers_as_batch(True)
         self.before = before
 
     def teardown(self, worker: Any) -> None:
         if self.before is not None:
             pin_threads(self.before)
+            helpers_as_batch(False)
             self.before = None
 
 
 def _cpus_before_pinning(dask_worker: Any) -> list[int]:
     """The CPUs this worker may use apart from a pinning of ours (run on each worker)."""
-    _require_affinity()
+    require_affinity()
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     before = getattr(plugin, "before", None)
     return list(before) if before is not None else sorted(os.sched_getaffinity(0))
