@@ -15,6 +15,7 @@ fit, over all the examples it trained on, start-up included), against the ceilin
 by other processes does not count in it, CPU spent on anything but gradients does.
 
     python benchmarks/bench_code_ab.py [--base HEAD] [--new REV] [--rounds 4] [--seconds 4]
+                                       [--replicas 2] [--shards 2] [--pinned]
     python benchmarks/bench_code_ab.py --base REV --rounds 2 --script bench_sandblaster.py \
         -- --repeats 1 --skip-dask-ml
 
@@ -63,9 +64,10 @@ def _cpu_and_switches(client) -> tuple[float, int]:
     return _cpu(client), sum(client.run(_switches).values())
 
 
-def measure(seconds: float, replicas: int, shards: int) -> dict[str, float]:
+def measure(seconds: float, replicas: int, shards: int, pinned: bool = False) -> dict[str, float]:
     """One run on a fresh cluster with whatever ``downpour_dask`` this process imports: examples/s
-    and the workers' CPU microseconds per example, of the ceiling and of Downpour at n = 1, 4."""
+    and the workers' CPU microseconds per example, of the ceiling and of Downpour at n = 1, 4;
+    with ``pinned``, the workers pinned to a CPU each first (both versions need ``pin_workers``)."""
     from bench_downpour import _serial_on_worker, downpour_fit
     from distributed import Client, LocalCluster
 
@@ -80,6 +82,10 @@ def measure(seconds: float, replicas: int, shards: int) -> dict[str, float]:
         ) as cluster,
         Client(cluster) as client,
     ):
+        if pinned:
+            from downpour_dask import pin_workers
+
+            pin_workers(client)
         workers = sorted(client.scheduler_info()["workers"])
         data = client.scatter([train.X, train.y], broadcast=True, hash=False)
         downpour_fit(client, model, train, replicas, 1, 2.0, shards)  # imports, first calls
@@ -110,6 +116,7 @@ def run_one(code: Path, args: argparse.Namespace) -> dict[str, float]:
     command = [
         sys.executable, str(Path(__file__).resolve()), "--child", "--seconds", str(args.seconds),
         "--replicas", str(args.replicas), "--shards", str(args.shards),
+        *(["--pinned"] if args.pinned else []),
     ]  # fmt: skip
     done = subprocess.run(
         command, env=env, cwd=code, capture_output=True, text=True, timeout=600, check=True
@@ -147,13 +154,14 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--script", default=None, help="another benchmark script to alternate")
+    parser.add_argument("--pinned", action="store_true", help="pin the workers to a CPU each")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, script_args = parser.parse_known_args()
     script_args = [a for a in script_args if a != "--"]
     if script_args and not args.script:
         parser.error(f"unrecognized arguments: {' '.join(script_args)} (only with --script)")
     if args.child:
-        print(json.dumps(measure(args.seconds, args.replicas, args.shards)))
+        print(json.dumps(measure(args.seconds, args.replicas, args.shards, args.pinned)))
         return
     with tempfile.TemporaryDirectory(prefix="bench-code-ab-") as tmp:
         versions = {f"base {args.base}": export(args.base, Path(tmp, "base"))}
@@ -171,7 +179,9 @@ def main() -> None:
     if args.script:
         return
     print(
-        f"\n{args.replicas} replicas, {args.shards} shards, MLP 784-256-10, batch 128; "
+        f"\n{args.replicas} replicas, {args.shards} shards, MLP 784-256-10, batch 128"
+        + ("; workers pinned to a CPU each" if args.pinned else "")
+        + "; "
         f"{args.rounds} rounds of {args.seconds:.0f} s runs, old and new code alternating; "
         "medians (range): examples/s and its share of the ceiling measured in the same run; "
         "the workers' CPU per example against the ceiling's (CPU share: ceiling's / row's); "
