@@ -270,6 +270,8 @@ CEILING = "serial loop on both workers at once, no communication"
 MINIMAL = "minimal parameter server, raw sockets, no library"
 TOKENS = "minimal parameter server, 1-byte tokens, no arrays"
 PINNED = " (pinned)"
+#: What each ``--pinned`` choice runs: unpinned, pinned, or both in every round.
+PIN_STATES = {"no": [False], "yes": [True], "both": [False, True]}
 
 
 def main() -> None:
@@ -292,7 +294,7 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"python {platform.python_version()}"
     )
-    states = {"no": [False], "yes": [True], "both": [False, True]}[args.pinned]
+    states = PIN_STATES[args.pinned]
     runs: dict[tuple[str, str], list[float]] = {}
     with (
         LocalCluster(

@@ -41,7 +41,12 @@ import platform  # noqa: E402
 import statistics  # noqa: E402
 
 import numpy as np  # noqa: E402
-from bench_downpour import BATCH, serial_examples_per_s  # noqa: E402  (the same baseline loop)
+from bench_downpour import (  # noqa: E402  (the same baseline loop and pinned runs)
+    BATCH,
+    PIN_STATES,
+    PINNED,
+    serial_examples_per_s,
+)
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import DownpourSGD, models, pin_workers, unpin_workers  # noqa: E402
@@ -51,7 +56,6 @@ from downpour_dask.downpour.model_parallel import MailboxLink  # noqa: E402
 from downpour_dask.downpour.replica_loop import ReplicaLoop  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES = 1024, (4096, 4096), 10
-PINNED = " (pinned)"
 
 #: The speed-ups ``--ab`` switches off for its "before" rows: (class, attribute, before, now).
 BEFORE = [
@@ -166,7 +170,7 @@ def main() -> None:
         # interleaved: every repeat runs each configuration once
         configs = [
             (partitions, before, pinned)
-            for pinned in {"no": [False], "yes": [True], "both": [False, True]}[args.pinned]
+            for pinned in PIN_STATES[args.pinned]
             for partitions in (1, 2)
             for before in ([True, False] if off else [False])
         ]

@@ -126,7 +126,7 @@ def pin_workers(
     by_host: dict[str, list[str]] = {}
     for address, info in workers.items():
         by_host.setdefault(info["host"], []).append(address)
-    by_name, pinned = {}, {}
+    pinned = {}
     for host, addresses in by_host.items():
         pool = set().union(*(allowed[a] for a in addresses if a in allowed))
         if cpus is not None:
@@ -138,9 +138,8 @@ def pin_workers(
                 )
             pool = chosen
         addresses.sort(key=lambda a: _name_order(workers[a]))
-        for address, run in zip(addresses, split_cpus(pool, len(addresses))):
-            by_name[str(workers[address].get("name"))] = run
-            pinned[address] = run
+        pinned.update(zip(addresses, split_cpus(pool, len(addresses))))
+    by_name = {str(workers[address].get("name")): run for address, run in pinned.items()}
     register_worker_plugin(client, PinnedCPUs(by_name), PLUGIN_NAME, timeout)
     return pinned
 
