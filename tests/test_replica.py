@@ -58,6 +58,7 @@ class FakeChannel:
     until the loop waits for them, in the order they were sent."""
 
     transport = "fake"
+    shared = False
     in_process = False
 
     def __init__(self, shard, replica=0, hold_pushes=False):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from downpour_dask import DownpourSGD, datasets, models, optim
-from downpour_dask.ps import dispatch, frames, service, wire
+from downpour_dask.ps import dispatch, frames, service, shared_slots, wire
 from downpour_dask.ps.protocol import PullReply, PushReply
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.ps.wire import WireClient, WireError
@@ -24,10 +24,15 @@ def make_shard(size: int = 1000, rate: float = 0.5) -> ParameterServerShard:
     return ParameterServerShard(0, 0, size, values, optim.make("sgd", rate))
 
 
-@pytest.fixture
-def shard_and_client():
+@pytest.fixture(params=["shared slots", "inline"])
+def shard_and_client(request, monkeypatch):
+    """A shard served on this process's service and a replica's connection to it, whose arrays
+    go through shared slots (the shard is on the same host) or, switched off, the socket."""
+    if request.param == "inline":
+        monkeypatch.setenv(shared_slots.ENV_SWITCH, "0")
     shard = make_shard()
     client = WireClient(wire.serve(shard, "127.0.0.1"), timeout=TIMEOUT)
+    assert client.shared == (request.param == "shared slots")
     yield shard, client
     client.close()
 
@@ -163,6 +168,9 @@ def test_a_lost_shard_fails_every_call_in_flight_with_connection_error():
         accepted.append(conn)
         conn.recv(1024)
         conn.sendall(frames.OK + frames.SIZE.pack(1000))
+        if shared_slots.available():  # the offer of shared slots, declined
+            frames.recv(conn, frames.REQUEST.size + frames.SHARE_AREA.size)
+            conn.sendall(frames.OK + frames.SHARED.pack(False))
 
     thread = threading.Thread(target=shard_side)
     thread.start()
@@ -197,7 +205,8 @@ def _served_shards(dask_worker) -> int:
 @pytest.mark.timeout(120)
 def test_replicas_reach_remote_shards_directly_and_train_as_with_actor_messages(client):
     """One replica, plain SGD: Downpour equals serial SGD whatever the timing, so the direct
-    path and Dask's actor messages must end with the same parameters (2 shards: one of them is
+    path (through shared memory: the workers share this host) and Dask's actor messages must
+    end with the same parameters (2 shards: one of them is
     on the other worker).  The run records how each replica reached each shard, and the
     shards are released afterwards."""
     train, _ = datasets.load("digits")
@@ -218,6 +227,11 @@ def test_replicas_reach_remote_shards_directly_and_train_as_with_actor_messages(
     routes = {t: e.experiment_.config["replica_transports"] for t, e in fitted.items()}
     assert sorted(routes["auto"]["0"]) == ["local", "wire"]
     assert sorted(routes["dask"]["0"]) == ["actor", "local"]
+    # the other worker is on this host: the direct connection's arrays went through shared
+    # memory (ps/shared_slots.py), and the result is the same as over actor messages
+    shared = {t: e.experiment_.config["replica_shared_memory"]["0"] for t, e in fitted.items()}
+    wire_at = routes["auto"]["0"].index("wire")
+    assert shared["auto"][wire_at] is shared_slots.available() and not any(shared["dask"])
     np.testing.assert_allclose(fitted["auto"].params_, fitted["dask"].params_, rtol=0, atol=1e-5)
     deadline = time.monotonic() + 20
     while sum(client.run(_served_shards).values()) and time.monotonic() < deadline:

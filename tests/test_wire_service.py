@@ -155,7 +155,7 @@ def _head(op=PUSH, replica=0, seq=0, fetched=0, examples=0, n_values=SIZE, n_ses
 
 
 BAD_HEADS = {
-    "unknown op": (_head(op=9), "unknown op 9"),
+    "unknown op": (_head(op=99), "unknown op 99"),
     "exchange without values": (_head(op=EXCHANGE, n_values=0), "carries 100 values"),
     "push of another size": (_head(n_values=SIZE + 1), "carries 100 values .* got 101"),
     "pull with values": (_head(op=PULL), "pull to this shard carries 0 values"),

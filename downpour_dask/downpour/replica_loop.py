@@ -173,6 +173,7 @@ class ReplicaLoop:
                 for shard, by_gen in self.acked.items()
             },
             "transports": [channel.transport for channel in self.channels],
+            "shared": [channel.shared for channel in self.channels],
         }
 
     def _done(self, step: int, epochs: int) -> bool:

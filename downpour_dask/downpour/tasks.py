@@ -112,19 +112,17 @@ class ReplicaTasks:
         """What the replicas did, for the experiment's config (JSON-able): steps, pushes lost
         to lost shards, pushes each shard acknowledged to the replicas whose results are in
         (``acknowledged_pushes``: ``{shard: n}``, every generation), how each replica
-        (``"r"``, or ``"r.p"`` per partition) reached each of its shards and, with model
+        (``"r"``, or ``"r.p"`` per partition) reached each of its shards (and over which
+        direct connections the arrays went through shared memory) and, with model
         parallelism, what crossed partitions and where each partition ran."""
         split = self.plan is not None
+        name = "{replica}.{partition}" if split else "{replica}"
         summary: dict[str, Any] = {
             "replica_steps": [r["steps"] for r in results if r.get("partition", 0) == 0],
             "lost_pushes": sum(r.get("lost_pushes", 0) for r in results),
             "acknowledged_pushes": _acknowledged(results),
-            "replica_transports": {
-                (f"{r['replica']}.{r['partition']}" if split else f"{r['replica']}"): list(
-                    r.get("transports", [])
-                )
-                for r in results
-            },
+            "replica_transports": {name.format(**r): r.get("transports", []) for r in results},
+            "replica_shared_memory": {name.format(**r): r.get("shared", []) for r in results},
         }
         if split:
             bounds = self.shard_bounds

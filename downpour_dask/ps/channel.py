@@ -11,7 +11,8 @@ is cheapest:
 
 - ``"local"``: the shard lives in the replica's own worker process; its methods are called
   directly (no message at all) and every call is complete when it returns;
-- ``"wire"``: a direct connection (:mod:`~downpour_dask.ps.wire`) where the comm is plain TCP;
+- ``"wire"``: a direct connection (:mod:`~downpour_dask.ps.wire`) where the comm is plain TCP,
+  its arrays through shared memory when the shard is on the replica's host (:attr:`shared`);
 - ``"actor"``: Dask actor messages, whose finished replies are read without a round trip
   through the event loop (:func:`~downpour_dask.runtime.dask_internals.actor_result`).
 
@@ -120,6 +121,10 @@ class DaskShardChannel:
     @property
     def transport(self) -> str:
         return "local" if self.local is not None else "wire" if self.wire is not None else "actor"
+
+    @property
+    def shared(self) -> bool:
+        return self.wire is not None and self.wire.shared
 
     # -- opening the direct connection -----------------------------------------------------------
     def ask_endpoint(self) -> Any | None:

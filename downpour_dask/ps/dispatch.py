@@ -18,6 +18,7 @@ from . import frames, rows_frames
 from .frames import EXCHANGE, POLL_WARMSTART, PULL, PUSH
 from .protocol import PullReply
 from .rows_frames import ROWS_OPS
+from .shared_slots import SlotArea
 
 
 def check_request(
@@ -49,6 +50,25 @@ def read_payload(conn: Any, op: int, n_values: int, size: int, grad: np.ndarray)
     return grad
 
 
+def answer_share(conn: Any, size: int) -> SlotArea | None:
+    """Read a :data:`~frames.SHARE` request's area and answer whether it was mapped (see
+    :mod:`~downpour_dask.ps.shared_slots`); the mapped area, or None."""
+    pid, fd, n_slots, token = frames.SHARE_AREA.unpack(frames.recv(conn, frames.SHARE_AREA.size))
+    area = SlotArea.attach(pid, fd, token, size, n_slots) if size else None
+    conn.sendall(frames.OK + frames.SHARED.pack(area is not None))
+    return area
+
+
+def read_slot(conn: Any, area: SlotArea | None) -> tuple[np.ndarray | None, str | None]:
+    """Read a slotted request's slot index: the slot, or what is wrong with the request."""
+    (i,) = frames.SLOT.unpack(frames.recv(conn, frames.SLOT.size))
+    if area is None:
+        return None, "a slot op on a connection whose shared area was not mapped"
+    if i >= area.n_slots:
+        return None, f"slot {i} is outside the shared area's {area.n_slots} slots"
+    return area.slot(i), None
+
+
 class Reply(NamedTuple):
     """A request's answer as :func:`call_shard` leaves it: ``head``, the bytes still to send,
     then, for a pull, the pulled values' bytes from ``values_from`` on (of the caller's
@@ -67,11 +87,13 @@ def call_shard(
     replica: int,
     session: str,
     head: bytearray,
+    into: np.ndarray | None = None,
 ) -> Reply:
     """Make the checked request ``head``'s call on ``shard``.  A pull's answer starts on
     ``conn`` straight from the shard's values, as far as the connection takes it without
     waiting (:meth:`~downpour_dask.ps.shard.ParameterServerShard.snapshot_through`); what
-    remains to send is returned."""
+    remains to send is returned.  With ``into`` (a shared slot), a pull's values are copied
+    there instead and only the head is left to send."""
     if op in ROWS_OPS:
         return Reply(rows_frames.answer(shard, op, grad, replica, session, head))
     _, _, seq, fetched, examples, loss, _, _ = frames.REQUEST.unpack(head)
@@ -85,6 +107,16 @@ def call_shard(
     if op not in (PULL, EXCHANGE):
         return Reply(b"".join(parts))
     unsent = b""
+    if into is not None:
+
+        def fill(live: PullReply) -> int:  # under the shard's lock
+            nonlocal unsent
+            np.copyto(into, live.values)
+            unsent = b"".join(parts) + frames.pulled(live)
+            return into.nbytes
+
+        shard.snapshot_through(fill, out, replica, session)
+        return Reply(unsent)
 
     def send(live: PullReply) -> int:  # under the shard's lock: must not wait
         nonlocal unsent

@@ -14,8 +14,13 @@ buffers.
 own, :data:`PUSH_SPARSE` and :data:`EXCHANGE_SPARSE`: the head's value count is the number k
 of coordinates sent (1 to the shard's size), and the body is k int32 indices followed by k
 float32 values (:func:`recv_sparse`); the replies are those of :data:`PUSH` and
-:data:`EXCHANGE`.  It is the only addition to the format, self-contained: a dense op is never
-read as a sparse one.
+:data:`EXCHANGE`.  A dense op is never read as a sparse one.
+
+**Shared slots** (:mod:`~downpour_dask.ps.shared_slots`, a replica and a shard on one host):
+once a :data:`SHARE` request (head, then :data:`SHARE_AREA`) was answered "mapped", the
+:data:`SLOTTED` ops carry their arrays in a slot of the shared area instead of on the socket:
+the head and session are followed by the slot's index (:data:`SLOT`) and no values; the reply
+is that of the plain op without the values, which the shard wrote into the slot.
 
 This module imports no Dask.
 """
@@ -41,8 +46,11 @@ class WireError(RuntimeError):
 
 PULL, PUSH, EXCHANGE, POLL_WARMSTART = 1, 2, 3, 4
 PUSH_SPARSE, EXCHANGE_SPARSE = 5, 6
+SHARE, PULL_SLOT, PUSH_SLOT, EXCHANGE_SLOT = 7, 8, 9, 10
 #: Each sparse op and the dense op whose reply it gets.
 SPARSE = {PUSH_SPARSE: PUSH, EXCHANGE_SPARSE: EXCHANGE}
+#: Each op whose array is in a shared slot and the dense op it is.
+SLOTTED = {PULL_SLOT: PULL, PUSH_SLOT: PUSH, EXCHANGE_SLOT: EXCHANGE}
 #: op, replica, seq (-1: none), fetched_version, examples, loss, values that follow, session bytes
 REQUEST = struct.Struct("<BiqqqdqH")
 HELLO = struct.Struct("<HH")  # lengths of the shard id and of the run's secret that follow
@@ -52,6 +60,9 @@ PUSHED = struct.Struct("<qq??q")  # version, staleness, accepted, stop, generati
 #: version, stop, applied_through, len(applied_ahead), generation
 PULLED = struct.Struct("<q?qIq")
 POLLED = struct.Struct("<q??")  # version, stopped, released (see poll_warmstart)
+SHARE_AREA = struct.Struct("<qqI16s")  # the replica's pid, its area's fd, slots, token
+SHARED = struct.Struct("<?")  # the answer to SHARE: whether the shard mapped the area
+SLOT = struct.Struct("<I")  # the slot a SLOTTED op's array is in
 OK = STATUS.pack(0, 0)
 
 #: Longest shard id and secret a hello may carry (ids are 32 hex digits, secrets 32 bytes).
@@ -62,7 +73,8 @@ MAX_SESSION = 64
 #: Largest push number, version or example count a request may carry (2**53: exact as float).
 MAX_COUNT = 2**53
 _OPS = {PULL: "pull", PUSH: "push", EXCHANGE: "exchange", POLL_WARMSTART: "warmstart poll",
-        PUSH_SPARSE: "sparse push", EXCHANGE_SPARSE: "sparse exchange"}  # fmt: skip
+        PUSH_SPARSE: "sparse push", EXCHANGE_SPARSE: "sparse exchange", SHARE: "share",
+        PULL_SLOT: "slot pull", PUSH_SLOT: "slot push", EXCHANGE_SLOT: "slot exchange"}  # fmt: skip
 
 #: Ask the kernel for the whole buffer in one call where it can: a 1 MB array then costs one
 #: system call and one hand-back of the GIL instead of one per arriving segment.
@@ -159,7 +171,8 @@ def check_request(
         return f"unknown op {op}; allowed: " + ", ".join(f"{k} ({v})" for k, v in _OPS.items())
     if op in SPARSE and not 1 <= n_values <= size:
         return f"a {_OPS[op]} to this shard carries 1 to {size} values, got {n_values}"
-    want = size if op in (PUSH, EXCHANGE) else n_values if op in SPARSE else 0
+    dense = SLOTTED.get(op, op)
+    want = size if dense in (PUSH, EXCHANGE) else n_values if op in SPARSE else 0
     if n_values != want:
         return f"a {_OPS[op]} to this shard carries {want} values (it owns {size}), got {n_values}"
     if n_session > MAX_SESSION:
@@ -240,11 +253,18 @@ def check_status(sock: socket.socket) -> None:
         raise WireError(f"parameter-server shard: {recv(sock, n).decode('utf-8', 'replace')}")
 
 
-def read_reply(sock: socket.socket, op: int, size: int, out: np.ndarray | None) -> Any:
+def read_reply(
+    sock: socket.socket,
+    op: int,
+    size: int,
+    out: np.ndarray | None,
+    slot: np.ndarray | None = None,
+) -> Any:
     """Read the reply to one ``op`` request: a PushReply, a PullReply (values into ``out``, or
-    a new array), both for an exchange, or the warmstart poll's triple."""
+    a new array), both for an exchange, or the warmstart poll's triple.  A :data:`SLOTTED`
+    op's values are copied out of its ``slot``, where the shard wrote them."""
     check_status(sock)
-    op = SPARSE.get(op, op)
+    op = SLOTTED.get(op, SPARSE.get(op, op))
     push = pull = None
     if op in (PUSH, EXCHANGE):
         push = PushReply(*PUSHED.unpack(recv(sock, PUSHED.size)))
@@ -252,7 +272,10 @@ def read_reply(sock: socket.socket, op: int, size: int, out: np.ndarray | None) 
         version, stop, through, n_ahead, generation = PULLED.unpack(recv(sock, PULLED.size))
         ahead = struct.unpack(f"<{n_ahead}q", recv(sock, 8 * n_ahead)) if n_ahead else ()
         values = np.empty(size, dtype=DTYPE) if out is None else out
-        recv_into(sock, values)
+        if slot is None:
+            recv_into(sock, values)
+        else:
+            np.copyto(values, slot)
         pull = PullReply(values, version, stop, through, tuple(ahead), generation)
     if op == POLL_WARMSTART:
         return POLLED.unpack(recv(sock, POLLED.size))

@@ -156,6 +156,7 @@ class ShardChannel(Protocol):
     key: str  # which shard actor the channel talks to now
     session: str  # the replica's session on that actor
     transport: str  # "local", "wire" or "actor"
+    shared: bool  # a "wire" whose arrays go through memory shared with the shard (one host)
     in_process: bool  # calls complete as they are made; the shard's values die with this process
 
     def pull(

@@ -24,6 +24,8 @@ class RowsWireClient(WireClient):
     """A direct connection to one :class:`~downpour_dask.ps.table.SparseShard` with
     ``n_tables`` tables (see :class:`~downpour_dask.ps.wire.WireClient` for the arguments)."""
 
+    offers_slots = False  # its rows ops carry payloads of their own size, not the shard's
+
     def __init__(self, endpoint: tuple[str, int, str], n_tables: int, timeout: float = 10.0,
                  secret: bytes = b""):
         self.n_tables = n_tables
@@ -49,7 +51,7 @@ class RowsWireClient(WireClient):
                 call._finish(error=self._broken)
                 return call
             self._waiting.put(call)
-            self._outbox.put((head, payload))
+            self._outbox.put((head, payload, None))
         return call
 
     def _read(self, call: WireCall) -> Any:

@@ -46,7 +46,7 @@ import numpy as np
 from ..core.params import DTYPE
 from ..runtime.cpus import helper_thread
 from . import frames
-from .dispatch import Reply, call_shard, check_request, read_payload
+from .dispatch import Reply, answer_share, call_shard, check_request, read_payload, read_slot
 
 __all__ = ["ShardService", "serve", "unregister"]
 
@@ -315,6 +315,7 @@ class ShardService:
         out = np.empty(size, dtype=DTYPE)
         head = bytearray(frames.REQUEST.size)
         session = ""  # fixed by the first request that names one
+        area = None  # a SHARE request's mapped slots
         while frames.next_head(conn, head):  # (an idle wait is not bounded: authenticated)
             op, replica, seq, fetched, examples, _, n_values, n_session = frames.REQUEST.unpack(
                 head
@@ -327,14 +328,23 @@ class ShardService:
                 elif not session:
                     problem = self._admit(reg, text)
                     session = text
+            if problem is None and op == frames.SHARE:
+                problem = "the shared area was already mapped" if area else None
+                area = area or answer_share(conn, size)  # (see ps/shared_slots.py)
+                if problem is None:
+                    continue
+            slot = None
+            if problem is None and op in frames.SLOTTED:
+                slot, problem = read_slot(conn, area)  # the array is there, not on the socket
+                op = frames.SLOTTED[op]
             if problem is not None:  # the stream cannot be trusted after this
                 frames.send_error(conn, problem)
                 return
-            payload = read_payload(conn, op, n_values, size, grad)  # grad, top-k or rows
+            payload = slot if slot is not None else read_payload(conn, op, n_values, size, grad)
             with reg.gate:  # nothing in here waits on the network: unregister waits for it
                 retired, failed = reg.retired, None
                 try:
-                    call = (conn, shard, op, payload, out, replica, session, head)
+                    call = (conn, shard, op, payload, out, replica, session, head, slot)
                     reply = Reply(b"") if retired else call_shard(*call)
                 except Exception as err:  # reported to the replica; the connection stays usable
                     failed = f"{type(err).__name__}: {err}"

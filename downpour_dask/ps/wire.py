@@ -22,6 +22,9 @@ replica 0's warmstart; :mod:`~downpour_dask.ps.frames` defines their bytes.
   pushes in order on the shard without any waiting.
 - A lost shard or worker closes the connection: every call in flight fails with
   ``ConnectionError`` (an ``OSError``), which the replica treats like a lost actor.
+- A shard on the replica's own host maps a few slots of the replica's memory
+  (:mod:`~downpour_dask.ps.shared_slots`): a push's gradient and a pull's values then go
+  through a slot, and only the heads through the socket.
 
 The path is used only where Dask's own comm is plain TCP (a TLS cluster keeps actor messages)
 and the replica's connection succeeds; otherwise the replica calls the actor as before.  Unlike
@@ -33,6 +36,7 @@ keeps every call on Dask's comm).  This module does not import Dask.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import socket
 import struct
@@ -44,7 +48,7 @@ import numpy as np
 from ..core.compression import INDEX, SparseGradient
 from ..core.params import DTYPE
 from ..runtime.cpus import helper_thread
-from . import frames
+from . import frames, shared_slots
 from .frames import (
     EXCHANGE,
     EXCHANGE_SPARSE,
@@ -55,6 +59,10 @@ from .frames import (
     WireError,
 )
 from .service import ShardService, serve, unregister
+from .shared_slots import SlotArea
+
+#: The op that carries each dense op's array in a shared slot.
+_IN_SLOT = {dense: slotted for slotted, dense in frames.SLOTTED.items()}
 
 __all__ = ["ShardService", "WireCall", "WireClient", "WireError", "serve", "unregister"]
 
@@ -63,10 +71,11 @@ __all__ = ["ShardService", "WireCall", "WireClient", "WireError", "serve", "unre
 class WireCall:
     """One request's reply to come, used like Dask's ``ActorFuture``: ``done()``, ``result()``."""
 
-    __slots__ = ("_event", "_value", "_error", "op", "out")
+    __slots__ = ("_event", "_value", "_error", "op", "out", "slot")
 
     def __init__(self, op: int, out: np.ndarray | None = None):
         self.op, self.out = op, out  # out: where pulled values go (default: a new array)
+        self.slot: int | None = None  # the shared slot its arrays go through, if any
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -101,17 +110,54 @@ class WireClient:
     secret : bytes
         The run's wire secret the shard was registered with (see
         :func:`~downpour_dask.ps.service.serve`).
+
+    Attributes
+    ----------
+    shared : bool
+        Whether the shard mapped this connection's shared slots (it runs on this host).
     """
+
+    #: Whether to offer the shard shared slots (a subclass whose ops carry no dense arrays
+    #: does not).
+    offers_slots = True
 
     def __init__(self, endpoint: tuple[str, int, str], timeout: float = 10.0, secret: bytes = b""):
         # no timeout once connected: replies may be slow; the replica has its own deadlines
         self._sock, self.size = frames.connect(endpoint, secret, timeout)
+        self._area: SlotArea | None = None
+        if self.offers_slots and self.size and shared_slots.available():
+            try:
+                self._area = self._share(timeout)
+            except BaseException:
+                self._sock.close()
+                raise
         self._send_lock = threading.Lock()
-        self._outbox: queue.SimpleQueue[tuple[bytes, Any] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[bytes, Any, int | None] | None] = queue.SimpleQueue()
         self._waiting: queue.SimpleQueue[WireCall | None] = queue.SimpleQueue()
         self._broken: BaseException | None = None
         for target in (self._send, self._receive):
             helper_thread(target, "downpour-wire-replica").start()
+
+    @property
+    def shared(self) -> bool:
+        return self._area is not None
+
+    def _share(self, timeout: float) -> SlotArea | None:
+        """Offer the shard a new area of slots; the area if it mapped it (see
+        :mod:`~downpour_dask.ps.shared_slots`)."""
+        area = SlotArea.create(self.size, shared_slots.slots_for(self.size))
+        try:
+            offer = frames.SHARE_AREA.pack(os.getpid(), area.fd, area.n_slots, area.token)
+            self._sock.settimeout(timeout)
+            self._sock.sendall(frames.request(frames.SHARE, -1, 0, 0) + offer)
+            frames.check_status(self._sock)
+            (mapped,) = frames.SHARED.unpack(frames.recv(self._sock, frames.SHARED.size))
+            self._sock.settimeout(None)
+        finally:
+            area.release_fd()
+        if not mapped:
+            area.close()
+        return area if mapped else None
 
     # -- the calls, with the actor methods' signatures --------------------------------------------
     def pull(
@@ -169,13 +215,18 @@ class WireClient:
                 f"{grad.dtype}"
             )
         n_values = 0 if grad is None else len(body[0]) if isinstance(body, tuple) else self.size
-        head = frames.request(op, replica, fetched_version, n_values, **fields)
+        slot = self._area.take() if self._area is not None and op in _IN_SLOT else None
+        if slot is not None:
+            call.op, call.slot = _IN_SLOT[op], slot
+        head = frames.request(call.op, replica, fetched_version, n_values, **fields)
+        if slot is not None:
+            head += frames.SLOT.pack(slot)
         with self._send_lock:  # the order of _waiting is the order of the requests sent
             if self._broken is not None:
                 call._finish(error=self._broken)
                 return call
             self._waiting.put(call)
-            self._outbox.put((head, body))
+            self._outbox.put((head, body, slot))
         return call
 
     def _send(self) -> None:
@@ -186,8 +237,12 @@ class WireClient:
             item = self._outbox.get()
             if item is None:
                 return
-            head, grad = item
+            head, grad, slot = item
             try:
+                if slot is not None:  # the gradient goes into its slot before the head
+                    if grad is not None:
+                        np.copyto(self._area.slot(slot), grad)
+                    grad = None
                 self._sock.sendall(head)
                 for part in (
                     grad if isinstance(grad, tuple) else (grad,) if grad is not None else ()
@@ -217,7 +272,13 @@ class WireClient:
 
     def _read(self, call: WireCall) -> Any:
         """Read the reply to ``call`` (a subclass may know other ops, e.g. ps/rows_wire.py)."""
-        return frames.read_reply(self._sock, call.op, self.size, call.out)
+        if call.slot is None:
+            return frames.read_reply(self._sock, call.op, self.size, call.out)
+        try:  # the slot is free again once its values are copied out (or it failed)
+            slot = self._area.slot(call.slot)
+            return frames.read_reply(self._sock, call.op, self.size, call.out, slot)
+        finally:
+            self._area.give(call.slot)
 
     def _fail(self, error: BaseException) -> None:
         """Mark the connection broken and fail every call still waiting for its reply."""

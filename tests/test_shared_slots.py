@@ -1,0 +1,272 @@
+"""Shared-memory slots of the direct connections (ps/shared_slots.py): what a shard maps, what
+it refuses, that every request still gets the same answer, and what a killed peer leaves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from downpour_dask import optim
+from downpour_dask.ps import frames, shared_slots
+from downpour_dask.ps.frames import PULL_SLOT, PUSH, PUSH_SLOT, SHARE
+from downpour_dask.ps.service import ShardService
+from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.ps.shared_slots import SlotArea
+from downpour_dask.ps.wire import WireClient, WireError
+
+pytestmark = pytest.mark.skipif(not shared_slots.available(), reason="needs memfd_create (Linux)")
+
+TIMEOUT = 10.0
+SIZE = 100
+SECRET = b"s" * 32
+
+
+def make_shard(size: int = SIZE) -> ParameterServerShard:
+    values = np.linspace(-1, 1, size, dtype=np.float32)
+    return ParameterServerShard(0, 0, size, values, optim.make("sgd", 0.5))
+
+
+@pytest.fixture
+def served():
+    service = ShardService("127.0.0.1")
+    shard = make_shard()
+    endpoint = service.register(shard, SECRET)
+    yield shard, endpoint, service
+    service.close()
+
+
+def open_connections(service: ShardService, endpoint) -> int:
+    """How many connections the shard at ``endpoint`` is served on (the service's record)."""
+    with service._lock:
+        return len(service._shards[endpoint[2]].conns)
+
+
+def raw(endpoint) -> socket.socket:
+    """A connection that said hello and read the shard's size."""
+    host, port, shard_id = endpoint
+    sock = socket.create_connection((host, port), timeout=TIMEOUT)
+    sock.sendall(frames.hello(shard_id, SECRET))
+    frames.check_status(sock)
+    frames.recv(sock, frames.SIZE.size)
+    return sock
+
+
+def offer(sock: socket.socket, pid: int, fd: int, n_slots: int, token: bytes) -> bool:
+    """Send a SHARE request; whether the shard mapped the area."""
+    sock.sendall(frames.request(SHARE, -1, 0, 0) + frames.SHARE_AREA.pack(pid, fd, n_slots, token))
+    frames.check_status(sock)
+    return frames.SHARED.unpack(frames.recv(sock, frames.SHARED.size))[0]
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_slots_per_connection_stay_within_the_budget():
+    assert shared_slots.slots_for(SIZE) == shared_slots.MAX_SLOTS
+    assert shared_slots.slots_for(10_500_000) == 1  # a 42 MB shard: one slot, not four
+    assert shared_slots.slots_for(0) == shared_slots.MAX_SLOTS
+
+
+def test_an_area_maps_only_what_it_was_announced_as():
+    """The shard maps an area only if it is a regular file of the announced size holding the
+    announced token: anything else (another host's /proc path, a pipe, a wrong size) is None."""
+    area = SlotArea.create(SIZE, 2)
+    try:
+        twin = SlotArea.attach(os.getpid(), area.fd, area.token, SIZE, 2)
+        assert twin is not None
+        area.slot(1)[:] = 7.0  # one memory: what one side writes, the other reads
+        np.testing.assert_array_equal(twin.slot(1), np.full(SIZE, 7.0, np.float32))
+        twin.close()
+        assert SlotArea.attach(os.getpid(), area.fd, b"x" * 16, SIZE, 2) is None  # token
+        assert SlotArea.attach(os.getpid(), area.fd, area.token, SIZE, 3) is None  # size
+        assert SlotArea.attach(os.getpid(), area.fd, area.token, SIZE + 1, 2) is None
+        assert SlotArea.attach(os.getpid(), area.fd, area.token, SIZE, 99) is None  # > MAX
+        assert SlotArea.attach(2**22 + 7, area.fd, area.token, SIZE, 2) is None  # no process
+        read_end, write_end = os.pipe()
+        try:  # a FIFO is never opened (an open could block or have side effects)
+            assert SlotArea.attach(os.getpid(), read_end, area.token, SIZE, 2) is None
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+    finally:
+        area.close()
+
+
+def test_slots_are_handed_out_once_until_given_back():
+    area = SlotArea.create(SIZE, 2)
+    taken = {area.take(), area.take()}
+    assert taken == {0, 1} and area.take() is None
+    area.give(1)
+    assert area.take() == 1
+    area.close()
+
+
+def test_more_requests_in_flight_than_slots_go_inline_and_all_are_answered(served):
+    """With the shard busy, 7 pushes and a pull wait at once: 4 in slots, the rest on the
+    socket; each is answered in order and the shard applied all 7, as without slots."""
+    shard, endpoint, service = served
+    twin = make_shard()
+    client = WireClient(endpoint, TIMEOUT, SECRET)
+    assert client.shared
+    grads = [np.full(SIZE, i + 1, np.float32) / 8 for i in range(7)]
+    with shard._lock:  # the shard's thread waits at the first push meanwhile
+        calls = [client.push(g, 0, 0, seq=i, session="a") for i, g in enumerate(grads)]
+        slotted = [c.slot is not None for c in calls]
+        pull = client.pull(0, "a")
+    assert slotted == [True] * 4 + [False] * 3
+    for i, (call, g) in enumerate(zip(calls, grads)):
+        assert call.result(TIMEOUT) == twin.apply_push(g, 0, 0, seq=i, session="a")
+    np.testing.assert_array_equal(pull.result(TIMEOUT).values, twin.values)
+    assert sorted(client._area._free) == [0, 1, 2, 3]  # every slot given back
+    client.close()
+
+
+def test_a_slot_request_without_a_mapped_area_is_refused_and_applies_nothing(served):
+    shard, endpoint, service = served
+    sock = raw(endpoint)
+    sock.sendall(frames.request(PUSH_SLOT, 0, 0, SIZE, seq=0, session="a") + frames.SLOT.pack(0))
+    with pytest.raises(WireError, match="shared area was not mapped"):
+        frames.check_status(sock)
+    assert closed_by_peer(sock) and shard.version == 0
+    sock.close()
+
+
+def test_a_bogus_offer_is_declined_and_the_connection_serves_on(served):
+    shard, endpoint, service = served
+    sock = raw(endpoint)
+    read_end, write_end = os.pipe()
+    try:
+        assert not offer(sock, os.getpid(), read_end, 2, b"t" * 16)  # a pipe, not an area
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    sock.sendall(frames.request(PUSH, 0, 0, SIZE, seq=0, session="a"))
+    sock.sendall(np.ones(SIZE, np.float32))  # inline, as before
+    frames.check_status(sock)
+    assert frames.PUSHED.unpack(frames.recv(sock, frames.PUSHED.size))[:3] == (1, 0, True)
+    sock.close()
+
+
+def test_a_slot_outside_the_area_or_a_second_offer_is_refused(served):
+    shard, endpoint, service = served
+    area = SlotArea.create(SIZE, 2)
+    sock = raw(endpoint)
+    assert offer(sock, os.getpid(), area.fd, 2, area.token)
+    sock.sendall(frames.request(PULL_SLOT, 0, 0, 0) + frames.SLOT.pack(1))  # a good one
+    frames.check_status(sock)
+    frames.recv(sock, frames.PULLED.size)
+    np.testing.assert_array_equal(area.slot(1), shard.values)
+    sock.sendall(frames.request(PUSH_SLOT, 0, 0, SIZE, seq=0, session="a") + frames.SLOT.pack(2))
+    with pytest.raises(WireError, match="slot 2 is outside the shared area's 2 slots"):
+        frames.check_status(sock)
+    assert closed_by_peer(sock) and shard.version == 0
+    sock.close()
+    sock = raw(endpoint)
+    assert offer(sock, os.getpid(), area.fd, 2, area.token)
+    sock.sendall(frames.request(SHARE, -1, 0, 0) + frames.SHARE_AREA.pack(0, 0, 2, area.token))
+    with pytest.raises(WireError, match="already mapped"):
+        frames.check_status(sock)
+    sock.close()
+    area.close()
+
+
+_SHARD_PROCESS = """
+import sys, numpy as np
+from downpour_dask import optim
+from downpour_dask.ps.service import ShardService
+from downpour_dask.ps.shard import ParameterServerShard
+shard = ParameterServerShard(0, 0, {size}, np.zeros({size}, np.float32), optim.make("sgd", 1.0))
+service = ShardService("127.0.0.1")
+host, port, key = service.register(shard, {secret!r})
+print(port, key, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_a_shard_in_another_process_shares_slots_and_its_sigkill_fails_the_calls():
+    """The real case: the shard's process maps the replica's area (through /proc), pushes and
+    pulls go through it, and when that process is SIGKILLed every call in flight fails with
+    ConnectionError instead of hanging, and the replica's memory stays its own."""
+    script = textwrap.dedent(_SHARD_PROCESS.format(size=SIZE, secret=SECRET))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        port, key = proc.stdout.readline().split()
+        client = WireClient(("127.0.0.1", int(port), key), TIMEOUT, SECRET)
+        assert client.shared
+        grad = np.arange(SIZE, dtype=np.float32)
+        pushed, pulled = client.exchange(grad, 0, 0, seq=0, session="a").result(TIMEOUT)
+        assert pushed.accepted and pulled.version == 1
+        np.testing.assert_array_equal(pulled.values, -grad)
+        buffer = np.zeros(SIZE, np.float32)
+        os.kill(proc.pid, signal.SIGSTOP)  # a pull in flight, unanswered, when it dies
+        call = client.pull(0, "a", out=buffer)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(TIMEOUT)
+        with pytest.raises(ConnectionError):
+            call.result(TIMEOUT)
+        with pytest.raises(ConnectionError):
+            client.pull().result(TIMEOUT)
+        assert not buffer.any()  # nothing landed in it
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+
+
+_REPLICA_PROCESS = """
+import os, sys, numpy as np
+from downpour_dask.ps.wire import WireClient
+client = WireClient(("127.0.0.1", {port}, {key!r}), 10.0, {secret!r})
+assert client.shared
+print(client.push(np.ones({size}, np.float32), 0, 0, seq=0, session="b").result(10).version,
+      flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_a_sigkilled_replica_process_leaves_the_shard_serving(served):
+    """The shard maps the memory of a replica that is SIGKILLed: its connection ends, the shard
+    keeps its values and serves the next replica."""
+    shard, endpoint, service = served
+    _, port, key = endpoint
+    script = textwrap.dedent(_REPLICA_PROCESS.format(port=port, key=key, secret=SECRET,
+                                                     size=SIZE))  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        assert proc.stdout.readline().split() == ["1"]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    ended = threading.Event()
+    for _ in range(200):  # its connection ends once the shard's thread reads the close
+        if open_connections(service, endpoint) == 0:
+            ended.set()
+            break
+        ended.wait(0.05)
+    assert ended.is_set()
+    after = shard.values.copy()
+    client = WireClient(endpoint, TIMEOUT, SECRET)
+    pulled = client.pull(0, "c").result(TIMEOUT)
+    assert client.shared and pulled.version == 1
+    np.testing.assert_array_equal(pulled.values, after)
+    client.close()
