@@ -5,9 +5,11 @@ whose ``push`` applies a gradient in place, both awaited one after the other, fr
 other worker of a default 2-worker local cluster.  Then downpour-dask's path: its parameter-server
 shards (2 shards on the other worker, async methods), each sent one ``exchange`` (the push and
 the pull of its result in one message) concurrently, from a task that starts the way a replica
-starts: once over the direct connections replicas use by default (downpour_dask/ps/wire.py), once
-as Dask actor messages (``transport="dask"``).  Finally the naive actor again in those same,
-now tuned, processes, to show what part of the gain is the allocator
+starts: once over the direct connections replicas use by default (downpour_dask/ps/wire.py; the
+workers share this host, so the arrays go through shared memory slots, ps/shared_slots.py), once
+over the same connections with the arrays on the socket (``DOWNPOUR_DASK_SHARED_MEMORY=0``, as
+between hosts), once as Dask actor messages (``transport="dask"``).  Finally the naive actor
+again in those same, now tuned, processes, to show what part of the gain is the allocator
 (downpour_dask/runtime/malloc.py).
 
 The limit any transport could reach: the machine's raw loopback socket throughput, measured in the
@@ -15,7 +17,7 @@ same run between the same two worker processes -- a plain TCP connection from a 
 worker to a thread on the far one, sending the push's bytes (4 MB) and receiving as many back
 (the pull's), with nothing else done on either side.  The loopback and downpour-dask's two paths
 are measured in turns, one batch of ``--calls`` round trips each per round, so a change in the
-machine's load between rounds reaches all three; their "vs loopback" column is the median over
+machine's load between rounds reaches all of them; their "vs loopback" column is the median over
 the rounds of each round's time over that round's loopback (the range in "rounds"), the naive
 actor's rows are over the median loopback.
 
@@ -41,6 +43,7 @@ import numpy as np  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 from downpour_dask import ParameterServer, optim  # noqa: E402
+from downpour_dask.ps import shared_slots  # noqa: E402
 from downpour_dask.ps.wire import WireClient  # noqa: E402
 from downpour_dask.runtime.cluster import cluster_workers  # noqa: E402
 from downpour_dask.runtime.malloc import tune_malloc  # noqa: E402
@@ -48,6 +51,7 @@ from downpour_dask.runtime.malloc import tune_malloc  # noqa: E402
 SIZE = 1_000_000
 LOOPBACK = "raw TCP loopback, same bytes, nothing else done"
 WIRED = "downpour-dask shards (2, far), direct connections"
+ON_SOCKET = "downpour-dask shards (2, far), direct, arrays on socket"
 MESSAGES = "downpour-dask shards (2, far), actor messages"
 
 
@@ -78,14 +82,22 @@ def time_naive(actor, calls: int) -> float:
     return statistics.median(times)
 
 
-def time_downpour(server: ParameterServer, wired: bool, calls: int) -> float:
+def time_downpour(server: ParameterServer, path: str, calls: int) -> float:
     """Median seconds of a push and a pull of every shard, as a replica issues them when a fetch
     is due on the step it pushes (``exchange``: both in one message per shard), over direct
-    connections (``wired``) or as actor messages."""
+    connections (``path`` WIRED; ON_SOCKET: without shared memory) or as actor messages."""
     tune_malloc()  # what a replica does when it starts
     targets = list(server.opened().shards)
+    wired = path in (WIRED, ON_SOCKET)
     if wired:
-        targets = [WireClient(shard.open_wire().result(timeout=60)) for shard in targets]
+        before = os.environ.get(shared_slots.ENV_SWITCH)
+        os.environ[shared_slots.ENV_SWITCH] = "1" if path == WIRED else "0"
+        try:
+            targets = [WireClient(shard.open_wire().result(timeout=60)) for shard in targets]
+        finally:
+            os.environ.pop(shared_slots.ENV_SWITCH)
+            if before is not None:
+                os.environ[shared_slots.ENV_SWITCH] = before
     grad = np.random.default_rng(1).standard_normal(SIZE).astype(np.float32)
     times = []
     for i in range(calls + 3):
@@ -182,11 +194,11 @@ def main() -> None:
         port = client.run(start_loopback_echo, host, SIZE * 4, args.repeats, workers=[far])[far]
         server = ParameterServer.create(client, initial, 2, optim.sgd(0.01), [far, far])
         portable = server.portable()
-        rounds: dict[str, list[float]] = {LOOPBACK: [], WIRED: [], MESSAGES: []}
+        rounds: dict[str, list[float]] = {LOOPBACK: [], WIRED: [], ON_SOCKET: [], MESSAGES: []}
         for _ in range(args.repeats):  # interleaved: the machine's drift hits every path alike
             rounds[LOOPBACK].append(one(time_loopback, host, port))
-            rounds[WIRED].append(one(time_downpour, portable, True))
-            rounds[MESSAGES].append(one(time_downpour, portable, False))
+            for path in (WIRED, ON_SOCKET, MESSAGES):
+                rounds[path].append(one(time_downpour, portable, path))
         naive_tuned = statistics.median(one(time_naive, naive) for _ in range(args.repeats))
         server.close()
     loopback = statistics.median(rounds[LOOPBACK])
@@ -194,6 +206,7 @@ def main() -> None:
         (LOOPBACK, loopback),
         ("naive sync actor, default worker processes", baseline),
         (WIRED, statistics.median(rounds[WIRED])),
+        (ON_SOCKET, statistics.median(rounds[ON_SOCKET])),
         (MESSAGES, statistics.median(rounds[MESSAGES])),
         ("naive sync actor, after downpour-dask tuned them", naive_tuned),
     ]
