@@ -8,18 +8,20 @@ Dask actor messages too (``transport="dask"``) to show what the direct connectio
 further row runs the serial loop on both workers at once with no communication at all: the
 ceiling any data-parallel trainer could reach on this machine, and each row's share of it.
 
-A last row per n_fetch = n_push is the least a parameter server must add to that ceiling: the
-same loop on both workers, each also holding half the parameters as a shard, with no library at
-all.  Every n steps a replica applies its half in place and sends the other half's gradient over
-a raw TCP connection to the other worker, whose thread applies it (one ``axpy``) and sends its
-half's values straight back into the replica's parameters; the replica takes them between two
-steps once they arrive (one push in flight).  What separates Downpour from that row is the
-library; what separates that row from the ceiling is the work any parameter server adds to a
-step (the accrual, the shard's update, both halves through the kernel and into the parameters),
-on the same two cores that compute the gradients.  With ``--token-bound`` the same server runs
-once more with a 1-byte token in place of each array (the shard applies a gradient it holds, the
-replica installs nothing): what is left without the transfer, the bound of any same-host
-transport that would skip the kernel's copies.
+Further rows per n_fetch = n_push are the least a parameter server must add to that ceiling:
+the same loop on both workers, each also holding half the parameters as a shard, with no library
+at all.  Every n steps a replica applies its half in place and hands the other half's gradient to
+the other worker, whose thread applies it (one ``axpy``) and hands back its half's values; the
+replica takes them between two steps once they arrive (one push in flight).  The *minimal
+parameter server* moves the arrays as Downpour does between workers of one host: through memory
+the two processes share (an anonymous ``memfd`` each, mapped by the other through ``/proc``; a
+1-byte token on a raw TCP connection says a push or a reply is there).  A second row sends them
+over that TCP connection instead, as between hosts.  What separates Downpour from the first row
+is the library; what separates that row from the ceiling is the work any parameter server adds to
+a step (the accrual, the shard's update, the copies into and out of the shared memory), on the
+same two cores that compute the gradients.  With ``--token-bound`` the same server runs once more
+with only the tokens (the shard applies a gradient it holds, the replica installs nothing): what
+is left without moving the arrays at all.
 
 With ``--pinned yes`` every row on the cluster runs with each worker process pinned to a CPU of
 its own (:func:`downpour_dask.pin_workers`); ``--pinned both`` runs them both ways in every
@@ -43,6 +45,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import mmap  # noqa: E402
 import platform  # noqa: E402
 import select  # noqa: E402
 import socket  # noqa: E402
@@ -110,13 +113,30 @@ def no_communication_examples_per_s(client, model, X, y, seconds: float) -> floa
     return rate
 
 
+def _shared_pair(n_own: int, n_far: int, publish, peer) -> tuple[np.ndarray, np.ndarray]:
+    """This worker's shared buffer for the far replica's pushes and replies (``n_own`` values:
+    gradient in, values out, one after the other) and the other worker's (``n_far``), mapped
+    here: an anonymous memory file each, announced as ``(pid, fd)`` through ``publish`` and
+    opened through ``/proc`` from what ``peer()`` returns."""
+    fd = os.memfd_create("bench-minimal-ps")
+    os.ftruncate(fd, 8 * n_own)
+    mine = np.frombuffer(mmap.mmap(fd, 8 * n_own), np.float32)
+    publish((os.getpid(), fd))
+    pid, far_fd = peer()
+    opened = os.open(f"/proc/{pid}/fd/{far_fd}", os.O_RDWR)
+    theirs = np.frombuffer(mmap.mmap(opened, 8 * n_far), np.float32)
+    os.close(opened)
+    return mine, theirs
+
+
 def _minimal_ps_on_worker(
-    model, X, y, seconds, every, me, names, payload=True, learning_rate=0.01
+    model, X, y, seconds, every, me, names, carry="shared", learning_rate=0.01
 ) -> float:
     """One worker's half of the minimal parameter server (see the module docstring): a replica
-    loop and a thread serving this worker's shard to the other worker's replica.  Without
-    ``payload`` only a 1-byte token crosses the socket each way: the shard applies a gradient it
-    already holds and the replica installs nothing, the bound of any same-host transport."""
+    loop and a thread serving this worker's shard to the other worker's replica.  ``carry``:
+    how the arrays travel, ``"shared"`` (shared memory, a 1-byte token on the socket),
+    ``"socket"`` (the arrays on the socket) or ``"tokens"`` (only the token: the shard applies a
+    gradient it already holds and the replica installs nothing)."""
     X, y = _set_up_as_a_replica(X, y)
     params = model.init(np.random.default_rng(0))
     cut = params.size // 2
@@ -125,27 +145,45 @@ def _minimal_ps_on_worker(
     server = socket.create_server(("127.0.0.1", 0))
     Variable(names[me]).set(server.getsockname()[1])
     out = socket.create_connection(("127.0.0.1", Variable(names[1 - me]).get(timeout=60)))
+    out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     served, _ = server.accept()
+    served.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if carry == "shared":  # [gradient | values] of my shard, and of the far one
+        mine, theirs = _shared_pair(
+            shard.size, params[far].size, Variable(names[me] + "-shm").set,
+            lambda: Variable(names[1 - me] + "-shm").get(timeout=60),
+        )  # fmt: skip
+        grad_in, values_out = mine[: shard.size], mine[shard.size :]
+        far_grad, far_values = theirs[: params[far].size], theirs[params[far].size :]
 
     lock = threading.Lock()  # a shard applies one push at a time, as Downpour's does
 
-    def receive(sock: socket.socket, into: np.ndarray) -> None:
-        if payload:
+    def receive(sock: socket.socket, into: np.ndarray, shared: np.ndarray | None) -> None:
+        if carry == "socket":
             frames.recv_into(sock, into)
-        elif not sock.recv(1):
+            return
+        if not sock.recv(1):
             raise ConnectionError("closed")
+        if shared is not None and carry == "shared":
+            np.copyto(into, shared)
 
-    def send(sock: socket.socket, values: np.ndarray) -> None:
-        sock.sendall(memoryview(values).cast("B") if payload else b"x")
+    def send(sock: socket.socket, values: np.ndarray, shared: np.ndarray | None) -> None:
+        if carry == "socket":
+            sock.sendall(memoryview(values).cast("B"))
+            return
+        if shared is not None and carry == "shared":
+            np.copyto(shared, values)
+        sock.sendall(b"x")
 
     def serve() -> None:  # the shard: a gradient in, one axpy, its values back
         grad = np.zeros_like(shard)
         with contextlib.suppress(ConnectionError):  # the replica's end closed: the run is over
             while True:
-                receive(served, grad)
+                receive(served, grad, None)
+                applied = grad_in if carry == "shared" else grad  # (shared: applied in place)
                 with lock:
-                    np.subtract(shard, grad, out=shard)
-                    send(served, shard)
+                    np.subtract(shard, applied, out=shard)
+                    send(served, shard, values_out if carry == "shared" else None)
         served.close()
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -156,7 +194,7 @@ def _minimal_ps_on_worker(
     while time.perf_counter() - start < seconds:
         for Xb, yb in minibatches(X, y, BATCH, rng):
             if pending and select.select([out], [], [], 0)[0]:  # the far half's values arrived
-                receive(out, params[far])
+                receive(out, params[far], far_values if carry == "shared" else None)
                 pending = False
             first = steps % every == 0  # an accrual's first step writes into it, as Downpour's
             g = accrued if first else step
@@ -170,14 +208,14 @@ def _minimal_ps_on_worker(
                     shard -= accrued[own]
                     params[own] = shard
                 if pending:  # one push in flight at a time
-                    receive(out, params[far])
-                send(out, accrued[far])
+                    receive(out, params[far], far_values if carry == "shared" else None)
+                send(out, accrued[far], far_grad if carry == "shared" else None)
                 pending = True
             if time.perf_counter() - start >= seconds:
                 break
     rate = examples / (time.perf_counter() - start)
     if pending:
-        receive(out, params[far])
+        receive(out, params[far], None)
     out.shutdown(socket.SHUT_WR)  # the peer's shard thread ends; then wait for ours
     thread.join(timeout=60)
     out.close()
@@ -186,15 +224,16 @@ def _minimal_ps_on_worker(
 
 
 def minimal_ps_examples_per_s(
-    client, model, X, y, seconds: float, every: int, payload: bool = True
+    client, model, X, y, seconds: float, every: int, carry: str = "shared"
 ) -> float:
-    """The minimal parameter server on both workers at once: the sum of their examples/s."""
+    """The minimal parameter server on both workers at once: the sum of their examples/s
+    (``carry``: see ``_minimal_ps_on_worker``)."""
     workers = sorted(client.scheduler_info()["workers"])
     data = client.scatter([X, y], broadcast=True, hash=False)
     names = [f"bench-minimal-ps-{uuid.uuid4().hex}" for _ in workers]
     futures = [
         client.submit(
-            _minimal_ps_on_worker, model, *data, seconds, every, me, names, payload,
+            _minimal_ps_on_worker, model, *data, seconds, every, me, names, carry,
             workers=[w], pure=False,
         )  # fmt: skip
         for me, w in enumerate(workers)
@@ -202,7 +241,8 @@ def minimal_ps_examples_per_s(
     rate = sum(client.gather(futures))
     client.cancel(data)
     for name in names:
-        Variable(name, client=client).delete()
+        for variable in (name, name + "-shm"):
+            Variable(variable, client=client).delete()
     return rate
 
 
@@ -248,12 +288,12 @@ def one_round(client, model, train, seconds: float, token_bound: bool, label: st
     X, y = train.X, train.y
     rates = {(CEILING + label, "-"): no_communication_examples_per_s(client, model, X, y, seconds)}
     for every in (1, 4):
-        rates[(MINIMAL + label, str(every))] = minimal_ps_examples_per_s(
-            client, model, X, y, seconds, every
-        )
+        carries = {MINIMAL: "shared", MINIMAL_TCP: "socket"}
         if token_bound:
-            rates[(TOKENS + label, str(every))] = minimal_ps_examples_per_s(
-                client, model, X, y, seconds, every, payload=False
+            carries[TOKENS] = "tokens"
+        for row, carry in carries.items():
+            rates[(row + label, str(every))] = minimal_ps_examples_per_s(
+                client, model, X, y, seconds, every, carry
             )
         for replicas, shards, transport in CONFIGURATIONS:
             name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
@@ -267,7 +307,8 @@ def one_round(client, model, train, seconds: float, token_bound: bool, label: st
 
 SERIAL = "serial numpy loop (1 thread, in process)"
 CEILING = "serial loop on both workers at once, no communication"
-MINIMAL = "minimal parameter server, raw sockets, no library"
+MINIMAL = "minimal parameter server, shared memory, no library"
+MINIMAL_TCP = "minimal parameter server, arrays over TCP"
 TOKENS = "minimal parameter server, 1-byte tokens, no arrays"
 PINNED = " (pinned)"
 #: What each ``--pinned`` choice runs: unpinned, pinned, or both in every round.
@@ -280,7 +321,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--token-bound", action="store_true",
-        help="also run the minimal server with 1-byte tokens instead of its arrays",
+        help="also run the minimal server with only 1-byte tokens, no arrays",
     )  # fmt: skip
     parser.add_argument(
         "--pinned", choices=["no", "yes", "both"], default="no",

@@ -133,6 +133,23 @@ def test_more_requests_in_flight_than_slots_go_inline_and_all_are_answered(serve
     client.close()
 
 
+def test_a_replica_that_cannot_make_an_area_keeps_its_arrays_on_the_socket(served, monkeypatch):
+    shard, endpoint, service = served
+
+    def no_files(*args):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(SlotArea, "create", no_files)
+    client = WireClient(endpoint, TIMEOUT, SECRET)
+    assert not client.shared
+    pushed, pulled = client.exchange(np.ones(SIZE, np.float32), 0, 0, seq=0, session="a").result(
+        TIMEOUT
+    )
+    assert pushed.accepted and pulled.version == 1
+    np.testing.assert_array_equal(pulled.values, shard.values)
+    client.close()
+
+
 def test_a_slot_request_without_a_mapped_area_is_refused_and_applies_nothing(served):
     shard, endpoint, service = served
     sock = raw(endpoint)

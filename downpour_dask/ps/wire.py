@@ -145,7 +145,10 @@ class WireClient:
     def _share(self, timeout: float) -> SlotArea | None:
         """Offer the shard a new area of slots; the area if it mapped it (see
         :mod:`~downpour_dask.ps.shared_slots`)."""
-        area = SlotArea.create(self.size, shared_slots.slots_for(self.size))
+        try:
+            area = SlotArea.create(self.size, shared_slots.slots_for(self.size))
+        except OSError:  # no memory file to be had (e.g. out of descriptors): stay inline
+            return None
         try:
             offer = frames.SHARE_AREA.pack(os.getpid(), area.fd, area.n_slots, area.token)
             self._sock.settimeout(timeout)
