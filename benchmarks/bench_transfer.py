@@ -217,14 +217,16 @@ def main() -> None:
         f"\npull + push of {SIZE:,} float32 parameters from another worker, median of "
         f"{args.repeats} x {args.calls} round trips"
     )
-    print(f"{'path':52} {'ms':>8} {'vs naive':>9} {'vs loopback':>12} {'rounds':>12}")
+    width = max(len(name) for name, _ in rows)
+    print(f"{'path':{width}} {'ms':>8} {'vs naive':>9} {'vs loopback':>12} {'rounds':>12}")
     for name, seconds in rows:
         ratio, spread = seconds / loopback, ""
         if name in ratios:  # the median of the per-round ratios, and their range
             ratio = statistics.median(ratios[name])
             spread = f"{min(ratios[name]):.2f}-{max(ratios[name]):.2f}x"
         print(
-            f"{name:52} {seconds * 1e3:8.2f} {seconds / baseline:8.2f}x {ratio:11.2f}x {spread:>12}"
+            f"{name:{width}} {seconds * 1e3:8.2f} {seconds / baseline:8.2f}x {ratio:11.2f}x "
+            f"{spread:>12}"
         )
     gbps = 2 * SIZE * 4 / loopback / 1e9
     print(f"raw loopback throughput: {gbps:.2f} GB/s (both directions, one connection)")
