@@ -12,6 +12,7 @@ import gc
 import itertools
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,8 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+from downpour_dask.ps import frames
 
 # The worker processes of the clusters the tests start come from a fork server that imported
 # Dask, numpy and pandas once, instead of each importing them anew (Dask's own test suite does
@@ -54,6 +57,17 @@ def client(cluster):
     with Client(cluster, timeout=60) as client:
         client.wait_for_workers(2, timeout=60)
         yield client
+
+
+def said_hello(endpoint: tuple[str, int, str], secret: bytes, timeout: float = 10.0):
+    """A raw connection to a direct-connection endpoint ``(host, port, id)`` that said its
+    hello with ``secret``, and the size the endpoint answered: ``(socket, size)``."""
+    host, port, key = endpoint
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.sendall(frames.hello(key, secret))
+    frames.check_status(sock)
+    (size,) = frames.SIZE.unpack(frames.recv(sock, frames.SIZE.size))
+    return sock, size
 
 
 def fresh_client(n_workers: int) -> Iterator[Client]:

@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import said_hello
 
 from downpour_dask.downpour.model_parallel import (
     Mailbox,
@@ -26,7 +27,6 @@ from downpour_dask.downpour.partition_wire import (
     encode_message,
     receive_messages,
 )
-from downpour_dask.ps import frames
 from downpour_dask.ps.frames import WireError
 from downpour_dask.ps.service import ShardService
 
@@ -111,12 +111,7 @@ def test_a_sender_without_the_runs_secret_is_refused(inbox):
 
 
 def _connect(endpoint) -> socket.socket:
-    host, port, key = endpoint
-    sock = socket.create_connection((host, port), timeout=TIMEOUT)
-    sock.sendall(frames.hello(key, SECRET))
-    frames.check_status(sock)
-    frames.recv(sock, frames.SIZE.size)
-    return sock
+    return said_hello(endpoint, SECRET, TIMEOUT)[0]
 
 
 BAD_HEADS = {

@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import said_hello
 
 from downpour_dask import optim
 from downpour_dask.ps import frames, shared_slots
@@ -51,12 +52,7 @@ def open_connections(service: ShardService, endpoint) -> int:
 
 def raw(endpoint) -> socket.socket:
     """A connection that said hello and read the shard's size."""
-    host, port, shard_id = endpoint
-    sock = socket.create_connection((host, port), timeout=TIMEOUT)
-    sock.sendall(frames.hello(shard_id, SECRET))
-    frames.check_status(sock)
-    frames.recv(sock, frames.SIZE.size)
-    return sock
+    return said_hello(endpoint, SECRET, TIMEOUT)[0]
 
 
 def offer(sock: socket.socket, pid: int, fd: int, n_slots: int, token: bytes) -> bool:

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import said_hello
 
 from downpour_dask import optim
 from downpour_dask.downpour.replica_loop import ReplicaConfig
@@ -47,11 +48,8 @@ def served():
 
 def raw(endpoint, secret: bytes = SECRET) -> socket.socket:
     """A connection that said hello and read the shard's size."""
-    host, port, shard_id = endpoint
-    sock = socket.create_connection((host, port), timeout=TIMEOUT)
-    sock.sendall(frames.hello(shard_id, secret))
-    frames.check_status(sock)
-    assert frames.SIZE.unpack(frames.recv(sock, frames.SIZE.size)) == (SIZE,)
+    sock, size = said_hello(endpoint, secret, TIMEOUT)
+    assert size == SIZE
     return sock
 
 
