@@ -3,6 +3,7 @@ it refuses, that every request still gets the same answer, and what a killed pee
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -144,6 +145,34 @@ def test_a_replica_that_cannot_make_an_area_keeps_its_arrays_on_the_socket(serve
     assert pushed.accepted and pulled.version == 1
     np.testing.assert_array_equal(pulled.values, shard.values)
     client.close()
+
+
+def _slot_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("downpour-dask-slots" in line for line in maps)
+
+
+def test_no_descriptor_or_mapping_outlives_its_connections(served):
+    """Twenty connections opened, used and closed: the memory files' descriptors are closed
+    once the shard has mapped them, and both sides' mappings go with the connection."""
+    shard, endpoint, service = served
+    gc.collect()
+    fds, mappings = len(os.listdir("/proc/self/fd")), _slot_mappings()
+    for i in range(20):
+        client = WireClient(endpoint, TIMEOUT, SECRET)
+        assert client.shared and _slot_mappings() == mappings + 2  # the replica's and the shard's
+        client.push(np.ones(SIZE, np.float32), 0, 0, seq=i, session="a").result(TIMEOUT)
+        client.close()
+        del client
+    done = threading.Event()
+    for _ in range(200):  # the shard's threads end once they read the closes
+        gc.collect()
+        if open_connections(service, endpoint) == 0 and _slot_mappings() == mappings:
+            done.set()
+            break
+        done.wait(0.05)
+    assert done.is_set() and shard.version == 20
+    assert len(os.listdir("/proc/self/fd")) <= fds
 
 
 def test_a_slot_request_without_a_mapped_area_is_refused_and_applies_nothing(served):
