@@ -420,5 +420,9 @@ def test_a_workers_client_connects_through_dasks_handshake_race(three_workers, r
     assert plain.result(timeout=TIMEOUT) == "AssertionError", (
         "Dask no longer fails this handshake: worker_client's retry can go"
     )
+    # What a task gets next is the half-made client Dask left as the default: still
+    # "connecting" as a rule (what worker_client forgets and closes), though on a loaded
+    # machine its background handshake has been seen to finish first ("running", usable as is).
+    # Never a new failure.
     again = client.submit(_variable_through_get_client, "answer", workers=[second], pure=False)
-    assert again.result(timeout=TIMEOUT) == "connecting"  # what a task gets next, never connected
+    assert again.result(timeout=TIMEOUT) in ("connecting", "running")
