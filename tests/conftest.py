@@ -19,11 +19,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import dask
+import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from downpour_dask import optim
 from downpour_dask.ps import frames
+from downpour_dask.ps.service import ShardService
+from downpour_dask.ps.shard import ParameterServerShard
 
 # The worker processes of the clusters the tests start come from a fork server that imported
 # Dask, numpy and pandas once, instead of each importing them anew (Dask's own test suite does
@@ -57,6 +61,28 @@ def client(cluster):
     with Client(cluster, timeout=60) as client:
         client.wait_for_workers(2, timeout=60)
         yield client
+
+
+#: The shard of the direct-connection tests: its size, and the run secret it is served under.
+WIRE_SIZE = 100
+WIRE_SECRET = b"s" * 32
+
+
+def wire_shard() -> ParameterServerShard:
+    """A shard of WIRE_SIZE values from -1 to 1, plain SGD at rate 0.5."""
+    values = np.linspace(-1, 1, WIRE_SIZE, dtype=np.float32)
+    return ParameterServerShard(0, 0, WIRE_SIZE, values, optim.make("sgd", 0.5))
+
+
+@pytest.fixture
+def served():
+    """A fresh service on loopback with one :func:`wire_shard` registered under WIRE_SECRET:
+    ``(service, shard, endpoint)``."""
+    service = ShardService("127.0.0.1")
+    shard = wire_shard()
+    endpoint = service.register(shard, WIRE_SECRET)
+    yield service, shard, endpoint
+    service.close()
 
 
 def said_hello(endpoint: tuple[str, int, str], secret: bytes, timeout: float = 10.0):

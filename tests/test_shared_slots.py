@@ -14,35 +14,18 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import said_hello
+from conftest import WIRE_SECRET, WIRE_SIZE, said_hello, wire_shard
 
-from downpour_dask import optim
 from downpour_dask.ps import frames, shared_slots
 from downpour_dask.ps.frames import PULL_SLOT, PUSH, PUSH_SLOT, SHARE
 from downpour_dask.ps.service import ShardService
-from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.ps.shared_slots import SlotArea
 from downpour_dask.ps.wire import WireClient, WireError
 
 pytestmark = pytest.mark.skipif(not shared_slots.available(), reason="needs memfd_create (Linux)")
 
 TIMEOUT = 10.0
-SIZE = 100
-SECRET = b"s" * 32
-
-
-def make_shard(size: int = SIZE) -> ParameterServerShard:
-    values = np.linspace(-1, 1, size, dtype=np.float32)
-    return ParameterServerShard(0, 0, size, values, optim.make("sgd", 0.5))
-
-
-@pytest.fixture
-def served():
-    service = ShardService("127.0.0.1")
-    shard = make_shard()
-    endpoint = service.register(shard, SECRET)
-    yield shard, endpoint, service
-    service.close()
+SIZE, SECRET, make_shard = WIRE_SIZE, WIRE_SECRET, wire_shard  # the served shard (conftest.py)
 
 
 def open_connections(service: ShardService, endpoint) -> int:
@@ -113,7 +96,7 @@ def test_slots_are_handed_out_once_until_given_back():
 def test_more_requests_in_flight_than_slots_go_inline_and_all_are_answered(served):
     """With the shard busy, 7 pushes and a pull wait at once: 4 in slots, the rest on the
     socket; each is answered in order and the shard applied all 7, as without slots."""
-    shard, endpoint, service = served
+    service, shard, endpoint = served
     twin = make_shard()
     client = WireClient(endpoint, TIMEOUT, SECRET)
     assert client.shared
@@ -131,7 +114,7 @@ def test_more_requests_in_flight_than_slots_go_inline_and_all_are_answered(serve
 
 
 def test_a_replica_that_cannot_make_an_area_keeps_its_arrays_on_the_socket(served, monkeypatch):
-    shard, endpoint, service = served
+    service, shard, endpoint = served
 
     def no_files(*args):
         raise OSError(24, "Too many open files")
@@ -155,7 +138,7 @@ def _slot_mappings() -> int:
 def test_no_descriptor_or_mapping_outlives_its_connections(served):
     """Twenty connections opened, used and closed: the memory files' descriptors are closed
     once the shard has mapped them, and both sides' mappings go with the connection."""
-    shard, endpoint, service = served
+    service, shard, endpoint = served
     gc.collect()
     fds, mappings = len(os.listdir("/proc/self/fd")), _slot_mappings()
     for i in range(20):
@@ -176,7 +159,7 @@ def test_no_descriptor_or_mapping_outlives_its_connections(served):
 
 
 def test_a_slot_request_without_a_mapped_area_is_refused_and_applies_nothing(served):
-    shard, endpoint, service = served
+    service, shard, endpoint = served
     sock = raw(endpoint)
     sock.sendall(frames.request(PUSH_SLOT, 0, 0, SIZE, seq=0, session="a") + frames.SLOT.pack(0))
     with pytest.raises(WireError, match="shared area was not mapped"):
@@ -186,7 +169,7 @@ def test_a_slot_request_without_a_mapped_area_is_refused_and_applies_nothing(ser
 
 
 def test_a_bogus_offer_is_declined_and_the_connection_serves_on(served):
-    shard, endpoint, service = served
+    service, shard, endpoint = served
     sock = raw(endpoint)
     read_end, write_end = os.pipe()
     try:
@@ -202,7 +185,7 @@ def test_a_bogus_offer_is_declined_and_the_connection_serves_on(served):
 
 
 def test_a_slot_outside_the_area_or_a_second_offer_is_refused(served):
-    shard, endpoint, service = served
+    service, shard, endpoint = served
     area = SlotArea.create(SIZE, 2)
     sock = raw(endpoint)
     assert offer(sock, os.getpid(), area.fd, 2, area.token)
@@ -285,7 +268,7 @@ sys.stdin.read()
 def test_a_sigkilled_replica_process_leaves_the_shard_serving(served):
     """The shard maps the memory of a replica that is SIGKILLed: its connection ends, the shard
     keeps its values and serves the next replica."""
-    shard, endpoint, service = served
+    service, shard, endpoint = served
     _, port, key = endpoint
     script = textwrap.dedent(_REPLICA_PROCESS.format(port=port, key=key, secret=SECRET,
                                                      size=SIZE))  # fmt: skip

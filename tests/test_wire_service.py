@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import said_hello
+from conftest import WIRE_SECRET, WIRE_SIZE, said_hello, wire_shard
 
 from downpour_dask import optim
 from downpour_dask.downpour.replica_loop import ReplicaConfig
@@ -27,23 +27,7 @@ from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.ps.wire import WireClient, WireError
 
 TIMEOUT = 10.0
-SIZE = 100
-SECRET = b"s" * 32
-
-
-def make_shard() -> ParameterServerShard:
-    return ParameterServerShard(0, 0, SIZE, np.linspace(-1, 1, SIZE, dtype=np.float32),
-                                optim.make("sgd", 0.5))  # fmt: skip
-
-
-@pytest.fixture
-def served():
-    """A fresh service on loopback with one shard registered under SECRET."""
-    service = ShardService("127.0.0.1")
-    shard = make_shard()
-    endpoint = service.register(shard, SECRET)
-    yield service, shard, endpoint
-    service.close()
+SIZE, SECRET, make_shard = WIRE_SIZE, WIRE_SECRET, wire_shard  # the served shard (conftest.py)
 
 
 def raw(endpoint, secret: bytes = SECRET) -> socket.socket:
