@@ -9,7 +9,7 @@ thread, the waits for acknowledgements, the in-process shard's apply, and the fe
 look-ups (``Variable.get`` on the replica thread) -- and prints each one's share per worker.
 py-spy needs ptrace rights (root, or ``kernel.yama.ptrace_scope = 0``).
 
-    python benchmarks/profile_downpour.py [--every 1] [--duration 10] [--out DIR]
+    python benchmarks/profile_downpour.py [--every 1] [--duration 10] [--out DIR] [--pinned]
 """
 
 from __future__ import annotations
@@ -60,11 +60,14 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1, help="n_fetch = n_push")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds recorded")
     parser.add_argument("--out", default=None, help="directory for the raw profiles")
+    parser.add_argument(
+        "--pinned", action="store_true", help="pin each worker to a CPU of its own first"
+    )
     args = parser.parse_args()
     from bench_downpour import downpour_fit
     from distributed import Client, LocalCluster
 
-    from downpour_dask import datasets, models
+    from downpour_dask import datasets, models, pin_workers
 
     out = Path(args.out or tempfile.mkdtemp(prefix="downpour-profile-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -76,6 +79,8 @@ def main() -> None:
         ) as cluster,
         Client(cluster) as client,
     ):
+        if args.pinned:
+            pin_workers(client)
         downpour_fit(client, model, train, 2, args.every, 2.0, 2)  # imports, first calls
         pids = sorted(client.run(os.getpid).values())
         seconds = args.duration + 6.0
@@ -95,7 +100,9 @@ def main() -> None:
         for spy in spies:
             spy.wait(timeout=args.duration + 60)
         fit.join(timeout=seconds + 60)
-    print(f"replica threads, n_fetch = n_push = {args.every}, {args.duration:.0f} s at 200 Hz "
+    pinned = ", pinned" if args.pinned else ""
+    print(f"replica threads, n_fetch = n_push = {args.every}{pinned}, {args.duration:.0f} s at "
+          f"200 Hz "
           f"(raw profiles in {out}); load: {os.getloadavg()}")  # fmt: skip
     for pid in pids:
         path = out / f"{pid}.txt"

@@ -64,3 +64,17 @@ def test_a_helper_threads_name_must_mark_it_as_one():
     with pytest.raises(ValueError, match="must begin with 'downpour-wire'"):
         helper_thread(lambda: None, "replica-helper")
     assert not cpus._helpers_batch
+
+
+def test_a_replica_gives_up_its_cpu_to_ready_helpers_only_while_pinned(monkeypatch):
+    yields = []
+    monkeypatch.setattr(cpus.os, "sched_yield", lambda: yields.append(1))
+    cpus.let_helpers_run()  # unpinned: the helpers run on another core, nothing to give up
+    assert yields == []
+    try:
+        helpers_as_batch(True)
+        cpus.let_helpers_run()
+        cpus.let_helpers_run()
+    finally:
+        helpers_as_batch(False)
+    assert yields == [1, 1]

@@ -40,6 +40,7 @@ from ..core.models import Model
 from ..core.params import DTYPE
 from ..log import PushRow
 from ..ps.protocol import PullReply, PushReply, ShardChannel, ShardLostError
+from ..runtime.cpus import let_helpers_run
 from .config import ReplicaConfig, ReplicaSink
 from .pushes import Push, PushLedger
 from .scaling import gradient_scale
@@ -130,6 +131,7 @@ class ReplicaLoop:
                     if step < cfg.start_step:  # a restarted replica: these were trained on
                         step += 1
                         continue
+                    let_helpers_run()  # pinned: the sends and replies they hold go now
                     self._poll()
                     if step % cfg.n_fetch == 0 and step > 0 and not fetched:
                         self._start_fetches()

@@ -8,8 +8,9 @@ serve its connections and its shard (``ps/wire.py``, ``ps/service.py``, which st
 :func:`helper_thread`).  Linux lets a woken thread preempt the one running; a helper woken by a
 reply would then take the CPU from the replica mid-step, and the replica would wait for the GIL
 the helper holds.  So in a pinned process helpers are batch threads (``SCHED_BATCH``: no
-preemption on wake-up; they run when the replica's time slice ends or it waits), and while the
-process is not pinned they are ordinary threads, able to run on another core at once.
+preemption on wake-up; they run when the replica's time slice ends or it waits, or when it lets
+them, once a step: :func:`let_helpers_run`), and while the process is not pinned they are
+ordinary threads, able to run on another core at once.
 """
 
 from __future__ import annotations
@@ -109,6 +110,19 @@ def helpers_as_batch(batch: bool) -> None:
     for thread in threading.enumerate():
         if thread.name.startswith(HELPER_PREFIX) and thread.native_id is not None:
             _set_policy(thread.native_id, batch)
+
+
+def let_helpers_run() -> None:
+    """Give the CPU to this process's helper threads that are ready to run, if it is pinned.
+
+    A replica calls it once a step.  Batch helpers never preempt it, so without it a reply
+    that arrived, or a request handed to a sender thread, waits for the end of the replica's
+    time slice (milliseconds, several steps), and the replica then waits for its
+    acknowledgements while its CPU idles.  Yielding at a step's boundary runs them at a point
+    where the replica holds nothing they need.
+    """
+    if _helpers_batch:
+        os.sched_yield()
 
 
 def helper_thread(target: Callable[..., Any], name: str, args: tuple = ()) -> threading.Thread:
