@@ -139,7 +139,10 @@ def write_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     previous = _latest_name(root)
-    number = int(previous.split("-")[1]) + 1 if previous else 0
+    # past every numbered directory: one renamed into place but never published (its writer
+    # was killed before LATEST named it) keeps its number until the next publish removes it
+    numbers = [int(p.name[5:]) for p in root.glob("ckpt-*") if p.name[5:].isdigit()]
+    number = max([int(previous.split("-")[1]) if previous else -1, *numbers]) + 1
     name = f"ckpt-{number:06d}"
     staging = Path(tempfile.mkdtemp(prefix=".ckpt-tmp-", dir=root))
     try:
