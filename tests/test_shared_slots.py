@@ -130,6 +130,83 @@ def test_a_replica_that_cannot_make_an_area_keeps_its_arrays_on_the_socket(serve
     client.close()
 
 
+class _HeldWrites:
+    """A client's socket whose ``sendall`` (the sender thread's writes) waits for ``go``."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock, self.go = sock, threading.Event()
+
+    def sendall(self, data) -> None:
+        self.go.wait(TIMEOUT)
+        self._sock.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_a_slotted_request_never_overtakes_one_queued_for_the_sender_thread(served):
+    """The replica's thread writes a slotted request itself only while the sender thread has
+    nothing to send: a push that found every slot taken (so went inline, to the sender thread)
+    reaches the shard before a later pull that found a slot free, and the pull sees it."""
+    service, shard, endpoint = served
+    client = WireClient(endpoint, TIMEOUT, SECRET)
+    assert client.shared
+    client._sock = held = _HeldWrites(client._sock)
+    taken = [client._area.take() for _ in range(client._area.n_slots)]
+    pushed = client.push(np.ones(SIZE, np.float32), 0, 0, seq=0, session="a")
+    client._area.give(taken.pop())
+    pulled = client.pull(0, "a")
+    assert pulled.slot is not None and pushed.slot is None
+    after_the_push = shard.values - 0.5  # plain SGD at rate 0.5
+    held.go.set()
+    assert pushed.result(TIMEOUT).version == 1
+    reply = pulled.result(TIMEOUT)
+    assert reply.version == 1 and reply.applied_through == 0
+    np.testing.assert_array_equal(reply.values, after_the_push)
+    client.close()
+
+
+def _stalling_shard(listener: socket.socket, sent: list) -> None:
+    """Says hello and maps the offered slots, then sends the first reply's first byte only."""
+    conn, _ = listener.accept()
+    sent.append(conn)
+    frames.recv(conn, len(frames.hello("x", SECRET)))
+    conn.sendall(frames.OK + frames.SIZE.pack(SIZE))
+    frames.recv(conn, frames.REQUEST.size + frames.SHARE_AREA.size)
+    conn.sendall(frames.OK + frames.SHARED.pack(True))
+    frames.recv(conn, frames.REQUEST.size + frames.SLOT.size)  # a pull through a slot
+    conn.sendall(frames.OK[:1])
+
+
+def test_a_shard_stopped_mid_reply_fails_the_call_within_the_connection_timeout():
+    """A call that reads its own replies does so on the replica's thread: a reply begun and
+    not finished fails the connection once its timeout has passed, instead of hanging it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent: list[socket.socket] = []
+    shard_side = threading.Thread(target=_stalling_shard, args=(listener, sent), daemon=True)
+    shard_side.start()
+    client = WireClient(("127.0.0.1", listener.getsockname()[1], "x"), 0.5, SECRET)
+    assert client.shared
+    outcome: list[BaseException] = []
+
+    def wait_for_the_pull() -> None:
+        try:
+            client.pull().result(TIMEOUT)
+        except BaseException as err:  # noqa: BLE001 - what the replica would see
+            outcome.append(err)
+
+    waiter = threading.Thread(target=wait_for_the_pull, daemon=True)
+    waiter.start()
+    waiter.join(TIMEOUT + 5)
+    assert not waiter.is_alive() and isinstance(outcome[0], ConnectionError)
+    with pytest.raises(ConnectionError):
+        client.push(np.ones(SIZE, np.float32), 0, 0).result(TIMEOUT)
+    client.close()
+    shard_side.join(TIMEOUT)
+    sent[0].close()
+    listener.close()
+
+
 def _slot_mappings() -> int:
     with open("/proc/self/maps") as maps:
         return sum("downpour-dask-slots" in line for line in maps)

@@ -156,10 +156,18 @@ def test_an_unknown_or_ended_shard_is_refused_with_a_clear_error():
         WireClient((host, port, shard_id), timeout=TIMEOUT)
 
 
-def test_a_lost_shard_fails_every_call_in_flight_with_connection_error():
+@pytest.mark.parametrize(
+    "mapped",
+    [False, pytest.param(True, marks=pytest.mark.skipif(
+        not shared_slots.available(), reason="needs memfd_create (Linux)"
+    ))],
+    ids=["receiver thread", "calls read their replies"],
+)  # fmt: skip
+def test_a_lost_shard_fails_every_call_in_flight_with_connection_error(mapped):
     """What a replica sees when the shard's worker dies: the connection closes and the calls
     waiting for replies fail at once (``ConnectionError`` is an ``OSError``, which the replica
-    treats as a lost shard), and later calls fail too instead of hanging."""
+    treats as a lost shard), and later calls fail too instead of hanging -- whether a receiver
+    thread reads the replies or (shared slots) the calls do."""
     listener = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
 
@@ -168,14 +176,15 @@ def test_a_lost_shard_fails_every_call_in_flight_with_connection_error():
         accepted.append(conn)
         conn.recv(1024)
         conn.sendall(frames.OK + frames.SIZE.pack(1000))
-        if shared_slots.available():  # the offer of shared slots, declined
+        if shared_slots.available():  # the offer of shared slots: "mapped" (it is not used)
             frames.recv(conn, frames.REQUEST.size + frames.SHARE_AREA.size)
-            conn.sendall(frames.OK + frames.SHARED.pack(False))
+            conn.sendall(frames.OK + frames.SHARED.pack(mapped))
 
     thread = threading.Thread(target=shard_side)
     thread.start()
     client = WireClient(("127.0.0.1", listener.getsockname()[1], "x"), timeout=TIMEOUT)
     thread.join(TIMEOUT)
+    assert client.shared is mapped
     calls = [client.pull(), client.push(np.zeros(1000, dtype=np.float32), 0, 0)]
     time.sleep(0.1)
     assert not any(c.done() for c in calls)

@@ -16,15 +16,19 @@ replica 0's warmstart; :mod:`~downpour_dask.ps.frames` defines their bytes.
   socket on the worker's own host and one thread per accepted connection.  A shard registers
   with it under the run's secret and gets a random id; the id and the secret, sent first on
   every connection (the *hello*), select the shard and prove the connection is from the run.
-- A replica opens one :class:`WireClient` per remote shard.  Requests are written from a sender
-  thread; a receiver thread reads the replies, which come back in request order, and completes
-  the :class:`WireCall` of each.  One connection per (replica, shard) also keeps a replica's
-  pushes in order on the shard without any waiting.
+- A replica opens one :class:`WireClient` per remote shard.  Requests whose arrays go on the
+  socket are written by a sender thread, so the replica computes on meanwhile; a receiver thread
+  reads the replies, which come back in request order, and completes the
+  :class:`~downpour_dask.ps.wire_call.WireCall` of each.  One connection per (replica, shard)
+  also keeps a replica's pushes in order on the shard without any waiting.
 - A lost shard or worker closes the connection: every call in flight fails with
   ``ConnectionError`` (an ``OSError``), which the replica treats like a lost actor.
 - A shard on the replica's own host maps a few slots of the replica's memory
   (:mod:`~downpour_dask.ps.shared_slots`): a push's gradient and a pull's values then go
-  through a slot, and only the heads through the socket.
+  through a slot, and only the heads through the socket.  The replica's thread then writes
+  such a request itself and its calls read their replies when asked: waking a helper thread
+  for a head of a few dozen bytes costs more than the work (measured in
+  ``benchmarks/README.md``).
 
 The path is used only where Dask's own comm is plain TCP (a TLS cluster keeps actor messages)
 and the replica's connection succeeds; otherwise the replica calls the actor as before.  Unlike
@@ -38,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -60,6 +65,7 @@ from .frames import (
 )
 from .service import ShardService, serve, unregister
 from .shared_slots import SlotArea
+from .wire_call import WireCall
 
 #: The op that carries each dense op's array in a shared slot.
 _IN_SLOT = {dense: slotted for slotted, dense in frames.SLOTTED.items()}
@@ -68,33 +74,6 @@ __all__ = ["ShardService", "WireCall", "WireClient", "WireError", "serve", "unre
 
 
 # -- the replica's side ------------------------------------------------------------------------
-class WireCall:
-    """One request's reply to come, used like Dask's ``ActorFuture``: ``done()``, ``result()``."""
-
-    __slots__ = ("_event", "_value", "_error", "op", "out", "slot")
-
-    def __init__(self, op: int, out: np.ndarray | None = None):
-        self.op, self.out = op, out  # out: where pulled values go (default: a new array)
-        self.slot: int | None = None  # the shared slot its arrays go through, if any
-        self._event = threading.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def result(self, timeout: float | None = None) -> Any:
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"no reply from the shard within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
-        self._value, self._error = value, error
-        self._event.set()
-
-
 class WireClient:
     """A replica's connection to one shard on another worker.
 
@@ -133,10 +112,22 @@ class WireClient:
                 raise
         self._send_lock = threading.Lock()
         self._outbox: queue.SimpleQueue[tuple[bytes, Any, int | None] | None] = queue.SimpleQueue()
+        self._queued = 0  # requests handed to the sender thread and not sent yet
         self._waiting: queue.SimpleQueue[WireCall | None] = queue.SimpleQueue()
         self._broken: BaseException | None = None
-        for target in (self._send, self._receive):
-            helper_thread(target, "downpour-wire-replica").start()
+        helper_thread(self._send, "downpour-wire-replica").start()
+        # Replies through shared slots are heads of a few dozen bytes: the calls read them
+        # (read_arrived), which costs less than a thread woken for each.  Values on the socket
+        # are read by a receiver thread while the replica computes.
+        self._reads_itself = self._area is not None
+        if not self._reads_itself:
+            helper_thread(self._receive, "downpour-wire-replica").start()
+        else:
+            self._read_lock = threading.Lock()
+            self._poller = select.poll()
+            self._poller.register(self._sock, select.POLLIN)
+            bound = struct.pack("@ll", int(timeout), int(timeout % 1 * 1e6))  # a timeval
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
 
     @property
     def shared(self) -> bool:
@@ -205,7 +196,7 @@ class WireClient:
         :func:`~downpour_dask.ps.frames.request`) and return its call at once."""
         if out is not None and (out.dtype != DTYPE or out.shape != (self.size,)):
             raise ValueError(f"out must be a float32 array of shape ({self.size},)")
-        call = WireCall(op, out)
+        call = WireCall(op, out, self if self._reads_itself else None)
         body: Any = grad
         if isinstance(grad, SparseGradient):  # k indices, then k values (see frames.py)
             body = _sparse_body(grad, self.size)
@@ -229,8 +220,35 @@ class WireClient:
                 call._finish(error=self._broken)
                 return call
             self._waiting.put(call)
-            self._outbox.put((head, body, slot))
+            if slot is None or self._queued:
+                self._queue(head, body, slot)
+            else:
+                self._send_now(head, body, slot)
         return call
+
+    def _queue(self, head: bytes, body: Any, slot: int | None) -> None:
+        """Hand a request to the sender thread (the caller holds ``_send_lock``)."""
+        self._queued += 1
+        self._outbox.put((head, body, slot))
+
+    def _send_now(self, head: bytes, body: np.ndarray | None, slot: int) -> None:
+        """Send a request whose array goes through ``slot`` from the calling thread, with the
+        sender thread idle (the caller holds ``_send_lock``): a memory copy and a head of a few
+        dozen bytes cost less than waking the sender thread.  What the socket does not take at
+        once (a stalled shard) goes to the sender thread, so the caller never blocks."""
+        try:
+            if body is not None:
+                np.copyto(self._area.slot(slot), body)
+            sent = self._sock.send(head, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as err:
+            self._fail(ConnectionError(f"sending to the shard failed: {err}"))
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # ends the receiver too
+            return
+        if sent < len(head):
+            self._queue(head[sent:], None, None)
 
     def _send(self) -> None:
         """Write the requests in order (sender thread), so that the replica's thread computes
@@ -256,22 +274,51 @@ class WireClient:
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)  # ends the receiver too
                 return
+            with self._send_lock:
+                self._queued -= 1
 
     def _receive(self) -> None:
         """Read the replies in request order and complete each call (receiver thread)."""
         while True:
             call = self._waiting.get()
-            if call is None:
+            if call is None or not self._complete(call):
                 return
-            try:
-                call._finish(self._read(call))
-            except WireError as err:
-                call._finish(error=err)
-            except (OSError, ValueError, struct.error) as err:
-                error = ConnectionError(f"lost the connection to the shard: {err}")
-                call._finish(error=error)
-                self._fail(error)
-                return
+
+    def _complete(self, call: WireCall) -> bool:
+        """Read ``call``'s reply and complete it; False if the connection was lost."""
+        try:
+            call._finish(self._read(call))
+        except WireError as err:
+            call._finish(error=err)
+        except (OSError, ValueError, struct.error) as err:
+            error = ConnectionError(f"lost the connection to the shard: {err}")
+            call._finish(error=error)
+            self._fail(error)
+            return False
+        return True
+
+    def read_arrived(self, wait: float | None) -> None:
+        """Read the replies that have arrived, waiting up to ``wait`` seconds (None: as long as
+        it takes) for the first, and complete their calls (a connection without a receiver
+        thread: its :class:`WireCall` calls this).  Once a reply has begun, the rest must come
+        within the connection's timeout (``SO_RCVTIMEO``): a shard stopped mid-reply loses the
+        connection."""
+        if not self._read_lock.acquire(timeout=-1 if wait is None else wait):
+            return  # another thread is reading
+        try:
+            while self._broken is None:
+                ms = -1 if wait is None else max(0, int(wait * 1000))
+                if not self._poller.poll(ms):
+                    return
+                wait = 0.0  # then only what has arrived
+                call = self._waiting.get_nowait() if not self._waiting.empty() else None
+                if call is None:  # nothing asked: the shard closed, or broke the protocol
+                    self._fail(ConnectionError("the shard closed the connection"))
+                    return
+                if not self._complete(call):
+                    return
+        finally:
+            self._read_lock.release()
 
     def _read(self, call: WireCall) -> Any:
         """Read the reply to ``call`` (a subclass may know other ops, e.g. ps/rows_wire.py)."""
