@@ -19,6 +19,7 @@ from downpour_dask.downpour.replica_loop import ReplicaLoop
 from downpour_dask.ps.channel import Done
 from downpour_dask.ps.protocol import PullReply, ShardLostError
 from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.runtime import cpus
 
 LR = 0.1
 
@@ -334,6 +335,19 @@ def test_max_inflight_bounds_the_pushes_not_yet_acknowledged():
         )  # fmt: skip
         assert channel.most_held == max_inflight
         assert len(sink.rows) == 10 and shards[0].version == 10
+
+
+def test_a_pinned_replica_lets_its_helper_threads_run_once_a_step(monkeypatch):
+    """Batch helper threads never preempt a pinned replica: it yields at the top of every
+    step, so replies and sends they hold wait a step at most, not a time slice."""
+    yields = []
+    monkeypatch.setattr(cpus.os, "sched_yield", lambda: yields.append(1))
+    try:
+        cpus.helpers_as_batch(True)  # what pinning the worker does
+        result, _, _ = run(MODEL, shards_for(INITIAL, 2), data(n_batches=7), config(max_steps=7))
+    finally:
+        cpus.helpers_as_batch(False)
+    assert result["steps"] == 7 and len(yields) == 7
 
 
 def test_switching_to_a_replacement_shard_counts_the_pushes_the_lost_one_took():

@@ -40,6 +40,7 @@ keeps every call on Dask's comm).  This module does not import Dask.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import select
@@ -245,7 +246,7 @@ class WireClient:
         except OSError as err:
             self._fail(ConnectionError(f"sending to the shard failed: {err}"))
             with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # ends the receiver too
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a call waiting for a reply
             return
         if sent < len(head):
             self._queue(head[sent:], None, None)
@@ -307,7 +308,7 @@ class WireClient:
             return  # another thread is reading
         try:
             while self._broken is None:
-                ms = -1 if wait is None else max(0, int(wait * 1000))
+                ms = -1 if wait is None else math.ceil(wait * 1000)  # (no spin under 1 ms)
                 if not self._poller.poll(ms):
                     return
                 wait = 0.0  # then only what has arrived
