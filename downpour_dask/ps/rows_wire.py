@@ -44,14 +44,14 @@ class RowsWireClient(WireClient):
         return self._rows(PUSH_ROWS, payload, fetched_version, replica, **kw)
 
     def _rows(self, op: int, payload: bytes, fetched: int, replica: int, **fields: Any) -> WireCall:
-        call = WireCall(op, reader=self if self._reads_itself else None)
+        call = self._call(op)
         head = frames.request(op, replica, fetched, len(payload), **fields)
         with self._send_lock:  # the order of _waiting is the order of the requests sent
             if self._broken is not None:
                 call._finish(error=self._broken)
                 return call
             self._waiting.put(call)
-            self._queue(head, payload, None)
+            self._queue(head, payload)
         return call
 
     def _read(self, call: WireCall) -> Any:

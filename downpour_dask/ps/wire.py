@@ -112,7 +112,7 @@ class WireClient:
                 self._sock.close()
                 raise
         self._send_lock = threading.Lock()
-        self._outbox: queue.SimpleQueue[tuple[bytes, Any, int | None] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[bytes, Any] | None] = queue.SimpleQueue()
         self._queued = 0  # requests handed to the sender thread and not sent yet
         self._waiting: queue.SimpleQueue[WireCall | None] = queue.SimpleQueue()
         self._broken: BaseException | None = None
@@ -197,7 +197,7 @@ class WireClient:
         :func:`~downpour_dask.ps.frames.request`) and return its call at once."""
         if out is not None and (out.dtype != DTYPE or out.shape != (self.size,)):
             raise ValueError(f"out must be a float32 array of shape ({self.size},)")
-        call = WireCall(op, out, self if self._reads_itself else None)
+        call = self._call(op, out)
         body: Any = grad
         if isinstance(grad, SparseGradient):  # k indices, then k values (see frames.py)
             body = _sparse_body(grad, self.size)
@@ -211,8 +211,11 @@ class WireClient:
             )
         n_values = 0 if grad is None else len(body[0]) if isinstance(body, tuple) else self.size
         slot = self._area.take() if self._area is not None and op in _IN_SLOT else None
-        if slot is not None:
+        if slot is not None:  # the array goes into the slot (this call's alone), not the socket
             call.op, call.slot = _IN_SLOT[op], slot
+            if body is not None:
+                np.copyto(self._area.slot(slot), body)
+                body = None
         head = frames.request(call.op, replica, fetched_version, n_values, **fields)
         if slot is not None:
             head += frames.SLOT.pack(slot)
@@ -222,34 +225,40 @@ class WireClient:
                 return call
             self._waiting.put(call)
             if slot is None or self._queued:
-                self._queue(head, body, slot)
+                self._queue(head, body)
             else:
-                self._send_now(head, body, slot)
+                self._send_now(head)
         return call
 
-    def _queue(self, head: bytes, body: Any, slot: int | None) -> None:
+    def _call(self, op: int, out: np.ndarray | None = None) -> WireCall:
+        """A new call of this connection (which its calls read the replies of, or not)."""
+        return WireCall(op, out, self if self._reads_itself else None)
+
+    def _queue(self, head: bytes, body: Any) -> None:
         """Hand a request to the sender thread (the caller holds ``_send_lock``)."""
         self._queued += 1
-        self._outbox.put((head, body, slot))
+        self._outbox.put((head, body))
 
-    def _send_now(self, head: bytes, body: np.ndarray | None, slot: int) -> None:
-        """Send a request whose array goes through ``slot`` from the calling thread, with the
-        sender thread idle (the caller holds ``_send_lock``): a memory copy and a head of a few
-        dozen bytes cost less than waking the sender thread.  What the socket does not take at
-        once (a stalled shard) goes to the sender thread, so the caller never blocks."""
+    def _send_now(self, head: bytes) -> None:
+        """Send the head of a request whose array is in its slot from the calling thread, with
+        the sender thread idle (the caller holds ``_send_lock``): a few dozen bytes cost less
+        than waking the sender thread.  What the socket does not take at once (a stalled shard)
+        goes to the sender thread, so the caller never blocks."""
         try:
-            if body is not None:
-                np.copyto(self._area.slot(slot), body)
             sent = self._sock.send(head, socket.MSG_DONTWAIT)
         except BlockingIOError:
             sent = 0
         except OSError as err:
-            self._fail(ConnectionError(f"sending to the shard failed: {err}"))
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a call waiting for a reply
+            self._sending_failed(err)
             return
         if sent < len(head):
-            self._queue(head[sent:], None, None)
+            self._queue(head[sent:], None)
+
+    def _sending_failed(self, err: OSError) -> None:
+        """Fail the connection: its calls, and the reading of replies (the socket shut)."""
+        self._fail(ConnectionError(f"sending to the shard failed: {err}"))
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def _send(self) -> None:
         """Write the requests in order (sender thread), so that the replica's thread computes
@@ -259,21 +268,15 @@ class WireClient:
             item = self._outbox.get()
             if item is None:
                 return
-            head, grad, slot = item
+            head, grad = item
             try:
-                if slot is not None:  # the gradient goes into its slot before the head
-                    if grad is not None:
-                        np.copyto(self._area.slot(slot), grad)
-                    grad = None
                 self._sock.sendall(head)
                 for part in (
                     grad if isinstance(grad, tuple) else (grad,) if grad is not None else ()
                 ):
                     self._sock.sendall(part)
             except OSError as err:
-                self._fail(ConnectionError(f"sending to the shard failed: {err}"))
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)  # ends the receiver too
+                self._sending_failed(err)
                 return
             with self._send_lock:
                 self._queued -= 1
