@@ -28,6 +28,7 @@ from downpour_dask import optim
 from downpour_dask.ps import frames
 from downpour_dask.ps.service import ShardService
 from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.runtime.profiler import PROFILE_SETTING, profiler_can_deadlock
 
 # The worker processes of the clusters the tests start come from a fork server that imported
 # Dask, numpy and pandas once, instead of each importing them anew (Dask's own test suite does
@@ -38,14 +39,26 @@ from downpour_dask.ps.shard import ParameterServerShard
 dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 METHOD_VARIABLE = "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"
 
+# On an interpreter where Dask's worker profiler can deadlock a worker (CPython before 3.11.9,
+# see downpour_dask/runtime/profiler.py), the clusters the tests start themselves -- here, and in
+# the commands and notebooks they run -- are made without it, as a user is advised to; the
+# clusters the library starts leave it out on their own.
+UNSAFE_PROFILER = profiler_can_deadlock()
+PROFILE_VARIABLE = "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"
+if UNSAFE_PROFILER:
+    dask.config.set({PROFILE_SETTING: False})
+
 
 @pytest.fixture(autouse=True)
 def _fork_server(request, monkeypatch):
-    """Subprocesses a test starts use the fork server too, unless it is marked ``spawn``."""
+    """Subprocesses a test starts use the fork server too, unless it is marked ``spawn``; and
+    where Dask's worker profiler can deadlock, the clusters they start go without it."""
     if request.node.get_closest_marker("spawn") is None:
         monkeypatch.setenv(METHOD_VARIABLE, "forkserver")
     else:
         monkeypatch.delenv(METHOD_VARIABLE, raising=False)
+    if UNSAFE_PROFILER:
+        monkeypatch.setenv(PROFILE_VARIABLE, "False")
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from distributed import Client, LocalCluster, Security, default_client, get_work
 
 from .affinity import pin_workers
 from .dask_internals import scheduler_workers
+from .profiler import warn_if_profiler_can_deadlock, without_unsafe_profiler
 
 #: Set to ``0`` to leave an embedded cluster's workers unpinned (see :func:`cluster_client`).
 PIN_VARIABLE = "DOWNPOUR_DASK_PIN_WORKERS"
@@ -96,6 +97,10 @@ def cluster_client(
     ``DOWNPOUR_DASK_PIN_WORKERS=0``.  A cluster the caller brings is never pinned here
     (``downpour_dask.pin_workers(client)`` does that).
 
+    Where Dask's worker profiler can deadlock a worker (CPython before 3.11.9, see
+    :mod:`~downpour_dask.runtime.profiler`), a started cluster's workers run without it, and a
+    cluster the caller brings whose workers run it draws a ``RuntimeWarning`` (once).
+
     Raises
     ------
     ValueError
@@ -108,10 +113,12 @@ def cluster_client(
                 "security= configures the embedded cluster, started only when client is None; "
                 "the client given already has its own security (Client(..., security=...))"
             )
+        warn_if_profiler_can_deadlock(client)
         yield client
         return
     current = current_client() if security is None else None
     if current is not None:
+        warn_if_profiler_can_deadlock(current)
         yield current
         return
     n_workers = max(2, min(os.cpu_count() or 2, 8))
@@ -121,16 +128,11 @@ def cluster_client(
             "security": Security.temporary() if security is True else security,
             "protocol": "tls://",
         }
-    with (
-        LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            **tls,
-        ) as cluster,
-        Client(cluster, security=cluster.security) as embedded,
-    ):
+    with without_unsafe_profiler():  # (the nannies keep the settings they were made with)
+        cluster = LocalCluster(
+            n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0", **tls
+        )
+    with cluster, Client(cluster, security=cluster.security) as embedded:
         pinned = None
         if busy_threads >= n_workers and os.environ.get(PIN_VARIABLE, "1") != "0":
             with contextlib.suppress(ValueError, RuntimeError, TimeoutError, asyncio.TimeoutError):

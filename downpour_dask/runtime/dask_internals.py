@@ -360,10 +360,12 @@ def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
         return dict(client.scheduler_info(n_workers=-1).get("workers", {}))
 
 
-def run_within(client: Client, function: Callable[..., Any], workers: list[str], timeout: float):
-    """``client.run(function, workers=workers)``, which has no timeout of its own, waiting at
-    most ``timeout`` seconds: ``Client._run`` under ``Client.sync``'s ``callback_timeout``
-    (checked: distributed 2024.x to 2026.8; a changed name fails loudly)."""
+def run_within(
+    client: Client, function: Callable[..., Any], workers: list[str] | None, timeout: float
+):
+    """``client.run(function, workers=workers)`` (None: on every worker), which has no timeout
+    of its own, waiting at most ``timeout`` seconds: ``Client._run`` under ``Client.sync``'s
+    ``callback_timeout`` (checked: distributed 2024.x to 2026.8; a changed name fails loudly)."""
     return client.sync(client._run, function, workers=workers, callback_timeout=timeout)
 
 

@@ -1,0 +1,99 @@
+"""Dask's worker profiler and a CPython deadlock it can set off, and what the library does about
+it.
+
+Dask's worker profiler samples every thread's stack with ``sys._current_frames()`` every 10 ms
+(``distributed.worker.profile``).  On CPython before 3.11.9 that call can deadlock the whole
+worker process (CPython gh-106883): it holds the interpreter's lock on its list of threads while
+it builds frame objects; an allocation there can start the garbage collector, and a finalizer the
+collector runs (a Dask ``Future.__del__``, say) lets another thread take the GIL.  If that thread
+is starting or ending a thread, it waits for the list's lock while holding the GIL, and neither
+moves again.  A Downpour worker starts and ends threads all the time (the helper threads of its
+direct connections, the threads Dask adds for seceded replica tasks), and a run of this
+project's CI script saw it happen: a worker's event loop stuck in ``trigger_profile`` ->
+``Future.__del__``, a replica stuck in ``Thread.start``, until the scheduler gave up on the
+silent worker 5 minutes later.  CPython 3.12 runs the collector only at safe points, and 3.11.9
+turns it off during the call.
+
+So, on an interpreter that has the bug, the clusters the library starts itself run their workers
+without the profiler (the dashboard's profile page stays empty), and a fit on a cluster whose
+workers have both the bug and the profiler warns, once per cluster, saying how to turn it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+
+from .dask_internals import run_within
+
+#: Dask's setting that starts the worker profiler.
+PROFILE_SETTING = "distributed.worker.profile.enabled"
+
+#: Schedulers whose workers were already looked at by :func:`warn_if_profiler_can_deadlock`.
+_checked: set[str] = set()
+
+
+def profiler_can_deadlock(
+    version: tuple[int, ...] | None = None, implementation: str | None = None
+) -> bool:
+    """Whether ``sys._current_frames()``, which Dask's worker profiler calls, can deadlock a
+    process on this interpreter (default: the running one): CPython before 3.11.9 (gh-106883)."""
+    version = tuple(sys.version_info[:3]) if version is None else tuple(version[:3])
+    implementation = sys.implementation.name if implementation is None else implementation
+    return implementation == "cpython" and version < (3, 11, 9)
+
+
+@contextlib.contextmanager
+def without_unsafe_profiler() -> Iterator[None]:
+    """Dask settings under which the worker processes started inside are made without the
+    profiler where :func:`profiler_can_deadlock` (a nanny passes its settings on to the worker it
+    starts, and to each one it restarts); elsewhere Dask's settings as they are."""
+    if not profiler_can_deadlock():
+        yield
+        return
+    with dask.config.set({PROFILE_SETTING: False}):
+        yield
+
+
+def _profile_risk(dask_worker: Any = None) -> tuple[tuple[int, ...], str, bool]:
+    """This worker's interpreter (version, implementation) and whether its profiler runs."""
+    running = "profile" in getattr(dask_worker, "periodic_callbacks", {})
+    return tuple(sys.version_info[:3]), sys.implementation.name, running
+
+
+def warn_if_profiler_can_deadlock(client: Any, timeout: float = 10.0) -> bool:
+    """Warn (``RuntimeWarning``, once per scheduler) if a worker of ``client``'s cluster runs
+    Dask's profiler on an interpreter where it can deadlock (:func:`profiler_can_deadlock`);
+    return whether it warned.  Workers that do not answer within ``timeout`` seconds are not
+    waited for: this is advice, not a precondition of the fit."""
+    address = getattr(getattr(client, "scheduler", None), "address", None) or str(id(client))
+    if address in _checked:
+        return False
+    _checked.add(address)
+    try:
+        answers = run_within(client, _profile_risk, None, timeout)
+    except Exception:  # a worker that is gone or slow: nothing to advise on
+        return False
+    at_risk = sorted(
+        worker
+        for worker, (version, implementation, running) in answers.items()
+        if running and profiler_can_deadlock(version, implementation)
+    )
+    if not at_risk:
+        return False
+    version = ".".join(map(str, answers[at_risk[0]][0]))
+    warnings.warn(
+        f"{len(at_risk)} of the cluster's {len(answers)} workers run Dask's profiler on Python "
+        f"{version}, where it can deadlock a worker that starts threads, as a fit's workers do "
+        f"(CPython gh-106883, fixed in 3.11.9 and 3.12). Start the workers with the setting "
+        f"{PROFILE_SETTING}=False (environment: DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False), "
+        f"or on Python 3.11.9 or later.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return True

@@ -1,0 +1,94 @@
+"""Dask's worker profiler where it can deadlock a worker (``runtime/profiler.py``): the clusters
+the library starts go without it, and a cluster a user brings with it is warned about once."""
+
+from __future__ import annotations
+
+import warnings
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+from downpour_dask.runtime import cluster as cluster_module
+from downpour_dask.runtime import profiler
+from downpour_dask.runtime.profiler import PROFILE_SETTING, profiler_can_deadlock
+
+
+@pytest.mark.parametrize(
+    ("version", "implementation", "can"),
+    [
+        ((3, 10, 12), "cpython", True),
+        ((3, 11, 7), "cpython", True),
+        ((3, 11, 8), "cpython", True),
+        ((3, 11, 9), "cpython", False),
+        ((3, 12, 0), "cpython", False),
+        ((3, 13, 1), "cpython", False),
+        ((3, 10, 12), "pypy", False),
+    ],
+)
+def test_the_profiler_can_deadlock_on_cpython_before_3_11_9(version, implementation, can):
+    assert profiler_can_deadlock(version, implementation) is can
+
+
+@pytest.mark.parametrize("can", [True, False], ids=["interpreter-with-the-bug", "without"])
+def test_the_safe_settings_turn_the_profiler_off_only_where_it_can_deadlock(can, monkeypatch):
+    monkeypatch.setattr(profiler, "profiler_can_deadlock", lambda: can)
+    with dask.config.set({PROFILE_SETTING: True}):
+        with profiler.without_unsafe_profiler():
+            inside = dask.config.get(PROFILE_SETTING)
+        after = dask.config.get(PROFILE_SETTING)
+    assert inside is (not can)
+    assert after is True  # only the clusters made inside are affected
+
+
+def _profiling(dask_worker=None) -> bool:
+    return "profile" in dask_worker.periodic_callbacks
+
+
+def _profile_warnings(caught) -> list:
+    return [w for w in caught if w.category is RuntimeWarning and "gh-106883" in str(w.message)]
+
+
+@pytest.mark.timeout(180)
+def test_an_embedded_cluster_runs_its_workers_without_the_profiler_where_it_can_deadlock(
+    monkeypatch,
+):
+    monkeypatch.setattr(cluster_module, "current_client", lambda: None)  # not the suite's
+    monkeypatch.setenv(cluster_module.PIN_VARIABLE, "0")
+    with dask.config.set({PROFILE_SETTING: True}):  # Dask's default (the suite turned it off)
+        with cluster_module.cluster_client(None) as client:
+            running = set(client.run(_profiling).values())
+    assert running == {not profiler_can_deadlock()}
+
+
+@pytest.mark.slow  # starts a cluster whose worker runs the profiler
+@pytest.mark.timeout(180)
+def test_a_cluster_whose_workers_run_the_profiler_where_it_can_deadlock_is_warned_about_once(
+    monkeypatch,
+):
+    monkeypatch.setattr(profiler, "_checked", set())
+    with dask.config.set({PROFILE_SETTING: True}):
+        cluster = LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0"
+        )
+    with cluster, Client(cluster, timeout=60) as client:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with cluster_module.cluster_client(client):
+                    pass
+    said = _profile_warnings(caught)
+    assert len(said) == (1 if profiler_can_deadlock() else 0)
+    if said:
+        text = str(said[0].message)
+        assert PROFILE_SETTING + "=False" in text and "1 of the cluster's 1 workers" in text
+
+
+def test_a_cluster_made_as_advised_is_not_warned_about(client, monkeypatch):
+    # The suite's cluster is made as the warning advises where the profiler can deadlock.
+    assert set(client.run(_profiling).values()) == {not profiler_can_deadlock()}
+    monkeypatch.setattr(profiler, "_checked", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert profiler.warn_if_profiler_can_deadlock(client) is False
+    assert not _profile_warnings(caught)
