@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections import Counter
 
 import numpy as np
@@ -313,6 +314,21 @@ sys.stdin.read()
 """
 
 
+def _wait_until_stopped(pid: int) -> None:
+    """Wait until every thread of process ``pid`` is stopped: ``kill(SIGSTOP)`` returns before
+    they are, and a thread not stopped yet may still answer a request sent meanwhile."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                states.add(stat.read().rsplit(")", 1)[1].split()[0])
+        if states <= {"T", "t"}:
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} was not stopped within {TIMEOUT} s")
+
+
 @pytest.mark.slow
 def test_a_shard_in_another_process_shares_slots_and_its_sigkill_fails_the_calls():
     """The real case: the shard's process maps the replica's area (through /proc), pushes and
@@ -332,6 +348,7 @@ def test_a_shard_in_another_process_shares_slots_and_its_sigkill_fails_the_calls
         np.testing.assert_array_equal(pulled.values, -grad)
         buffer = np.zeros(SIZE, np.float32)
         os.kill(proc.pid, signal.SIGSTOP)  # a pull in flight, unanswered, when it dies
+        _wait_until_stopped(proc.pid)
         call = client.pull(0, "a", out=buffer)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(TIMEOUT)
