@@ -149,7 +149,7 @@ class PartitionSender:
     ):
         sock, _ = frames.connect(endpoint, secret, connect_timeout)  # (a mailbox has no size)
         # blocking, so that a write is one call, but a write stalls at most ``timeout``
-        limit = struct.pack("@ll", int(timeout), int(timeout % 1 * 1e6))  # a timeval
+        limit = frames.timeval(timeout)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         except BaseException:

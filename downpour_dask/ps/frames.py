@@ -112,6 +112,13 @@ def recv(sock: socket.socket, n: int) -> bytes:
     return bytes(buffer)
 
 
+def timeval(seconds: float) -> bytes:
+    """``seconds`` as the ``struct timeval`` that ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` take: they
+    bound each read or write of a socket that stays blocking (a Python timeout would make it
+    non-blocking, so a large array would take many calls instead of one)."""
+    return struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))
+
+
 def next_head(conn: socket.socket, head: bytearray) -> bool:
     """Fill ``head`` with the next fixed-size head from ``conn``, waiting as long as it takes
     for its first byte (an authenticated peer may be idle: computing); once it has started, the

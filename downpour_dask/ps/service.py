@@ -33,7 +33,6 @@ import errno
 import hmac
 import selectors
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -283,8 +282,7 @@ class ShardService:
                 # Bounded reads and writes, but the socket stays blocking: a Python timeout
                 # would make it non-blocking, so a 10 MB gradient would take many polls and
                 # recv calls instead of one MSG_WAITALL call (measured 15-40% slower).
-                seconds = float(self.IO_TIMEOUT)
-                limit = struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))  # a timeval
+                limit = frames.timeval(float(self.IO_TIMEOUT))
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
                 if reg.handler is not None:

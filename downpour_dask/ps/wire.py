@@ -127,8 +127,7 @@ class WireClient:
             self._read_lock = threading.Lock()
             self._poller = select.poll()
             self._poller.register(self._sock, select.POLLIN)
-            bound = struct.pack("@ll", int(timeout), int(timeout % 1 * 1e6))  # a timeval
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, frames.timeval(timeout))
 
     @property
     def shared(self) -> bool:
