@@ -24,7 +24,8 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 
 from bench_downpour import downpour_examples_per_s, serial_examples_per_s  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
 
@@ -46,7 +47,7 @@ def main() -> None:
     rates: dict[tuple[int, int], list[float]] = {}
     serial: list[float] = []
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

@@ -37,7 +37,8 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 from typing import Any  # noqa: E402
 
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
 
@@ -119,7 +120,7 @@ def main() -> None:
     train, test = datasets.load("mnist5k")
     runs: dict[str, list] = {name: [] for name in METHODS}
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

@@ -20,7 +20,8 @@ import time
 import warnings
 
 import numpy as np
-from distributed import Client, LocalCluster
+from clusters import local_cluster
+from distributed import Client
 
 from downpour_dask import SandblasterLBFGS, datasets, models
 from downpour_dask.runtime.cluster import cluster_workers
@@ -58,7 +59,7 @@ def main() -> None:
     )
     times: dict[bool, list[float]] = {False: [], True: []}
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
         client.wait_for_workers(2, timeout=60)

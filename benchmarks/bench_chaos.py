@@ -40,7 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from distributed import Client, LocalCluster
+from clusters import local_cluster
+from distributed import Client
 
 from downpour_dask import DownpourSGD, SandblasterLBFGS, datasets, models
 from downpour_dask.runtime.cluster import cluster_workers
@@ -166,7 +167,7 @@ def main() -> None:
             # worker back within minutes on a loaded machine, which failed every later run of
             # the scenario while waiting for 3 workers
             with (
-                LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
+                local_cluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
                 Client(cluster) as client,
             ):
                 try:

@@ -69,7 +69,8 @@ def measure(seconds: float, replicas: int, shards: int, pinned: bool = False) ->
     and the workers' CPU microseconds per example, of the ceiling and of Downpour at n = 1, 4;
     with ``pinned``, the workers pinned to a CPU each first (both versions need ``pin_workers``)."""
     from bench_downpour import _serial_on_worker, downpour_fit
-    from distributed import Client, LocalCluster
+    from clusters import local_cluster
+    from distributed import Client
 
     from downpour_dask import datasets, models
 
@@ -77,7 +78,7 @@ def measure(seconds: float, replicas: int, shards: int, pinned: bool = False) ->
     model = models.MLP(784, (256,), 10)
     rates: dict[str, float] = {}
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

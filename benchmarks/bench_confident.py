@@ -36,7 +36,8 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import DownpourSGD, models  # noqa: E402
 
@@ -145,7 +146,7 @@ def main() -> None:
     wide_ms = full_batch_ms(*separable, teacher, margin=1.0, rounds=5 * args.rounds)
     sure_ms = full_batch_ms(*separable, teacher, margin=100.0, rounds=5 * args.rounds)
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
+        local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
         as cluster,
         Client(cluster) as client,
     ):  # fmt: skip

@@ -55,7 +55,8 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
-from distributed import Client, LocalCluster, Variable  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client, Variable  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models, pin_workers, unpin_workers  # noqa: E402
 from downpour_dask.data.datasets import minibatches  # noqa: E402
@@ -338,7 +339,7 @@ def main() -> None:
     states = PIN_STATES[args.pinned]
     runs: dict[tuple[str, str], list[float]] = {}
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

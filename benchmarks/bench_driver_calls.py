@@ -22,7 +22,8 @@ import statistics
 import time
 
 import numpy as np
-from distributed import Actor, Client, LocalCluster
+from clusters import local_cluster
+from distributed import Actor, Client
 
 from downpour_dask import ParameterServer, optim
 from downpour_dask.ps.shard import ParameterServerShard
@@ -53,7 +54,7 @@ def main() -> None:
     }
     rows: dict[tuple[str, str], list[float]] = {}
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

@@ -21,7 +21,8 @@ import argparse
 import threading
 
 import numpy as np
-from distributed import Client, LocalCluster
+from clusters import local_cluster
+from distributed import Client
 
 from downpour_dask import DownpourSGD, datasets, models
 from downpour_dask.runtime.cluster import cluster_workers
@@ -35,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     train, test = datasets.load("mnist5k")
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
         client.wait_for_workers(2, timeout=60)

@@ -20,7 +20,8 @@ import signal
 import statistics
 import time
 
-from distributed import Client, LocalCluster
+from clusters import local_cluster
+from distributed import Client
 
 from downpour_dask import DownpourSGD, datasets, models
 from downpour_dask.runtime.cluster import cluster_workers
@@ -53,7 +54,7 @@ class Injector:
 def run(schedule: list[tuple[int, int]], epochs: int, seed: int) -> dict[str, float]:
     train, test = datasets.load("mnist5k")
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

@@ -29,7 +29,8 @@ import dask  # noqa: E402
 import dask.array as da  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from distributed import Client, LocalCluster, wait  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client, wait  # noqa: E402
 
 from downpour_dask.data.dask_collections import distinct_labels  # noqa: E402
 
@@ -83,7 +84,7 @@ def main() -> None:
             seconds(lambda: pd.unique(block))
         )
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

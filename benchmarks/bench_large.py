@@ -80,8 +80,9 @@ from pathlib import Path  # noqa: E402
 import dask.dataframe as dd  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from clusters import local_cluster  # noqa: E402
 from dask_ml.wrappers import Incremental  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from distributed import Client  # noqa: E402
 from large_data import (  # noqa: E402
     CLASSES,
     COLUMNS,
@@ -327,7 +328,7 @@ def main() -> None:
         todo += [replace(m, name=f"{m.name}, pinned", pinned=True) for m in ours]
     traces: dict[str, list[Trace]] = {m.name: [] for m in todo}
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

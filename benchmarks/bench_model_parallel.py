@@ -47,7 +47,8 @@ from bench_downpour import (  # noqa: E402  (the same baseline loop and pinned r
     PINNED,
     serial_examples_per_s,
 )
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import DownpourSGD, models, pin_workers, unpin_workers  # noqa: E402
 from downpour_dask.core.partition import PartitionPlan  # noqa: E402
@@ -161,7 +162,7 @@ def main() -> None:
     )
     rows = [("serial numpy loop (1 thread, in process)", "-", serial, *[None] * 6)]
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

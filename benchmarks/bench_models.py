@@ -29,7 +29,8 @@ import platform  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
 from downpour_dask.data.datasets import minibatches  # noqa: E402
@@ -113,7 +114,7 @@ def main() -> None:
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
     )
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
         # The serial loops' JAX in one thread too, as BLAS (XLA sizes its pools by the cores

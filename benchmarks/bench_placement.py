@@ -24,7 +24,8 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 from bench_sandblaster import make_data  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask.sandblaster.blocks import ArrayBlocks  # noqa: E402
 
@@ -52,7 +53,7 @@ def main() -> None:
     megabytes = (X.nbytes + y.nbytes) / 2**20
     times: dict[str, list[float]] = {"straight to the workers": [], "relayed by the scheduler": []}
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as direct,
         Client(cluster, direct_to_workers=False) as relaying,
     ):

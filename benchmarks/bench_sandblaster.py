@@ -56,9 +56,10 @@ import dask.array as da  # noqa: E402
 import dask_glm.algorithms  # noqa: E402
 import numpy as np  # noqa: E402
 import scipy.optimize  # noqa: E402
+from clusters import local_cluster  # noqa: E402
 from dask_glm.regularizers import L2  # noqa: E402
 from dask_ml.linear_model import LogisticRegression as DaskLogisticRegression  # noqa: E402
-from distributed import Client, LocalCluster, wait  # noqa: E402
+from distributed import Client, wait  # noqa: E402
 
 from downpour_dask import models  # noqa: E402
 from downpour_dask.sandblaster.blocks import default_portions  # noqa: E402
@@ -258,7 +259,7 @@ def main() -> None:
     x0 = np.zeros(model.layout.size, np.float32)  # dask-ml starts from zeros: so do all
     results: dict[str, list] = {}
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

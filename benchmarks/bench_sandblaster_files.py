@@ -49,7 +49,8 @@ from bench_sandblaster import (  # noqa: E402
     run_scipy,
     time_to,
 )
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import datasets, models  # noqa: E402
 from downpour_dask.sandblaster.blocks import read_block  # noqa: E402
@@ -118,7 +119,7 @@ def run(files, args) -> None:
     )  # fmt: skip
     print(f"scipy done; load: {os.getloadavg()[0]:.1f}", flush=True)
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

@@ -34,7 +34,8 @@ import statistics  # noqa: E402
 
 import distributed  # noqa: E402
 import numpy as np  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models  # noqa: E402
 
@@ -138,7 +139,7 @@ def main() -> None:
     }
     rows = []
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

@@ -29,7 +29,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # as Dask's nanny pins BLAS in ev
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import DownpourSGD  # noqa: E402
 from downpour_dask.data.shipped import load  # noqa: E402
@@ -64,7 +65,7 @@ def collect(args, configs) -> dict:
     train, _ = load("mnist5k")
     runs = {}
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster, timeout=60) as client,

@@ -37,7 +37,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 from scipy.sparse import csr_matrix, hstack  # noqa: E402
 from sklearn.feature_extraction import FeatureHasher  # noqa: E402
 from sklearn.linear_model import SGDClassifier  # noqa: E402
@@ -204,7 +205,7 @@ def scale(paths) -> None:
     n_rows, width, n_shards = 10**8, 16, 4
     print(f"\n3. scale: a table of {n_rows:,} rows x {width} ({n_rows * width * 4 / 1e9:.1f} GB)"
           f" on {n_shards} shards, 4-worker local cluster, SGD")
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0",
+    with local_cluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0",
                       memory_limit="5.5GiB") as cluster, Client(cluster) as client:
         before = client.run(rss_mib)
         model = EmbeddingMLP(n_rows, 26, n_numeric=13, dim=width, hidden=(32,))
@@ -244,7 +245,7 @@ def main() -> None:
     paths = sorted(root.glob("part-*.parquet")) or write_criteo(
         root, args.rows, rows_per_file=min(1_000_000, args.rows // 4))
     print(f"data: {args.rows:,} rows in {len(paths)} files ({time.perf_counter() - start:.0f} s)")
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+    with local_cluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         if "1" in args.parts:
             sparse_vs_dense(client, load_hashed(paths[:1], criteo_spec(1 << 18)))

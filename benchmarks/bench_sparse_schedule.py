@@ -25,7 +25,8 @@ import platform  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 from sklearn.metrics import log_loss  # noqa: E402
 
 from downpour_dask.core.sparse_models import EmbeddingMLP  # noqa: E402
@@ -74,7 +75,7 @@ def main() -> None:
     print(f"{platform.node()}: {os.cpu_count()} cores, load {os.getloadavg()}; "
           f"{len(train.y):,} training rows, {len(test.y):,} held out, batch {BATCH}")
     results: dict[int, list[dict[str, float]]] = {k: [] for k in KS}
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+    with local_cluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         one_run(client, model, train, test, 1)  # warm the workers up
         for _ in range(args.repeats):

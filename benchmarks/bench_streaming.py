@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from distributed import Client, LocalCluster
+from clusters import local_cluster
+from distributed import Client
 
 from downpour_dask import DownpourSGD, datasets, models
 from downpour_dask.data.assignment import assign_shards
@@ -114,7 +115,7 @@ def main() -> None:
     )
     try:
         with (
-            LocalCluster(
+            local_cluster(
                 n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
             ) as cluster,
             Client(cluster) as client,

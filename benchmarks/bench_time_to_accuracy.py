@@ -46,7 +46,8 @@ import warnings  # noqa: E402
 import distributed  # noqa: E402
 import numpy as np  # noqa: E402
 import sklearn  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 from sklearn.neural_network import MLPClassifier  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models, optim  # noqa: E402
@@ -199,7 +200,7 @@ def main() -> None:
     results: dict[str, list[Result]] = {name: [] for name in names}
     started = time.perf_counter()
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,

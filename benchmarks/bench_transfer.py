@@ -40,7 +40,8 @@ import time  # noqa: E402
 from urllib.parse import urlparse  # noqa: E402
 
 import numpy as np  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from clusters import local_cluster  # noqa: E402
+from distributed import Client  # noqa: E402
 
 from downpour_dask import ParameterServer, optim  # noqa: E402
 from downpour_dask.ps import shared_slots  # noqa: E402
@@ -178,7 +179,7 @@ def main() -> None:
     )
     initial = np.random.default_rng(0).standard_normal(SIZE).astype(np.float32)
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c,
+        local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c,
         Client(c) as client,
     ):
         near, far = sorted(cluster_workers(client))

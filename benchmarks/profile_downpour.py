@@ -65,7 +65,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     from bench_downpour import downpour_fit
-    from distributed import Client, LocalCluster
+    from clusters import local_cluster
+    from distributed import Client
 
     from downpour_dask import datasets, models, pin_workers
 
@@ -74,7 +75,7 @@ def main() -> None:
     train, _ = datasets.load("mnist5k")
     model = models.MLP(784, (256,), 10)
     with (
-        LocalCluster(
+        local_cluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,
