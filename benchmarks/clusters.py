@@ -1,22 +1,27 @@
-"""The local Dask clusters the benchmarks run on, made as the library makes its own.
+"""The local Dask clusters the benchmarks run on: Dask's defaults, without the worker profiler.
 
-On an interpreter where Dask's worker profiler can deadlock a worker (CPython before 3.11.9,
-see ``downpour_dask/runtime/profiler.py``), a fit's embedded cluster starts its workers without
-the profiler; the benchmarks' clusters do the same, so that they measure what a fit runs on and
-a benchmark run cannot hang on that bug.  Elsewhere the cluster is Dask's default.
+Dask's worker profiler samples the stacks of a worker's running threads 100 times a second.  On
+CPython before 3.11.9 that sampling can deadlock a worker (gh-106883), so the clusters a fit
+starts itself leave it out there (``downpour_dask/runtime/profiler.py``); on this project's test
+machine it also cost compute-bound work 3-4% of its speed (``benchmarks/README.md``).  The
+benchmarks leave it out on every interpreter: a run cannot hang on that bug, and
+``bench_code_ab.py``, which runs older revisions of the library under these same scripts, measures
+both sides on the same footing whatever the revision does itself.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import dask
 from distributed import LocalCluster
 
-from downpour_dask.runtime.profiler import without_unsafe_profiler
+#: Dask's setting that starts the worker profiler, turned off (nested, for dask.config.merge).
+PROFILER_OFF = {"distributed": {"worker": {"profile": {"enabled": False}}}}
 
 
 def local_cluster(**kwargs: Any) -> LocalCluster:
-    """A :class:`distributed.LocalCluster` made with ``kwargs``, its workers started (and
-    restarted) without the profiler where it can deadlock them."""
-    with without_unsafe_profiler():
-        return LocalCluster(**kwargs)
+    """A :class:`distributed.LocalCluster` made with ``kwargs``, whose nannies start (and
+    restart) their workers with a copy of Dask's settings that turns the profiler off (a
+    ``dask.config.set`` block would not reach a worker restarted after the block ended)."""
+    return LocalCluster(config=dask.config.merge(dask.config.config, PROFILER_OFF), **kwargs)

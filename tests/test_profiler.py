@@ -3,6 +3,9 @@ the library starts go without it, and a cluster a user brings with it is warned 
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import warnings
 
 import dask
@@ -11,7 +14,10 @@ from distributed import Client, LocalCluster
 
 from downpour_dask.runtime import cluster as cluster_module
 from downpour_dask.runtime import profiler
+from downpour_dask.runtime.dask_internals import scheduler_workers
 from downpour_dask.runtime.profiler import PROFILE_SETTING, profiler_can_deadlock
+
+CONNECT = "distributed.comm.timeouts.connect"
 
 
 @pytest.mark.parametrize(
@@ -33,12 +39,17 @@ def test_the_profiler_can_deadlock_on_cpython_before_3_11_9(version, implementat
 @pytest.mark.parametrize("can", [True, False], ids=["interpreter-with-the-bug", "without"])
 def test_the_safe_settings_turn_the_profiler_off_only_where_it_can_deadlock(can, monkeypatch):
     monkeypatch.setattr(profiler, "profiler_can_deadlock", lambda: can)
-    with dask.config.set({PROFILE_SETTING: True}):
-        with profiler.without_unsafe_profiler():
-            inside = dask.config.get(PROFILE_SETTING)
-        after = dask.config.get(PROFILE_SETTING)
-    assert inside is (not can)
-    assert after is True  # only the clusters made inside are affected
+    with dask.config.set({PROFILE_SETTING: True, CONNECT: "33s"}):
+        options = profiler.without_unsafe_profiler()
+        inside = dask.config.get(PROFILE_SETTING)
+    assert inside is True  # Dask's own settings are left alone
+    if not can:
+        assert options == {}
+        return
+    # A copy, not a view: it keeps the profiler off after the block that was current ended.
+    settings = options["config"]
+    assert settings["distributed"]["worker"]["profile"]["enabled"] is False
+    assert settings["distributed"]["comm"]["timeouts"]["connect"] == "33s"  # the rest as it was
 
 
 def _profiling(dask_worker=None) -> bool:
@@ -82,6 +93,32 @@ def test_a_cluster_whose_workers_run_the_profiler_where_it_can_deadlock_is_warne
     if said:
         text = str(said[0].message)
         assert PROFILE_SETTING + "=False" in text and "1 of the cluster's 1 workers" in text
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+@pytest.mark.slow  # kills a worker process and waits for its nanny to start another
+@pytest.mark.timeout(180)
+def test_a_worker_its_nanny_restarts_after_sigkill_still_goes_without_the_profiler(monkeypatch):
+    # A nanny made inside a dask.config.set block would restart its worker with the settings
+    # current then: here the block that turns the profiler on, as Dask's default does.
+    monkeypatch.setattr(cluster_module, "current_client", lambda: None)  # not the suite's
+    monkeypatch.setenv(cluster_module.PIN_VARIABLE, "0")
+    with dask.config.set({PROFILE_SETTING: True}):
+        with cluster_module.cluster_client(None) as client:
+            pids = client.run(_pid)
+            victim = sorted(pids)[0]
+            os.kill(pids[victim], signal.SIGKILL)
+            end = time.monotonic() + 90  # the nanny starts a new worker at a new address
+            workers = set(scheduler_workers(client))
+            while time.monotonic() < end and (victim in workers or len(workers) < len(pids)):
+                time.sleep(0.2)
+                workers = set(scheduler_workers(client))
+            (newcomer,) = workers - set(pids)
+            running = client.run(_profiling, workers=[newcomer])[newcomer]
+    assert running is not profiler_can_deadlock()
 
 
 def test_a_cluster_made_as_advised_is_not_warned_about(client, monkeypatch):

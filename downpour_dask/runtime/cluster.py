@@ -128,10 +128,10 @@ def cluster_client(
             "security": Security.temporary() if security is True else security,
             "protocol": "tls://",
         }
-    with without_unsafe_profiler():  # (the nannies keep the settings they were made with)
-        cluster = LocalCluster(
-            n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0", **tls
-        )
+    cluster = LocalCluster(
+        n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+        **tls, **without_unsafe_profiler(),
+    )  # fmt: skip
     with cluster, Client(cluster, security=cluster.security) as embedded:
         pinned = None
         if busy_threads >= n_workers and os.environ.get(PIN_VARIABLE, "1") != "0":

@@ -21,10 +21,8 @@ workers have both the bug and the profiler warns, once per cluster, saying how t
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -33,6 +31,8 @@ from .dask_internals import run_within
 
 #: Dask's setting that starts the worker profiler.
 PROFILE_SETTING = "distributed.worker.profile.enabled"
+#: The same setting, nested, for :func:`dask.config.merge`.
+_PROFILER_OFF = {"distributed": {"worker": {"profile": {"enabled": False}}}}
 
 #: Schedulers whose workers were already looked at by :func:`warn_if_profiler_can_deadlock`.
 _checked: set[str] = set()
@@ -48,16 +48,19 @@ def profiler_can_deadlock(
     return implementation == "cpython" and version < (3, 11, 9)
 
 
-@contextlib.contextmanager
-def without_unsafe_profiler() -> Iterator[None]:
-    """Dask settings under which the worker processes started inside are made without the
-    profiler where :func:`profiler_can_deadlock` (a nanny passes its settings on to the worker it
-    starts, and to each one it restarts); elsewhere Dask's settings as they are."""
+def without_unsafe_profiler() -> dict[str, Any]:
+    """Keyword arguments for a :class:`distributed.LocalCluster` (or a ``Nanny``) whose workers
+    go without the profiler where :func:`profiler_can_deadlock`: ``{"config": ...}``, a copy of
+    Dask's settings with the profiler off, there; ``{}`` elsewhere.
+
+    Each nanny starts its worker with those settings, and every worker it restarts after a
+    crash.  A ``dask.config.set`` block around the cluster's creation would not do: a nanny keeps
+    a shallow merge of Dask's settings (``toolz.merge``), which shares their nested sections, so
+    once the block has ended a restarted worker would run the profiler again.
+    """
     if not profiler_can_deadlock():
-        yield
-        return
-    with dask.config.set({PROFILE_SETTING: False}):
-        yield
+        return {}
+    return {"config": dask.config.merge(dask.config.config, _PROFILER_OFF)}
 
 
 def _profile_risk(dask_worker: Any = None) -> tuple[tuple[int, ...], str, bool]:
