@@ -102,8 +102,9 @@ def _pid() -> int:
 @pytest.mark.slow  # kills a worker process and waits for its nanny to start another
 @pytest.mark.timeout(180)
 def test_a_worker_its_nanny_restarts_after_sigkill_still_goes_without_the_profiler(monkeypatch):
-    # A nanny made inside a dask.config.set block would restart its worker with the settings
-    # current then: here the block that turns the profiler on, as Dask's default does.
+    # A nanny made inside a dask.config.set block restarts its worker with the settings current
+    # at the restart, not at its making: here this block, which turns the profiler on as Dask's
+    # default does (the suite turned it off).
     monkeypatch.setattr(cluster_module, "current_client", lambda: None)  # not the suite's
     monkeypatch.setenv(cluster_module.PIN_VARIABLE, "0")
     with dask.config.set({PROFILE_SETTING: True}):
