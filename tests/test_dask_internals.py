@@ -189,6 +189,9 @@ def test_run_within_answers_like_client_run_and_gives_up_at_its_timeout(client):
     workers = sorted(scheduler_workers(client))
     answers = run_within(client, _pid_of, workers, timeout=30)
     assert answers == client.run(_pid_of)
+    nannies = run_within(client, _pid_of, None, timeout=30, nanny=True)
+    assert nannies == client.run(_pid_of, nanny=True)
+    assert list(nannies.values()) == [os.getpid()] * len(workers)  # a LocalCluster's nannies
     with pytest.raises((TimeoutError, asyncio.TimeoutError)):  # not the answer, 5 s later
         run_within(client, _slow_answer, workers, timeout=0.2)
 

@@ -95,6 +95,30 @@ def test_a_cluster_whose_workers_run_the_profiler_where_it_can_deadlock_is_warne
         assert PROFILE_SETTING + "=False" in text and "1 of the cluster's 1 workers" in text
 
 
+@pytest.mark.slow  # starts a cluster whose nanny would restart its worker with the profiler
+@pytest.mark.timeout(180)
+def test_a_cluster_whose_nannies_would_restart_workers_with_the_profiler_is_warned_about(
+    monkeypatch,
+):
+    monkeypatch.setattr(profiler, "_checked", set())
+    with dask.config.set({PROFILE_SETTING: True}):  # Dask's default (the suite turned it off)
+        with dask.config.set({PROFILE_SETTING: False}):  # the block the README warns about
+            cluster = LocalCluster(
+                n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0"
+            )
+        with cluster, Client(cluster, timeout=60) as client:
+            assert set(client.run(_profiling).values()) == {False}  # not now: after a restart
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                warned = profiler.warn_if_profiler_can_deadlock(client)
+    said = _profile_warnings(caught)
+    assert warned is profiler_can_deadlock()
+    assert len(said) == (1 if profiler_can_deadlock() else 0)
+    if said:
+        text = str(said[0].message)
+        assert "0 of the cluster's 1 workers" in text and "1 of their 1 nannies" in text
+
+
 def _pid() -> int:
     return os.getpid()
 

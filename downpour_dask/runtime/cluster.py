@@ -98,8 +98,9 @@ def cluster_client(
     (``downpour_dask.pin_workers(client)`` does that).
 
     Where Dask's worker profiler can deadlock a worker (CPython before 3.11.9, see
-    :mod:`~downpour_dask.runtime.profiler`), a started cluster's workers run without it, and a
-    cluster the caller brings whose workers run it draws a ``RuntimeWarning`` (once).
+    :mod:`~downpour_dask.runtime.profiler`), a started cluster's workers run without it (restarted
+    ones too), and a cluster the caller brings whose workers run it, or whose nannies would
+    restart them with it, draws a ``RuntimeWarning`` (once).
 
     Raises
     ------

@@ -361,12 +361,14 @@ def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
 
 
 def run_within(
-    client: Client, function: Callable[..., Any], workers: list[str] | None, timeout: float
-):
-    """``client.run(function, workers=workers)`` (None: on every worker), which has no timeout
-    of its own, waiting at most ``timeout`` seconds: ``Client._run`` under ``Client.sync``'s
+    client: Client, function: Callable[..., Any], workers: list[str] | None, timeout: float,
+    nanny: bool = False,
+):  # fmt: skip
+    """``client.run(function, workers=workers, nanny=nanny)`` (None: every worker) waiting at most
+    ``timeout`` seconds, which it cannot itself: ``Client._run`` under ``Client.sync``'s
     ``callback_timeout`` (checked: distributed 2024.x to 2026.8; a changed name fails loudly)."""
-    return client.sync(client._run, function, workers=workers, callback_timeout=timeout)
+    run = client._run
+    return client.sync(run, function, workers=workers, nanny=nanny, callback_timeout=timeout)
 
 
 def register_worker_plugin(client: Client, plugin: Any, name: str, timeout: float) -> None:

@@ -15,8 +15,9 @@ silent worker 5 minutes later.  CPython 3.12 runs the collector only at safe poi
 turns it off during the call.
 
 So, on an interpreter that has the bug, the clusters the library starts itself run their workers
-without the profiler (the dashboard's profile page stays empty), and a fit on a cluster whose
-workers have both the bug and the profiler warns, once per cluster, saying how to turn it off.
+without the profiler (the dashboard's profile page stays empty), restarted workers included, and
+a fit on a cluster whose workers have both the bug and the profiler -- now, or once their nanny
+restarts them after a crash -- warns, once per cluster, saying how to turn it off.
 """
 
 from __future__ import annotations
@@ -69,33 +70,58 @@ def _profile_risk(dask_worker: Any = None) -> tuple[tuple[int, ...], str, bool]:
     return tuple(sys.version_info[:3]), sys.implementation.name, running
 
 
+def _restart_risk(dask_worker: Any = None) -> tuple[tuple[int, ...], str, bool]:
+    """This nanny's interpreter and whether a worker it restarted now would run the profiler.
+    A nanny hands its worker its own settings, a shallow merge that shares their sections with
+    its process's: made inside a ``dask.config.set`` block, it restarts workers with whatever
+    the block's end put back."""
+    settings = getattr(dask_worker, "config", None) or {}
+    profile = settings.get("distributed", {}).get("worker", {}).get("profile", {})
+    return tuple(sys.version_info[:3]), sys.implementation.name, bool(profile.get("enabled"))
+
+
+def _at_risk(answers: dict[str, tuple[tuple[int, ...], str, bool]]) -> list[str]:
+    """The addresses whose answer says the profiler is on where it can deadlock."""
+    return sorted(
+        address
+        for address, (version, implementation, profiling) in answers.items()
+        if profiling and profiler_can_deadlock(version, implementation)
+    )
+
+
 def warn_if_profiler_can_deadlock(client: Any, timeout: float = 10.0) -> bool:
     """Warn (``RuntimeWarning``, once per scheduler) if a worker of ``client``'s cluster runs
-    Dask's profiler on an interpreter where it can deadlock (:func:`profiler_can_deadlock`);
-    return whether it warned.  Workers that do not answer within ``timeout`` seconds are not
-    waited for: this is advice, not a precondition of the fit."""
+    Dask's profiler on an interpreter where it can deadlock (:func:`profiler_can_deadlock`), or
+    its nanny would restart it with the profiler after a crash; return whether it warned.
+    Workers and nannies that do not answer within ``timeout`` seconds each are not waited for:
+    this is advice, not a precondition of the fit."""
     address = getattr(getattr(client, "scheduler", None), "address", None) or str(id(client))
     if address in _checked:
         return False
     _checked.add(address)
     try:
-        answers = run_within(client, _profile_risk, None, timeout)
+        workers = run_within(client, _profile_risk, None, timeout)
+        nannies = run_within(client, _restart_risk, None, timeout, nanny=True)
     except Exception:  # a worker that is gone or slow: nothing to advise on
         return False
-    at_risk = sorted(
-        worker
-        for worker, (version, implementation, running) in answers.items()
-        if running and profiler_can_deadlock(version, implementation)
-    )
-    if not at_risk:
+    running, restarting = _at_risk(workers), _at_risk(nannies)
+    if not running and not restarting:
         return False
-    version = ".".join(map(str, answers[at_risk[0]][0]))
+    version = ".".join(map(str, (workers | nannies)[(running or restarting)[0]][0]))
+    what = [f"{len(running)} of the cluster's {len(workers)} workers run Dask's profiler"]
+    if restarting:
+        what.append(
+            f"{len(restarting)} of their {len(nannies)} nannies would restart a crashed worker "
+            f"with it (a nanny made inside a dask.config.set block takes the settings current "
+            f"at the restart)"
+        )
     warnings.warn(
-        f"{len(at_risk)} of the cluster's {len(answers)} workers run Dask's profiler on Python "
-        f"{version}, where it can deadlock a worker that starts threads, as a fit's workers do "
-        f"(CPython gh-106883, fixed in 3.11.9 and 3.12). Start the workers with the setting "
-        f"{PROFILE_SETTING}=False (environment: DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False), "
-        f"or on Python 3.11.9 or later.",
+        f"{'; '.join(what)}, on Python {version}, where it can deadlock a worker that starts "
+        f"threads, as a fit's workers do (CPython gh-106883, fixed in 3.11.9 and 3.12). Start "
+        f"the workers with the setting {PROFILE_SETTING}=False (environment: "
+        f"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False; for a LocalCluster, "
+        f"dask.config.set before making it, not as a with block around it), or on Python "
+        f"3.11.9 or later.",
         RuntimeWarning,
         stacklevel=2,
     )
