@@ -89,6 +89,15 @@ def _at_risk(answers: dict[str, tuple[tuple[int, ...], str, bool]]) -> list[str]
     )
 
 
+def _answers(client: Any, question: Any, timeout: float, nanny: bool = False) -> dict[str, Any]:
+    """Every worker's (or nanny's) answer to ``question``; none if one is gone or slow: there is
+    nothing to advise on then."""
+    try:
+        return run_within(client, question, None, timeout, nanny=nanny)
+    except Exception:
+        return {}
+
+
 def warn_if_profiler_can_deadlock(client: Any, timeout: float = 10.0) -> bool:
     """Warn (``RuntimeWarning``, once per scheduler) if a worker of ``client``'s cluster runs
     Dask's profiler on an interpreter where it can deadlock (:func:`profiler_can_deadlock`), or
@@ -99,15 +108,13 @@ def warn_if_profiler_can_deadlock(client: Any, timeout: float = 10.0) -> bool:
     if address in _checked:
         return False
     _checked.add(address)
-    try:
-        workers = run_within(client, _profile_risk, None, timeout)
-        nannies = run_within(client, _restart_risk, None, timeout, nanny=True)
-    except Exception:  # a worker that is gone or slow: nothing to advise on
-        return False
+    workers = _answers(client, _profile_risk, timeout)
+    nannies = _answers(client, _restart_risk, timeout, nanny=True)
     running, restarting = _at_risk(workers), _at_risk(nannies)
     if not running and not restarting:
         return False
-    version = ".".join(map(str, (workers | nannies)[(running or restarting)[0]][0]))
+    first = workers[running[0]] if running else nannies[restarting[0]]
+    version = ".".join(map(str, first[0]))
     what = [f"{len(running)} of the cluster's {len(workers)} workers run Dask's profiler"]
     if restarting:
         what.append(
