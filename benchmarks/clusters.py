@@ -16,12 +16,14 @@ from typing import Any
 import dask
 from distributed import LocalCluster
 
-#: Dask's setting that starts the worker profiler, turned off (nested, for dask.config.merge).
-PROFILER_OFF = {"distributed": {"worker": {"profile": {"enabled": False}}}}
+#: Dask's setting that starts the worker profiler.
+PROFILE_SETTING = "distributed.worker.profile.enabled"
 
 
 def local_cluster(**kwargs: Any) -> LocalCluster:
     """A :class:`distributed.LocalCluster` made with ``kwargs``, whose nannies start (and
     restart) their workers with a copy of Dask's settings that turns the profiler off (a
     ``dask.config.set`` block would not reach a worker restarted after the block ended)."""
-    return LocalCluster(config=dask.config.merge(dask.config.config, PROFILER_OFF), **kwargs)
+    settings = dask.config.merge(dask.config.config)  # a copy of every section
+    dask.config.set({PROFILE_SETTING: False}, config=settings)
+    return LocalCluster(config=settings, **kwargs)

@@ -32,8 +32,6 @@ from .dask_internals import run_within
 
 #: Dask's setting that starts the worker profiler.
 PROFILE_SETTING = "distributed.worker.profile.enabled"
-#: The same setting, nested, for :func:`dask.config.merge`.
-_PROFILER_OFF = {"distributed": {"worker": {"profile": {"enabled": False}}}}
 
 #: Schedulers whose workers were already looked at by :func:`warn_if_profiler_can_deadlock`.
 _checked: set[str] = set()
@@ -61,7 +59,9 @@ def without_unsafe_profiler() -> dict[str, Any]:
     """
     if not profiler_can_deadlock():
         return {}
-    return {"config": dask.config.merge(dask.config.config, _PROFILER_OFF)}
+    settings = dask.config.merge(dask.config.config)  # a copy of every section
+    dask.config.set({PROFILE_SETTING: False}, config=settings)
+    return {"config": settings}
 
 
 def _profile_risk(dask_worker: Any = None) -> tuple[tuple[int, ...], str, bool]:
@@ -76,8 +76,8 @@ def _restart_risk(dask_worker: Any = None) -> tuple[tuple[int, ...], str, bool]:
     its process's: made inside a ``dask.config.set`` block, it restarts workers with whatever
     the block's end put back."""
     settings = getattr(dask_worker, "config", None) or {}
-    profile = settings.get("distributed", {}).get("worker", {}).get("profile", {})
-    return tuple(sys.version_info[:3]), sys.implementation.name, bool(profile.get("enabled"))
+    enabled = dask.config.get(PROFILE_SETTING, False, config=settings)
+    return tuple(sys.version_info[:3]), sys.implementation.name, bool(enabled)
 
 
 def _at_risk(answers: dict[str, tuple[tuple[int, ...], str, bool]]) -> list[str]:
