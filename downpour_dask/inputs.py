@@ -31,6 +31,7 @@ from .data.dask_collections import (
 )
 from .data.datasets import Dataset, as_dataset
 from .data.shards import ShardedDataset
+from .runtime.deadlines import waiting_for
 
 
 def is_distributed(data: Any) -> bool:
@@ -106,7 +107,9 @@ def _prepare_distributed(est: Any, data: Any, y: Any, client: Any) -> tuple[Trai
                 )
             classes = np.arange(n_classes)
         else:
-            distinct = client.compute(distinct_labels(labels)).result(timeout=est.timeout)
+            scan = "the label scan of the Dask collection (its distinct labels, for classes_)"
+            with waiting_for(scan, est.timeout):
+                distinct = client.compute(distinct_labels(labels)).result(timeout=est.timeout)
             classes = targets.fit_classes(np.unique(np.asarray(distinct)), _fixed_classes(est))[0]
         if labels is not None and not np.array_equal(classes, np.arange(len(classes))):
             labels, encoded = encode_labels(labels, classes), True

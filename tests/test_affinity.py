@@ -14,7 +14,7 @@ from downpour_dask import DownpourSGD, datasets, pin_workers, unpin_workers
 from downpour_dask.runtime import cluster as cluster_module
 from downpour_dask.runtime.affinity import PLUGIN_NAME
 from downpour_dask.runtime.cpus import HELPER_PREFIX, split_cpus, thread_cpus, thread_policies
-from downpour_dask.runtime.dask_internals import scheduler_workers
+from downpour_dask.runtime.dask_client_calls import scheduler_workers
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 

@@ -1,8 +1,9 @@
-"""The guard on Dask's private API: every function of ``runtime/dask_internals.py`` (and the
-wording of Dask's lost-actor error) checked on the installed ``distributed``.
+"""The guard on Dask's private API: every function of ``runtime/dask_internals.py`` and
+``runtime/dask_client_calls.py`` (and the wording of Dask's lost-actor error) checked on the
+installed ``distributed``.
 
-When one of these fails after a Dask upgrade, ``dask_internals.py`` (or ``ps/protocol.py``'s
-``LOST_ACTOR``) is the one place to fix.
+When one of these fails after a Dask upgrade, those two modules (or ``ps/protocol.py``'s
+``LOST_ACTOR``) are the places to fix.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import concurrent.futures
 import os
 import pickle
+import signal
 import threading
 import time
 
@@ -25,6 +27,13 @@ from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.runtime import dask_internals
 from downpour_dask.runtime.cluster import cluster_workers
+from downpour_dask.runtime.dask_client_calls import (
+    register_worker_plugin,
+    run_within,
+    scatter_within,
+    scheduler_workers,
+    unregister_worker_plugin,
+)
 from downpour_dask.runtime.dask_internals import (
     FUTURES_CANCELLED,
     actor_handle,
@@ -34,14 +43,10 @@ from downpour_dask.runtime.dask_internals import (
     direct_actor,
     local_actor,
     on_worker_loop,
-    register_worker_plugin,
     release_hold,
-    run_within,
     running_as,
-    scheduler_workers,
     serve_on_worker,
     task_cancelled,
-    unregister_worker_plugin,
     worker_client,
 )
 
@@ -194,6 +199,33 @@ def test_run_within_answers_like_client_run_and_gives_up_at_its_timeout(client):
     assert list(nannies.values()) == [os.getpid()] * len(workers)  # a LocalCluster's nannies
     with pytest.raises((TimeoutError, asyncio.TimeoutError)):  # not the answer, 5 s later
         run_within(client, _slow_answer, workers, timeout=0.2)
+
+
+def test_scatter_within_places_data_as_client_scatter_does(client):
+    worker = sorted(scheduler_workers(client))[0]
+    (future,) = scatter_within(client, [np.arange(5.0)], [worker], True, timeout=30)
+    assert client.who_has([future])[future.key] == (worker,)
+    np.testing.assert_array_equal(future.result(timeout=30), np.arange(5.0))
+    named = scatter_within(client, {"scatter-within-test": np.ones(2)}, None, True, timeout=30)
+    assert list(named) == ["scatter-within-test"]
+    client.cancel([future, *named.values()])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_scatter_within_gives_up_at_its_timeout_on_a_stopped_worker(two_workers):
+    """``Client.scatter(timeout=...)`` would wait for a stopped worker for ever."""
+    client = two_workers
+    worker = sorted(scheduler_workers(client))[0]
+    pid = client.run(os.getpid, workers=[worker])[worker]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+            scatter_within(client, [np.ones(10)], [worker], True, timeout=1.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    (future,) = scatter_within(client, [np.ones(10)], [worker], True, timeout=30)  # back
+    assert future.result(timeout=30).sum() == 10
 
 
 class _Marker(WorkerPlugin):

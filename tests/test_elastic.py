@@ -264,5 +264,5 @@ def test_a_cluster_that_refuses_the_scheduler_plugin_keeps_the_worker_plugin_and
 
     client = RefusingClient()
     with pytest.warns(RuntimeWarning, match="MembershipPlugin.*no replica"):
-        DaskCluster(client, "run3").watch_membership()
+        DaskCluster(client, "run3", 30).watch_membership()
     assert [type(p) for p in client.registered] == [HoldForMigration]

@@ -79,7 +79,7 @@ def test_the_fits_last_reading_asks_a_late_worker_again_even_one_skipped_for_lat
     monkeypatch.setattr(dask_cluster, "cluster_workers", lambda client: {"w": {}})
     run = "outbox-last"
     client = LateClient(late={1, 2})
-    cluster = DaskCluster(client, run)
+    cluster = DaskCluster(client, run, 30)
     try:
         keep_row(run, ("push", 1))
         assert cluster.drain_rows() == []  # late: w is skipped for a while (SKIP_FOR)
@@ -97,7 +97,7 @@ def test_the_fits_last_reading_asks_a_late_worker_again_even_one_skipped_for_lat
 
 def test_the_push_log_rows_of_a_late_answer_reach_the_log_at_the_next_collection(one_worker):
     run = "outbox-rows"
-    cluster = DaskCluster(LateClient(late={1}), run)
+    cluster = DaskCluster(LateClient(late={1}), run, 30)
     try:
         keep_row(run, ("push", 1))
         keep_row(run, ("push", 2))
@@ -114,7 +114,7 @@ def test_the_push_log_rows_of_a_late_answer_reach_the_log_at_the_next_collection
 def test_the_results_a_leaving_worker_kept_are_handed_over_once_even_after_a_late_answer(
         one_worker):
     run = "outbox-returned"
-    cluster = DaskCluster(LateClient(late={1}), run)
+    cluster = DaskCluster(LateClient(late={1}), run, 30)
     try:
         keep_returned(run, {"replica": 0, "retired": True})
         assert cluster.returned("w") == []  # too late
@@ -130,7 +130,7 @@ def test_on_a_cluster_every_worker_hands_each_row_over_once_though_answers_come_
     ran there (the driver stopped waiting)."""
     run = "outbox-cluster"
     workers = sorted(client.scheduler_info()["workers"])
-    cluster, run_each, readings = DaskCluster(client, run), DaskCluster._run_each, Counter()
+    cluster, run_each, readings = DaskCluster(client, run, 30), DaskCluster._run_each, Counter()
 
     def half_of_them_late(self, function, *args, workers=None):
         found = run_each(self, function, *args, workers=workers)
@@ -159,7 +159,7 @@ def test_a_worker_skipped_for_a_late_answer_is_still_told_what_the_driver_decide
     monkeypatch.setattr(dask_cluster, "cluster_workers", lambda client: {"w": {}})
     run = "outbox-tell"
     client = LateClient(late={1})
-    cluster = DaskCluster(client, run)
+    cluster = DaskCluster(client, run, 30)
     try:
         assert cluster.drain_rows() == []  # late: w is skipped for SKIP_FOR seconds
         if command == "assign_share":

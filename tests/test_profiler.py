@@ -14,7 +14,7 @@ from distributed import Client, LocalCluster
 
 from downpour_dask.runtime import cluster as cluster_module
 from downpour_dask.runtime import profiler
-from downpour_dask.runtime.dask_internals import scheduler_workers
+from downpour_dask.runtime.dask_client_calls import scheduler_workers
 from downpour_dask.runtime.profiler import PROFILE_SETTING, profiler_can_deadlock
 
 CONNECT = "distributed.comm.timeouts.connect"

@@ -27,6 +27,7 @@ from ..ps.calls import Done
 from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers, send_to_workers
+from ..runtime.deadlines import waiting_for
 from .membership import (
     HoldForMigration,
     MembershipPlugin,
@@ -59,10 +60,11 @@ LAST_READINGS = 2
 
 
 class DaskCluster:
-    """The workers of one fit (named ``run`` on the workers) through a Dask client."""
+    """The workers of one fit (named ``run`` on the workers) through a Dask client; a scatter
+    waits at most ``timeout`` seconds (the fit's)."""
 
-    def __init__(self, client: Client, run: str):
-        self.client, self.run = client, run
+    def __init__(self, client: Client, run: str, timeout: float):
+        self.client, self.run, self.timeout = client, run, timeout
         self.variables: dict[int, Variable] = {}
         self._alive: list[str] = []
         self._alive_at = -math.inf
@@ -95,7 +97,9 @@ class DaskCluster:
         )
 
     def scatter(self, values: list[Any], worker: str) -> list[Any]:
-        return list(send_to_workers(self.client, values, [worker]))
+        what = f"sending a replica's data to worker {worker}"
+        with waiting_for(what, self.timeout):
+            return list(send_to_workers(self.client, values, [worker], timeout=self.timeout))
 
     def wait(self, tasks: list[Future], timeout: float) -> None:
         with contextlib.suppress(TimeoutError, CancelledError):  # a lost task: seen by its owner

@@ -85,7 +85,7 @@ class Driver:
         self.metric = "accuracy" if fit.model.is_classifier else "r2"
         self.token = uuid.uuid4().hex[:8]  # names this run's tasks, variables, worker records
         self.wire_secret = secrets.token_bytes(32)  # the shards' direct connections ask for it
-        self.cluster = DaskCluster(client, self.token)
+        self.cluster = DaskCluster(client, self.token, fit.timeout)
         #: The outcome, once :meth:`execute` returned.
         self.params: np.ndarray | None = None
         self.status: pd.DataFrame | None = None

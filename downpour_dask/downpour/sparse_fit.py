@@ -248,7 +248,7 @@ def fit_sparse(
                         **extra.get("restore", {})})
     fit = SparseFit(client, model, layout, futures, placed, seed, timeout)
     run = uuid.uuid4().hex[:12]
-    cluster, recorder = DaskCluster(client, run), RunRecorder("accuracy")
+    cluster, recorder = DaskCluster(client, run, timeout), RunRecorder("accuracy")
     server = SparseServer(fit, rule, secret)
     started = time.time()
     republish = monitor.bind(fit, data, n_replicas, batch_size, max_epochs, max_steps, started)

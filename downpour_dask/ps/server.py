@@ -21,6 +21,7 @@ from ..core.optim import UpdateRule
 from ..core.params import DTYPE, split_range
 from ..runtime.cluster import cluster_workers, send_to_workers
 from ..runtime.dask_internals import direct_actor, release_hold
+from ..runtime.deadlines import waiting_for
 from .protocol import PushReply, ShardLostError, is_shard_lost
 from .refs import ActorRef, refer
 from .shard import ParameterServerShard
@@ -154,7 +155,8 @@ class ParameterServer:
             address = workers[i % len(workers)]
             values = np.ascontiguousarray(initial[lo:hi], dtype=DTYPE)
             if values.nbytes > SCATTER_ABOVE:  # not inside the task graph the scheduler carries
-                values = send_to_workers(client, [values], [address])[0]
+                with waiting_for(f"sending shard {i}'s values to worker {address}", timeout):
+                    values = send_to_workers(client, [values], [address], timeout=timeout)[0]
             futures.append(
                 client.submit(
                     shard_class,
@@ -176,14 +178,15 @@ class ParameterServer:
             )
             placed.append(address)
         try:
-            shards = [direct_actor(f.result(timeout=timeout), client) for f in futures]
+            with waiting_for(f"starting the {n_shards} parameter-server shard(s)", timeout):
+                shards = [direct_actor(f.result(timeout=timeout), client) for f in futures]
         except BaseException:
             for f in futures:
                 f.release()
             raise
         server = cls(shards, ranges, placed, futures)
-        server.shard_class = shard_class
-        server.wire_secret, server.max_grad_norm = wire_secret, max_grad_norm
+        server.shard_class, server.wire_secret = shard_class, wire_secret
+        server.max_grad_norm = max_grad_norm
         return server
 
     def call_all(
@@ -343,10 +346,7 @@ class ParameterServer:
         timeout: float = 60.0,
     ) -> list[PushReply]:
         """Push a full-length gradient, cut by range, to every shard; wait for the replies."""
-        pieces = [
-            (grad[lo:hi], version, replica)
-            for (lo, hi), version in zip(self.ranges, fetched_versions)
-        ]
+        pieces = [(grad[lo:hi], v, replica) for (lo, hi), v in zip(self.ranges, fetched_versions)]
         return self.call_all(ParameterServerShard.push, timeout=timeout, per_shard=pieces)
 
     def versions(self, timeout: float = 60.0) -> list[int]:

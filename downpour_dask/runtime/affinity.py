@@ -29,7 +29,7 @@ from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .cpus import helpers_as_batch, pin_threads, require_affinity, split_cpus
-from .dask_internals import (
+from .dask_client_calls import (
     register_worker_plugin,
     run_within,
     scheduler_workers,

@@ -19,7 +19,7 @@ from typing import Any
 from distributed import Client, LocalCluster, Security, default_client, get_worker
 
 from .affinity import pin_workers
-from .dask_internals import scheduler_workers
+from .dask_client_calls import scatter_within, scheduler_workers
 from .profiler import warn_if_profiler_can_deadlock, without_unsafe_profiler
 
 #: Set to ``0`` to leave an embedded cluster's workers unpinned (see :func:`cluster_client`).
@@ -150,16 +150,18 @@ def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
     client's own periodic refresh may replace at any moment with a summary *without* per-worker
     entries (distributed 2026.8).  Under load it sometimes reported no workers at all, and a
     healthy run then looked as if every worker had left.  So ask the scheduler directly
-    (:func:`~downpour_dask.runtime.dask_internals.scheduler_workers`).
+    (:func:`~downpour_dask.runtime.dask_client_calls.scheduler_workers`).
     """
     return scheduler_workers(client)
 
 
 def send_to_workers(
-    client: Client, data: Any, workers: list[str] | None = None, timeout: float | None = None
+    client: Client, data: Any, workers: list[str] | None = None, *, timeout: float
 ) -> Any:
     """Scatter ``data`` (a list, or a dict of named values) from the driver to ``workers``
-    (default: spread over all of them), straight to the workers rather than through the scheduler.
+    (default: spread over all of them), straight to the workers rather than through the
+    scheduler, waiting at most ``timeout`` seconds (``TimeoutError`` after that: a worker that
+    is stopped or hung would otherwise hold the scatter for ever).
 
     Dask's own default relays a scatter from a client outside the cluster through the scheduler:
     every byte crosses the loopback or the network twice, and the scheduler process (which
@@ -171,8 +173,7 @@ def send_to_workers(
     equal data cannot race this one.
     """
     direct = client.direct_to_workers is not False
-    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-    return client.scatter(data, workers=workers, direct=direct, hash=False, **kwargs)
+    return scatter_within(client, data, workers, direct, timeout)
 
 
 def worker_tcp_host() -> str | None:

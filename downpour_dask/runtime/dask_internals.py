@@ -1,11 +1,12 @@
-"""Every use of Dask's private API in the package, in one place.
+"""Every use of Dask's private API in the package but its bounded client calls, which are in
+:mod:`.dask_client_calls`.
 
 Each function below relies on something ``distributed`` does not promise to keep: an attribute
 of an object, the signature of a constructor not meant to be called directly, a private
 method.  Each says what it relies on, the ``distributed`` versions it was checked against, and
 what it falls back to -- or that it fails loudly -- when Dask changes.  ``tests/
 test_dask_internals.py`` runs every one of them on the installed ``distributed``: when that test
-fails after an upgrade, this is the only module to fix.
+fails after an upgrade, this module and :mod:`.dask_client_calls` are the only ones to fix.
 
 Outside this module the package also relies on the *wording* of one Dask error, "Worker holding
 Actor was lost" (see :data:`downpour_dask.ps.protocol.LOST_ACTOR`, which stays free of Dask
@@ -340,61 +341,3 @@ def release_hold(held: Any) -> None:
     future = held if isinstance(held, Future) else getattr(held, "_future", None)
     if isinstance(future, Future):
         future.release()
-
-
-def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
-    """The cluster's current workers (address -> info such as ``nthreads``), asked afresh.
-
-    The public ``Client.scheduler_info(n_workers=-1)`` returns the client's cached identity,
-    which the client's own periodic refresh may replace at any moment with a summary *without*
-    per-worker entries (distributed 2026.8): under load it sometimes reported no workers at all.
-
-    Relies on ``client.scheduler`` (the client's rpc to the scheduler), its ``identity``
-    handler taking ``n_workers`` and ``Client.sync`` (checked: distributed 2024.x to 2026.8).
-    Falls back to the public ``scheduler_info(n_workers=-1)`` if that call's shape changed.
-    """
-    try:
-        identity = client.sync(client.scheduler.identity, n_workers=-1)
-        return dict(identity["workers"])
-    except (AttributeError, TypeError, KeyError):
-        return dict(client.scheduler_info(n_workers=-1).get("workers", {}))
-
-
-def run_within(
-    client: Client, function: Callable[..., Any], workers: list[str] | None, timeout: float,
-    nanny: bool = False,
-):  # fmt: skip
-    """``client.run(function, workers=workers, nanny=nanny)`` (None: every worker) waiting at most
-    ``timeout`` seconds, which it cannot itself: ``Client._run`` under ``Client.sync``'s
-    ``callback_timeout`` (checked: distributed 2024.x to 2026.8; a changed name fails loudly)."""
-    run = client._run
-    return client.sync(run, function, workers=workers, nanny=nanny, callback_timeout=timeout)
-
-
-def register_worker_plugin(client: Client, plugin: Any, name: str, timeout: float) -> None:
-    """``client.register_plugin(plugin, name=name)`` for a worker plugin, waiting at most
-    ``timeout`` seconds; an error in a worker's ``setup`` is raised here.
-
-    Relies on ``Client._register_worker_plugin(plugin, name, idempotent)`` (checked:
-    distributed 2024.x to 2026.8).
-    """
-    register = client._register_worker_plugin
-    client.sync(register, plugin=plugin, name=name, idempotent=False, callback_timeout=timeout)
-
-
-def unregister_worker_plugin(client: Client, name: str, timeout: float) -> bool:
-    """``client.unregister_worker_plugin(name)`` waiting at most ``timeout`` seconds (every
-    worker's ``teardown`` runs); False, and nothing done, if no such plugin is registered.
-
-    Relies on ``Client._unregister_worker_plugin(name)``, ``Client._run_on_scheduler`` and the
-    scheduler's ``worker_plugins`` (checked: distributed 2024.x to 2026.8).  Asked first, since
-    the scheduler logs an error for a name it does not have.
-    """
-    if not client.sync(client._run_on_scheduler, _has_plugin, name, callback_timeout=timeout):
-        return False
-    client.sync(client._unregister_worker_plugin, name=name, callback_timeout=timeout)
-    return True
-
-
-def _has_plugin(name: str, dask_scheduler: Any = None) -> bool:
-    return name in dask_scheduler.worker_plugins

@@ -30,6 +30,7 @@ from ..data.dask_collections import DaskDataset
 from ..data.shards import ShardedDataset
 from ..data.stream import replica_spec
 from .cluster import send_to_workers
+from .deadlines import waiting_for
 
 
 @dataclass
@@ -111,7 +112,8 @@ def place_replicas(
     replicas = []
     for r, (X_part, y_part) in enumerate(data):
         address = workers[r % len(workers)]
-        X_r, y_r = send_to_workers(client, [X_part, y_part], [address])
+        with waiting_for(f"sending replica {r}'s {len(y_part)} rows to worker {address}", timeout):
+            X_r, y_r = send_to_workers(client, [X_part, y_part], [address], timeout=timeout)
         replicas.append(Placement(address, (X_r, y_r), [], len(y_part)))
     n_rows = sum(p.rows for p in replicas)
     return PlacedData(
@@ -129,14 +131,16 @@ def _persist(client: Client, ds: DaskDataset, timeout: float) -> tuple[Any, list
         # dask-expr renames the persisted graph: match futures by partition index, not by key
         by_index = {f.key[1]: f for f in futures_of(frame)}
         parts = [by_index[i] for i in range(frame.npartitions)]
-        wait(parts, timeout=timeout)
+        with waiting_for(f"persisting the Dask DataFrame's {len(parts)} partitions", timeout):
+            wait(parts, timeout=timeout)
         label = f"Dask DataFrame {parts[0].key[0]}"
         return frame, parts, [f"partition {i} of {label}" for i in range(len(parts))]
     X, y = client.persist(list(ds.collection))
     xs = {f.key[1]: f for f in futures_of(X)}  # block (i, 0) holds rows of chunk i
     ys = {f.key[1]: f for f in futures_of(y)}
     parts = [(xs[i], ys[i]) for i in range(len(X.chunks[0]))]
-    wait([f for pair in parts for f in pair], timeout=timeout)
+    with waiting_for(f"persisting the Dask Arrays' {len(parts)} row blocks", timeout):
+        wait([f for pair in parts for f in pair], timeout=timeout)
     return (X, y), parts, [f"block {i} of Dask Array {X.name}" for i in range(len(parts))]
 
 
@@ -194,7 +198,10 @@ def persist_partitions(client: Client, ds: DaskDataset, timeout: float) -> Persi
     if known and not any(math.isnan(n) for n in known):
         lengths = list(known)  # a Dask Array's row chunks: no task to count them
     else:
-        lengths = client.gather(client.map(len, heavy, pure=False))
+        counts = client.map(len, heavy, pure=False)  # on the workers holding the partitions
+        with waiting_for(f"counting the rows of the {len(heavy)} partitions", timeout):
+            wait(counts, timeout=timeout)
+        lengths = client.gather(counts)
     placed = ds.with_partitions(collection, [int(n) for n in lengths], names)
     who_has = client.who_has(heavy)
     holders = {s.part: _holder(who_has, heavy[s.part]) for s in placed.shards}

@@ -28,7 +28,7 @@ from typing import Any
 
 import dask
 
-from .dask_internals import run_within
+from .dask_client_calls import run_within
 
 #: Dask's setting that starts the worker profiler.
 PROFILE_SETTING = "distributed.worker.profile.enabled"

@@ -100,7 +100,7 @@ class ArrayBlocks:
         them where they landed (:func:`aligned_block`)."""
         X, y = self.X, self.y
         sent = send_to_workers(
-            client, [(X[idx], y[idx]) for idx in rows], workers, timeout
+            client, [(X[idx], y[idx]) for idx in rows], workers, timeout=timeout
         )  # views when the rows are contiguous
         return self._align(client, sent, range(len(rows)))
 

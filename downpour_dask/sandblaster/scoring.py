@@ -75,7 +75,8 @@ class Scoring:
     def place(self, restored: bool) -> None:
         """Send the evaluation data to one of the workers, under a readable key."""
         key = f"sandblaster-eval-{uuid.uuid4().hex[:12]}"
-        sent = send_to_workers(self.client, {key: self.evaluation}, self.workers(), self.timeout)
+        evaluation = {key: self.evaluation}
+        sent = send_to_workers(self.client, evaluation, self.workers(), timeout=self.timeout)
         self.data = sent[key]
         self.home = min(self.client.who_has([self.data]).get(key, ()), default=None)
         if restored:
