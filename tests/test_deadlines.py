@@ -142,3 +142,44 @@ def test_a_stopped_worker_ends_a_fit_on_in_memory_data_with_a_named_timeout(two_
     assert str(error).startswith(expected + " did not finish within timeout=3 s.")
     est.fit(X, y, client=client)  # the worker is back: the same fit goes through
     assert est.score(X, y) > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_worker_stopped_mid_fit_ends_a_sandblaster_fit_while_it_is_still_stopped(two_workers):
+    """Stopped (SIGSTOP) at the first progress report, a worker holding data blocks but no shard:
+    the pass fails at its timeout, and the fit's end no longer waits for the stopped worker to
+    drop the fit's records (``client.run`` of every worker waited for it until it came back)."""
+    client = two_workers
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((20_000, 20)).astype("float32")
+    y = (X[:, 0] + X[:, 1] > 0).astype("int64")
+    pids = client.run(os.getpid)
+    victim = sorted(pids)[-1]  # shard 0 goes to the first worker
+    stopped = threading.Event()
+
+    def stop_the_victim(progress) -> None:
+        if not stopped.is_set():
+            os.kill(pids[victim], signal.SIGSTOP)
+            stopped.set()
+
+    est = SandblasterLBFGS(models.SoftmaxRegression(20, 2), n_shards=1, max_iter=300, timeout=3)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            est.fit(X, y, client=client, callback=stop_the_victim)
+            outcome["error"] = None
+        except BaseException as err:  # handed to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        thread.join(60)
+    finally:
+        os.kill(pids[victim], signal.SIGCONT)
+    assert stopped.is_set()
+    assert "error" in outcome, "the fit was still waiting on the stopped worker after 60 s"
+    assert isinstance(outcome["error"], RuntimeError)
+    assert "did not finish within timeout=3 s" in str(outcome["error"])

@@ -76,7 +76,7 @@ def test_arrivals_returns_what_finished_and_wakes_when_a_copy_finishes():
 
 @pytest.mark.timeout(60)
 def test_a_runner_asked_for_a_block_its_worker_does_not_hold_says_so(client):
-    runners = Runners(client)
+    runners = Runners(client, 30)
     worker = sorted(cluster_workers(client))[0]
     call = runners.call(worker, "sandblaster-block-not-here", None, "test", 2, 3)
     assert call is not None and call.reply.result(timeout=30) == ("ok", None)
@@ -85,7 +85,7 @@ def test_a_runner_asked_for_a_block_its_worker_does_not_hold_says_so(client):
 
 def test_a_client_that_does_not_reach_the_workers_keeps_dask_tasks(client, monkeypatch):
     monkeypatch.setattr(client, "direct_to_workers", False)
-    runners = Runners(client)
+    runners = Runners(client, 30)
     assert runners.call("tcp://127.0.0.1:1", "block", None, "test", 2, 3) is None
 
 
@@ -95,7 +95,7 @@ def _fails() -> None:
 
 @pytest.mark.timeout(30)  # the wait below would last 120 s if a failed block did not end it
 def test_the_first_pass_stops_waiting_for_blocks_once_one_failed(client):
-    runners = Runners(client)
+    runners = Runners(client, 30)
     release = Event()
     held = client.submit(release.wait, 60, pure=False)  # a block still being read
     failed = client.submit(_fails, pure=False)

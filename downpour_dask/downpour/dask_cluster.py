@@ -27,6 +27,7 @@ from ..ps.calls import Done
 from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers, send_to_workers
+from ..runtime.dask_client_calls import register_worker_plugin, unregister_worker_plugin
 from ..runtime.deadlines import waiting_for
 from .membership import (
     HoldForMigration,
@@ -186,8 +187,11 @@ class DaskCluster:
             (MembershipPlugin(self.run), "workers that join get no replica"),
         ):
             try:
-                self.client.register_plugin(plugin)
-            except Exception as err:  # noqa: BLE001 - any refusal means the same
+                if isinstance(plugin, HoldForMigration):  # set up on every worker: bounded
+                    register_worker_plugin(self.client, plugin, plugin.name, self.timeout)
+                else:  # the scheduler's
+                    self.client.register_plugin(plugin)
+            except Exception as err:  # noqa: BLE001 - any refusal (or timeout) means the same
                 warnings.warn(
                     f"the Dask cluster refused {type(plugin).__name__} ({err!r}): {without}",
                     RuntimeWarning,
@@ -243,8 +247,8 @@ class DaskCluster:
                 self.client.unsubscribe_topic(membership_topic(self.run))
             with contextlib.suppress(Exception):
                 self.client.unregister_scheduler_plugin(plugin_name(self.run))
-            with contextlib.suppress(Exception):
-                self.client.unregister_worker_plugin(plugin_name(self.run))
+            with contextlib.suppress(Exception):  # (a stopped worker: its teardown not awaited)
+                unregister_worker_plugin(self.client, plugin_name(self.run), RUN_TIMEOUT)
         self.everywhere(forget_run, self.run)
         for variable in self.variables.values():
             with contextlib.suppress(Exception):

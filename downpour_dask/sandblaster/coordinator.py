@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -47,12 +48,18 @@ from ..log import Experiment, Progress, PushRow
 from ..ps.protocol import ShardLostError
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers
+from ..runtime.dask_client_calls import run_within
 from ..runtime.malloc import tune_malloc
 from .blocks import ArrayBlocks, ShardBlocks, default_portions
 from .portions import Portions
 from .scoring import Scoring
 from .shard import SandblasterShard
 from .tasks import PortionResult, forget_run
+
+#: Seconds the coordinator waits for the workers to run a call it can do without: the allocator
+#: tuned before the data arrives, the fit's records dropped at its end.  A worker that is stopped
+#: or hung must not hold the fit (``client.run`` waits for every worker it asks).
+OPTIONAL_RUN_TIMEOUT = 5.0
 
 #: Evaluation columns Sandblaster adds to every run's ``evals``: one row per iteration.
 ITERATION_COLUMNS = {"objective": "float64", "grad_norm": "float64", "step": "float64"}
@@ -176,7 +183,8 @@ class Coordinator:
         """Release the current shards; straggling portions of the attempt stop first."""
         for token in self.tokens:  # (not on a lost shard's worker: it may be dead, not yet gone)
             with contextlib.suppress(Exception):  # a worker that died has nothing to forget
-                self.client.run(forget_run, token, workers=self.survivors())
+                forget = functools.partial(forget_run, token)
+                run_within(self.client, forget, self.survivors(), OPTIONAL_RUN_TIMEOUT)
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -244,7 +252,8 @@ class Coordinator:
         self.tokens.append(self.token)
         self._offset = max(0, self.done_iter)
         # before the data blocks arrive (see runtime/malloc.py); a worker leaving is no matter
-        client.run(tune_malloc, workers=self.survivors(), on_error="ignore")
+        with contextlib.suppress(Exception):
+            run_within(client, tune_malloc, self.survivors(), OPTIONAL_RUN_TIMEOUT)
         self.portions = Portions(
             client, self.server, self.data, ids, flat, data_model, self,
             token=self.token, timeout=est.timeout, backup_tasks=bool(est.backup_tasks),

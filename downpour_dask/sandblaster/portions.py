@@ -125,7 +125,7 @@ class Portions(PortionScheduling):
         self.delay = dict(delay or {})
         self.task_only: set[int] = set()  # portions a runner lost: tasks from now on
         self.blocks = data.place(client, rows, workers, timeout)  # spread over the workers
-        self.runners = Runners(client, enabled=self.RUNNERS)  # the workers' (see runners.py)
+        self.runners = Runners(client, timeout, enabled=self.RUNNERS)  # see runners.py
         self.started = False  # whether a pass has waited for the blocks to be in memory
         # copies in flight, Dask tasks and runner calls; survives batches: stragglers hold slots
         self.inflight: dict[Future | RunnerCall, PortionCopy] = {}

@@ -31,6 +31,7 @@ from typing import Any
 from distributed import Client, Future, WorkerPlugin, wait
 from distributed.protocol import to_serialize
 
+from ..runtime.dask_client_calls import register_worker_plugin
 from ..runtime.dask_internals import (
     FUTURES_CANCELLED,
     as_worker,
@@ -38,6 +39,7 @@ from ..runtime.dask_internals import (
     running_as,
     serve_on_worker,
 )
+from ..runtime.deadlines import TIMEOUTS
 from .tasks import PortionResult, evaluate_task, run_portion
 
 #: The message a runner answers (the op of a Dask worker handler).
@@ -160,13 +162,16 @@ class RunnerCall:
 class Runners:
     """The driver's side of the workers' runners for one fit (see the module's docstring)."""
 
-    def __init__(self, client: Client, enabled: bool = True):
+    def __init__(self, client: Client, timeout: float, enabled: bool = True):
         self.client = client
         # The client's own connections go to the workers; one made with
         # ``direct_to_workers=False`` may not reach them: it keeps Dask tasks only.
         self.usable = enabled and client.direct_to_workers is not False
         if self.usable:  # (again on every fit: cheap, and a new worker gets it from Dask)
-            client.register_plugin(PortionRunner())
+            try:  # a worker that is stopped or hung would hold the registration for ever
+                register_worker_plugin(client, PortionRunner(), PortionRunner.name, timeout)
+            except TIMEOUTS:  # some worker may lack its runner: this fit sends Dask tasks
+                self.usable = False
 
     def wait(self, blocks: list[Future], timeout: float) -> None:
         """Wait up to ``timeout`` seconds for ``blocks`` to be in their workers' memory, so that
