@@ -262,6 +262,13 @@ def test_a_cluster_that_refuses_the_scheduler_plugin_keeps_the_worker_plugin_and
                 raise ModuleNotFoundError("No module named 'downpour_dask'")
             self.registered.append(plugin)
 
+        # a worker plugin goes through Client.sync, bounded (runtime/dask_client_calls.py)
+        def sync(self, function: Any, *args: Any, callback_timeout: float, **kwargs: Any) -> Any:
+            return function(*args, **kwargs)
+
+        def _register_worker_plugin(self, plugin: Any, name: str, idempotent: bool) -> None:
+            self.register_plugin(plugin)
+
     client = RefusingClient()
     with pytest.warns(RuntimeWarning, match="MembershipPlugin.*no replica"):
         DaskCluster(client, "run3", 30).watch_membership()
