@@ -19,7 +19,8 @@ from typing import Any
 from distributed import Client, LocalCluster, Security, default_client, get_worker
 
 from .affinity import pin_workers
-from .dask_client_calls import scatter_within, scheduler_workers
+from .dask_client_calls import register_worker_plugin, scatter_within, scheduler_workers
+from .interrupts import PLUGIN_NAME, LeaveInterruptsToTheDriver
 from .profiler import warn_if_profiler_can_deadlock, without_unsafe_profiler
 
 #: Set to ``0`` to leave an embedded cluster's workers unpinned (see :func:`cluster_client`).
@@ -87,6 +88,9 @@ def cluster_client(
     started, listening on TLS only and refusing clients without credentials.  With ``announce``,
     a started cluster's dashboard link is printed to stderr (one line).
 
+    A started cluster's workers ignore SIGINT, restarted ones too: a terminal's Ctrl-C stops
+    the driver, which then stops them (:mod:`~downpour_dask.runtime.interrupts`).
+
     A started cluster's workers are pinned to CPUs of their own
     (:func:`~downpour_dask.runtime.affinity.pin_workers`) when ``busy_threads``, the replicas
     the fit runs, are at least as many as the workers: each worker's threads then stay with
@@ -134,6 +138,8 @@ def cluster_client(
         **tls, **without_unsafe_profiler(),
     )  # fmt: skip
     with cluster, Client(cluster, security=cluster.security) as embedded:
+        with contextlib.suppress(ValueError, RuntimeError, TimeoutError, asyncio.TimeoutError):
+            register_worker_plugin(embedded, LeaveInterruptsToTheDriver(), PLUGIN_NAME, 30)
         pinned = None
         if busy_threads >= n_workers and os.environ.get(PIN_VARIABLE, "1") != "0":
             with contextlib.suppress(ValueError, RuntimeError, TimeoutError, asyncio.TimeoutError):
