@@ -83,7 +83,24 @@ def prepare_fit(est: Any, data: Any, y: Any, client: Any = None) -> tuple[Traina
         raise type(err)(f"data: {err}") from None
 
 
-def _prepare_distributed(est: Any, data: Any, y: Any, client: Any) -> tuple[TrainableModel, Any]:
+def prepare_before_cluster(
+    est: Any, data: Any, y: Any, eval_data: Any
+) -> tuple[TrainableModel | None, Any, tuple | None]:
+    """What ``est.fit`` can check before any cluster work: in-memory data and ``eval_data``
+    checked, and the model built (:func:`prepare_fit`, :func:`evaluation_data`): ``(model,
+    training data, evaluation data)``; files too, from their metadata.  Dask collections need
+    the cluster for their labels: only the kinds of ``data`` and ``y`` are checked
+    (:func:`check_distributed`), and ``(None, None, None)`` returned."""
+    if isinstance(data, DaskDataset) or is_dask_collection(data):
+        check_distributed(est, data, y)
+        return None, None, None
+    model, train = prepare_fit(est, data, y)
+    return model, train, evaluation_data(est, model, eval_data)
+
+
+def check_distributed(est: Any, data: Any, y: Any) -> None:
+    """Raise if files or a Dask ``data`` come with a ``y`` they cannot take: a ShardedDataset
+    holds its targets; a Dask X needs a Dask y, whose blocks line up with its partitions."""
     if isinstance(data, ShardedDataset):
         if y is not None:
             raise TypeError("data is a ShardedDataset (it holds the targets), so y must be None")
@@ -92,6 +109,17 @@ def _prepare_distributed(est: Any, data: Any, y: Any, client: Any) -> tuple[Trai
             f"{type(est).__name__}.fit(X, y) with a Dask X needs y (a Dask Series or Array); or "
             f"pass datasets.from_dask(frame, label=...)"
         )
+    elif not is_dask_collection(y):
+        raise TypeError(
+            f"{type(est).__name__}.fit(X, y) with a Dask X needs y as a Dask Series or Array "
+            f"too, split as X is, got {type(y).__module__}.{type(y).__name__}; e.g. "
+            f"dask.array.from_array(y, chunks=X.chunks[0]), or datasets.from_dask(frame, "
+            f"label=...)"
+        )
+
+
+def _prepare_distributed(est: Any, data: Any, y: Any, client: Any) -> tuple[TrainableModel, Any]:
+    check_distributed(est, data, y)
     classifier, warm = est._is_classifier(), est._warm()
     labels = data.labels if isinstance(data, DaskDataset) else y  # None: files
     encoded = False

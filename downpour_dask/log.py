@@ -179,7 +179,8 @@ def check_replaceable(target: str | os.PathLike[str], overwrite: bool) -> None:
         return
     if not overwrite:
         raise FileExistsError(
-            f"run directory {str(target)!r} exists; choose another name or pass overwrite=True"
+            f"run directory {str(target)!r} exists; choose another name, or replace it with "
+            f"--overwrite (overwrite=True in Python)"
         )
     if not is_run_directory(target):
         what = "a directory" if target.is_dir() else "a file"

@@ -2,8 +2,10 @@
 
 import time
 
+import dask.array as da
 import numpy as np
 import pytest
+from distributed import Client
 
 from downpour_dask import DownpourSGD, Experiment, datasets, models, optim
 from downpour_dask.checkpoint import ShardState, read_checkpoint, write_checkpoint
@@ -354,7 +356,31 @@ _Y = np.zeros(10, np.int64)
 def test_bad_input_is_rejected_before_any_cluster_work(kwargs, data, error, match):
     est = DownpourSGD(models.SoftmaxRegression(4, 3), **{"n_replicas": 1, "n_shards": 1, **kwargs})
     with pytest.raises(error, match=match):
-        est.fit(*data, client="no cluster is touched")  # a real client is never needed to fail
+        est.fit(*data, client=object())  # a real client is never needed to fail
+
+
+def test_in_memory_eval_data_and_dask_labels_of_the_wrong_kind_are_refused_before_the_cluster():
+    est = DownpourSGD(models.SoftmaxRegression(4, 3), n_replicas=1, n_shards=1)
+    with pytest.raises(ValueError, match="eval_data: .*3 features.*expects 4"):
+        est.fit(_X, _Y, eval_data=(np.zeros((5, 3), np.float32), _Y[:5]), client=object())
+    dask_X = da.from_array(_X, chunks=5)
+    with pytest.raises(TypeError, match=r"needs y as a Dask Series or Array too.*numpy.ndarray"):
+        est.fit(dask_X, _Y, client=object())  # y's rows would not line up with X's blocks
+
+
+def test_a_client_that_is_not_one_or_is_closed_is_refused_naming_what_to_pass(cluster):
+    est = DownpourSGD(models.SoftmaxRegression(4, 3), n_replicas=1, n_shards=1, max_epochs=1)
+    address = "tcp://127.0.0.1:8786"
+    with pytest.raises(
+        TypeError, match=f"got str; for a scheduler's address, pass Client.'{address}'"
+    ):
+        est.fit(_X, _Y, client=address)
+    closed = Client(cluster, timeout=30)
+    closed.close()
+    with pytest.raises(
+        ValueError, match="client is closed: pass an open Client, or leave client=None"
+    ):
+        est.fit(_X, _Y, client=closed)
 
 
 def test_optimizer_instance_is_accepted_when_rates_agree(client, digits):

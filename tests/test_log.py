@@ -72,7 +72,8 @@ def test_summary_counts_a_model_parallel_push_once_not_once_per_partition():
 def test_save_refuses_to_overwrite_and_leaves_nothing_half_written(tmp_path):
     run = _experiment()
     run.save(tmp_path / "a")
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    overwrite = r"replace it with --overwrite \(overwrite=True in Python\)"
+    with pytest.raises(FileExistsError, match=overwrite):
         run.save(tmp_path / "a")
     bad = Experiment({"oops": object()}, run.pushes, run.evals, run.events)
     with pytest.raises(TypeError, match="not JSON-serialisable"):

@@ -187,6 +187,8 @@ def test_bad_dask_data_is_refused_before_any_cluster_work(digits_signed):
         est.fit(Xd, yd, client=object())  # never used: the checks come first
     with pytest.raises(TypeError, match=r"eval_data is a Array .*gather it whole"):
         SandblasterLBFGS(models.LogisticRegression(64)).fit(Xd, yd, eval_data=Xd, client=object())
+    with pytest.raises(TypeError, match=r"needs y as a Dask Series or Array too.*numpy.ndarray"):
+        SandblasterLBFGS(models.LogisticRegression(64)).fit(Xd, y, client=object())
 
 
 def _fit_slowly(est: SandblasterLBFGS, client: Client, Xd, yd) -> SandblasterLBFGS:

@@ -1,7 +1,7 @@
-"""The Downpour SGD estimator: its arguments, their checks, and ``fit``.
+"""The Downpour SGD estimator: its arguments and ``fit``.
 
 :class:`DownpourSGD` follows scikit-learn: ``__init__`` stores the arguments, ``fit`` checks
-them and the data before any cluster work, then hands one fit to the
+them (:mod:`.arguments`) and the data before any cluster work, then hands one fit to the
 :class:`~downpour_dask.downpour.driver.Driver` (placement, shards, replicas, supervision) and
 keeps what it learned: ``params_``, ``experiment_``, ``server_status_``.
 """
@@ -16,26 +16,22 @@ import numpy as np
 from distributed import Client, Security
 
 from .. import live
-from ..base import ParamServerEstimator, check_int, check_positive
-from ..core import averaging, compression, consistency, optim, optimizer_spec
-from ..core.params import split_range
-from ..core.partition import PartitionPlan
+from ..base import ParamServerEstimator
+from ..checkpoint import Checkpoint
+from ..core import optim
 from ..core.protocol import TrainableModel
 from ..data.datasets import Dataset, ShardedDataset
-from ..inputs import evaluation_data, is_distributed, prepare_fit
+from ..inputs import evaluation_data, prepare_before_cluster, prepare_fit
 from ..log import Progress
-from ..runtime.cluster import check_security, cluster_client
-from .checkpoints import check_path, read_resumable
+from ..runtime.cluster import cluster_client
+from .arguments import DownpourArguments
+from .checkpoints import read_resumable
 from .driver import Driver
-from .easgd_loop import check_elastic
-from .replica_count import check_replicas, resolve_settings
+from .replica_count import resolve_settings
 from .settings import FitSettings, from_arguments, replica_subsets
 
-#: Values of ``DownpourSGD(transport=...)``.
-TRANSPORTS = ("auto", "dask")
 
-
-class DownpourSGD(ParamServerEstimator):
+class DownpourSGD(DownpourArguments, ParamServerEstimator):
     """Downpour SGD (Dean et al., 2012) on a Dask cluster.
 
     Parameters
@@ -233,61 +229,6 @@ class DownpourSGD(ParamServerEstimator):
         self.top_k, self.elastic_alpha = top_k, elastic_alpha
         self.max_replicas, self.ema_decay = max_replicas, ema_decay
 
-    # -- validation ------------------------------------------------------------------------------
-    def _check_arguments(self, callback: Any = None) -> optim.UpdateRule:
-        """Check every constructor argument (and a model given ready-built against them);
-        return the update rule.  Raises before any Dask work."""
-        self._check_fit_arguments(callback)
-        check_replicas(self.n_replicas, self.max_replicas)
-        check_int("partitions", self.partitions, 1)
-        if self.model is not None and not isinstance(self.model, str):
-            self._check_model(self.model)  # a spec is built, and checked, at fit
-        for name in ("n_shards", "batch_size", "n_fetch", "n_push", "max_inflight"):
-            check_int(name, getattr(self, name), 1)
-        if self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
-                f"got {self.transport!r}"
-            )
-        check_int("warmstart_steps", self.warmstart_steps, 0)
-        check_int("max_epochs", self.max_epochs, 1, allow_none=True)
-        check_int("max_steps", self.max_steps, 1, allow_none=True)
-        check_positive("max_seconds", self.max_seconds, allow_none=True)
-        check_positive("learning_rate", self.learning_rate)
-        check_positive(
-            "local_learning_rate", self.local_learning_rate, allow_none=True, allow_zero=True
-        )
-        check_positive("eval_every", self.eval_every)
-        check_positive("timeout", self.timeout)
-        check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
-        check_security(self.security)
-        self._consistency()
-        compression.check_fraction(self.top_k, self.partitions)
-        check_positive("checkpoint_every", self.checkpoint_every)
-        check_path("checkpoint_dir", self.checkpoint_dir, allow_none=True)
-        if self.random_state is not None:
-            check_int("random_state", self.random_state, 0)
-        rule = optimizer_spec.resolve(self.optimizer, self.learning_rate)
-        check_elastic(self.elastic_alpha, rule, self.consistency, self.top_k, self.partitions,
-                      self.ema_decay)  # fmt: skip
-        return rule if self.ema_decay is None else averaging.Averaged(rule, self.ema_decay)
-
-    def _check_model(self, model: TrainableModel) -> None:
-        """Raise if ``model`` cannot take ``n_shards`` or ``partitions``."""
-        check_int("n_shards", self.n_shards, 1, model.n_params)
-        self._shard_ranges(model)  # partitions the model cannot take, or too few shards
-
-    def _plan(self, model: TrainableModel) -> PartitionPlan | None:
-        """How replicas are split (None without model parallelism)."""
-        return None if self.partitions == 1 else PartitionPlan(model, self.partitions)
-
-    def _shard_ranges(self, model: TrainableModel) -> list[tuple[int, int]]:
-        """The shards' ranges of the server's vector: balanced, or aligned with partitions."""
-        plan = self._plan(model)
-        if plan is None:
-            return split_range(model.n_params, self.n_shards)
-        return plan.shard_ranges(self.n_shards)
-
     # -- fitting ---------------------------------------------------------------------------------
     def fit(
         self,
@@ -337,18 +278,16 @@ class DownpourSGD(ParamServerEstimator):
         callback = self._callback(callback)
         if publish is not None:
             live.check_name(publish)
-        model = train = None
-        if not is_distributed(data):  # in memory: every check before any cluster work
-            model, train = prepare_fit(self, data, y)
+        model, train, evaluation = prepare_before_cluster(self, data, y, eval_data)
+        if train is not None and self.n_replicas != "auto":  # in memory, files: rows for each
+            replica_subsets(train, self.n_replicas)
+        resumed = self._resumed(resume_from, model, rule)  # (None until the model is known)
         busy = float("inf") if self.n_replicas == "auto" else self.n_replicas  # "auto": 1 a worker
         with cluster_client(client, self.security, self.verbose >= 1, busy) as active:
-            if model is None:  # files, Dask collections: Dask labels are read on the cluster
+            if model is None:  # Dask collections: their labels are read on the cluster
                 model, train = prepare_fit(self, data, y, active)
-            evaluation = evaluation_data(self, model, eval_data)
-            resumed = None
-            if resume_from is not None:  # a CheckpointError (a ValueError) names a damaged file
-                ranges = self._shard_ranges(model)
-                resumed = read_resumable(resume_from, ranges, self.partitions, model, rule)
+                evaluation = evaluation_data(self, model, eval_data)
+                resumed = self._resumed(resume_from, model, rule)
             settings = self._settings(model, rule, self.checkpoint_dir or resume_from)
             settings = resolve_settings(settings, active)  # n_replicas="auto": on its workers
             driver = Driver(
@@ -365,6 +304,17 @@ class DownpourSGD(ParamServerEstimator):
         self._warn_stopped(bool(len(driver.experiment.pushes)), (events == "stop_requested").any(),
                            {k: v for k, v in asked.items() if v is not None})  # fmt: skip
         return self
+
+    def _resumed(
+        self, resume_from: Any, model: TrainableModel | None, rule: optim.UpdateRule
+    ) -> Checkpoint | None:
+        """The checkpoint ``fit`` resumes from, checked against ``model`` (None without
+        ``resume_from``, or while the model is not known); a damaged file raises
+        :class:`~downpour_dask.checkpoint.CheckpointError` (a ValueError) naming it."""
+        if resume_from is None or model is None:
+            return None
+        ranges = self._shard_ranges(model)
+        return read_resumable(resume_from, ranges, self.partitions, model, rule)
 
     def _settings(
         self,
@@ -393,8 +343,3 @@ class DownpourSGD(ParamServerEstimator):
         if isinstance(self.optimizer, optim.UpdateRule):
             config["optimizer"] = self.optimizer.get_config()
         return {**config, **self._consistency().config()}  # the bound SSP runs with
-
-    def _consistency(self) -> consistency.Consistency:
-        """The checked ``consistency`` / ``staleness_bound`` (see core/consistency.py)."""
-        args = (self.consistency, self.staleness_bound, self.warmstart_steps, self.partitions)
-        return consistency.resolve(*args)

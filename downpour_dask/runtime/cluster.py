@@ -109,10 +109,14 @@ def cluster_client(
     Raises
     ------
     ValueError
-        If both ``client`` and ``security`` are given: a client brings its own security.
+        If both ``client`` and ``security`` are given: a client brings its own security; or
+        if ``client`` is closed.
+    TypeError
+        If ``client`` is not a ``distributed.Client``.
     """
     check_security(security)
     if client is not None:
+        check_client(client)
         if security is not None:
             raise ValueError(
                 "security= configures the embedded cluster, started only when client is None; "
@@ -147,6 +151,21 @@ def cluster_client(
         if announce:
             print(dashboard_line(cluster, pinned), file=sys.stderr, flush=True)
         yield embedded
+
+
+def check_client(client: Any) -> None:
+    """Raise unless ``client`` is a ``distributed.Client`` that is not closed: a scheduler's
+    address, say, or a closed client would otherwise fail deep inside the first Dask call."""
+    if not isinstance(client, Client):
+        hint = ""
+        if isinstance(client, str):
+            hint = f"; for a scheduler's address, pass Client({client!r})"
+        raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}{hint}")
+    if client.status in ("closing", "closed"):
+        raise ValueError(
+            f"client is {client.status}: pass an open Client, or leave client=None to use the "
+            f"current Dask client or start a local cluster"
+        )
 
 
 def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:

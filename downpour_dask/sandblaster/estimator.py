@@ -23,7 +23,7 @@ from ..base import ParamServerEstimator, check_int, check_positive
 from ..core.protocol import TrainableModel
 from ..data.datasets import Dataset
 from ..data.shards import ShardedDataset
-from ..inputs import evaluation_data, is_distributed, prepare_fit
+from ..inputs import check_distributed, evaluation_data, is_distributed, prepare_fit
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from ..runtime.placement import persist_partitions
@@ -278,6 +278,8 @@ class SandblasterLBFGS(ParamServerEstimator):
         if files or not is_distributed(data):  # every check before any cluster work
             model, rows = prepare_fit(self, data, y)
             evaluation = evaluation_data(self, model, eval_data)
+        else:  # Dask collections: their kinds now, their labels on the cluster
+            check_distributed(self, data, y)
         callback, delay = self._callback(callback), dict(portion_delay or {})
         with cluster_client(client, self.security, announce=self.verbose >= 1) as active:
             if model is None:  # Dask collections: their labels are read on the cluster
