@@ -64,6 +64,24 @@ def test_csv_and_parquet_stream_the_same_hashed_rows(tmp_path):
         load_hashed(tmp_path / "none.csv", spec)
 
 
+def test_criteo_files_stopped_half_way_are_removed_with_the_folder_the_call_made(
+    tmp_path, monkeypatch
+):
+    write_table, written = pq.write_table, []
+
+    def failing(table, where, **kwargs):
+        written.append(where)
+        if len(written) == 2:  # the second file, half written: the disk is full, say
+            write_table(table.slice(0, 10), where, **kwargs)
+            raise OSError(28, "No space left on device")
+        return write_table(table, where, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", failing)
+    with pytest.raises(OSError, match="No space left"):
+        write_criteo(tmp_path / "clicks", 3_000, rows_per_file=1_000, max_cardinality=100)
+    assert len(written) == 2 and not (tmp_path / "clicks").exists()
+
+
 def test_criteo_data_is_shaped_skewed_reproducible_and_learnable(tmp_path):
     paths = write_criteo(tmp_path / "a", 30_000, rows_per_file=12_000, seed=5, max_cardinality=5000)
     assert [p.name for p in paths] == [f"part-0000{i}.parquet" for i in range(3)]

@@ -558,6 +558,35 @@ def test_synthetic_writes_learnable_reproducible_parquet_shards(client, tmp_path
     assert est.experiment_.evals["accuracy"].iloc[-1] > 0.75
 
 
+@pytest.mark.parametrize("folder_existed", [False, True])
+def test_a_synthetic_dataset_stopped_half_way_leaves_none_of_its_files(
+    tmp_path, monkeypatch, folder_existed
+):
+    """Ctrl-C in the second of four files: the first (finished) and the second (half written,
+    a .tmp) go, and the folder if the call made it; what was there before stays."""
+    out = tmp_path / "big"
+    if folder_existed:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    write_table, writes = pq.ParquetWriter.write_table, []
+
+    def interrupted(self, table, *args, **kwargs):
+        writes.append(table.num_rows)
+        if len(writes) == 5:  # 3 row groups a file: the second group of the second file
+            raise KeyboardInterrupt
+        return write_table(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        datasets.synthetic(out, rows=1000, features=4, classes=2, n_files=4, row_group_rows=100)
+    if folder_existed:
+        assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    else:
+        assert not out.exists()
+    monkeypatch.undo()  # the same folder takes the whole dataset afterwards
+    assert datasets.synthetic(out, rows=1000, features=4, classes=2, n_files=4).n_rows == 1000
+
+
 def test_writes_are_pyarrow_readable_row_groups(tmp_path):
     ds = datasets.synthetic(tmp_path, rows=1000, features=4, classes=2, row_group_rows=300)
     meta = pq.read_metadata(ds.shards[0].path)

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .hashing import HashSpec
+from .part_files import all_or_nothing
 
 N_INTEGER, N_CATEGORICAL = 13, 26
 INTEGER = tuple(f"I{j}" for j in range(1, N_INTEGER + 1))
@@ -83,6 +84,8 @@ def write_criteo(
     """Write ``n_rows`` rows as ``part-00000.parquet``... of at most ``rows_per_file`` rows
     each -- or, given ``n_files``, as exactly that many files whose sizes differ by at most one
     row -- into ``directory`` (created; existing part files of the same names are replaced).
+    Stopped half way (an error, Ctrl-C), it removes the files it wrote, and ``directory`` if
+    it created it (:mod:`.part_files`).
 
     Returns the paths written, in order.
     """
@@ -98,14 +101,14 @@ def write_criteo(
         raise ValueError(f"n_files must be an int in [1, n_rows={n_rows}], got {n_files!r}")
     else:
         starts = [n_rows * k // n_files for k in range(n_files + 1)]
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for file, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
-        table = criteo_frame(hi - lo, seed, file, max_cardinality)
-        path = out / f"part-{file:05d}.parquet"
-        pq.write_table(table, path, row_group_size=min(len(table), 1 << 18))
-        paths.append(path)
+    with all_or_nothing(Path(directory)) as written:  # stopped half way: none of them is left
+        for file, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+            table = criteo_frame(hi - lo, seed, file, max_cardinality)
+            path = Path(directory) / f"part-{file:05d}.parquet"
+            written.append(path)
+            pq.write_table(table, path, row_group_size=min(len(table), 1 << 18))
+            paths.append(path)
     return paths
 
 

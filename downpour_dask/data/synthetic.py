@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .part_files import all_or_nothing
+
 FILE_BYTES = 256 << 20  # default: one file per ~256 MiB of features
 
 
@@ -63,6 +65,9 @@ def write_synthetic(
         Non-integer or out-of-range sizes.
     FileExistsError
         If ``path`` already holds parquet files (they would be mixed with the new ones).
+
+    Stopped half way (an error, Ctrl-C), it removes the files it wrote, and ``path`` if it
+    created it (:mod:`.part_files`): no shorter dataset is left to load.
     """
     rows = _check("rows", rows, 1)
     features = _check("features", features, 1)
@@ -76,37 +81,47 @@ def write_synthetic(
     if n_files > rows:
         raise ValueError(f"n_files must be <= rows ({rows}), got {n_files}")
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.parquet")):
+    if out.is_dir() and any(out.glob("*.parquet")):
         raise FileExistsError(f"path {str(out)!r} already holds parquet files; use an empty folder")
     label = teacher(features, classes, hidden, seed)
     names = [f"f{j}" for j in range(features)]
     schema = pa.schema([*(pa.field(n, pa.float32()) for n in names), pa.field("label", pa.int64())])
     files, block = [], (-1, None)
     bounds = np.linspace(0, rows, n_files + 1).astype(np.int64)
-    for i in range(n_files):
-        name = str(out / f"part-{i:05d}.parquet")
-        tmp = name + ".tmp"
-        a, b = int(bounds[i]), int(bounds[i + 1])
-        cuts = sorted({a, b, *range(-(-a // row_group_rows) * row_group_rows, b, row_group_rows)})
-        # Random floats do not compress: compressing the features saves almost no bytes but
-        # makes reading them several times slower, and dictionary encoding only adds bytes.
-        with pq.ParquetWriter(
-            tmp, schema, compression={"label": "snappy"}, use_dictionary=["label"]
-        ) as writer:
-            for lo, hi in zip(cuts[:-1], cuts[1:]):
-                # rows come in global blocks of row_group_rows, each from its own seeded stream,
-                # so the data depends on (seed, rows, features, classes) and not on n_files
-                k = lo // row_group_rows
-                if block[0] != k:
-                    n = min(row_group_rows, rows - k * row_group_rows)
-                    rng = np.random.default_rng([seed, 1, k])
-                    block = (k, rng.standard_normal((n, features), dtype=np.float32))
-                X = block[1][lo - k * row_group_rows : hi - k * row_group_rows]
-                XT = np.ascontiguousarray(X.T)  # one contiguous buffer per column
-                columns = [pa.array(XT[j]) for j in range(features)]
-                columns.append(pa.array(label(X)))
-                writer.write_table(pa.Table.from_arrays(columns, schema=schema))
-        os.replace(tmp, name)  # a reader never sees a half-written file
-        files.append(name)
+    with all_or_nothing(out) as written:
+        for i in range(n_files):
+            name = str(out / f"part-{i:05d}.parquet")
+            written.append(Path(name))  # removed again if the writing stops half way
+            rows_of_file = (int(bounds[i]), int(bounds[i + 1]))
+            block = _write_rows(name + ".tmp", schema, label, rows_of_file, seed, row_group_rows,
+                                (rows, features), block)  # fmt: skip
+            os.replace(name + ".tmp", name)  # a reader never sees a half-written file
+            files.append(name)
     return files
+
+
+def _write_rows(tmp, schema, label, rows_of_file, seed, row_group_rows, shape, block):
+    """Write rows ``a..b`` (``rows_of_file``) of the ``shape`` = (rows, features) dataset to
+    the file ``tmp``, a row group at a time; return the last global block of rows drawn (the
+    next file may begin inside it)."""
+    (a, b), (rows, features) = rows_of_file, shape
+    cuts = sorted({a, b, *range(-(-a // row_group_rows) * row_group_rows, b, row_group_rows)})
+    # Random floats do not compress: compressing the features saves almost no bytes but makes
+    # reading them several times slower, and dictionary encoding only adds bytes.
+    with pq.ParquetWriter(
+        tmp, schema, compression={"label": "snappy"}, use_dictionary=["label"]
+    ) as writer:
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            # rows come in global blocks of row_group_rows, each from its own seeded stream, so
+            # the data depends on (seed, rows, features, classes) and not on n_files
+            k = lo // row_group_rows
+            if block[0] != k:
+                n = min(row_group_rows, rows - k * row_group_rows)
+                rng = np.random.default_rng([seed, 1, k])
+                block = (k, rng.standard_normal((n, features), dtype=np.float32))
+            X = block[1][lo - k * row_group_rows : hi - k * row_group_rows]
+            XT = np.ascontiguousarray(X.T)  # one contiguous buffer per column
+            columns = [pa.array(XT[j]) for j in range(features)]
+            columns.append(pa.array(label(X)))
+            writer.write_table(pa.Table.from_arrays(columns, schema=schema))
+    return block
