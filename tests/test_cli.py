@@ -96,6 +96,19 @@ def test_scheduler_flag_trains_on_an_existing_cluster(tmp_path, cluster, client)
     assert config_of(tmp_path / "remote")["workers"] == workers  # not an embedded cluster
 
 
+def test_a_warning_is_one_line_naming_the_command_not_a_library_file(tmp_path, cluster, capsys):
+    status = cli.main(
+        ["train", "--dataset", "digits", "--algorithm", "sandblaster", "--max-iter", "1",
+         "--scheduler", cluster.scheduler_address, "--quiet", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert status == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line.lower()]
+    assert len(warned) == 1 and warned[0].startswith(
+        "downpour-dask train: warning: SandblasterLBFGS did not converge: max_iter=1 reached"
+    )
+    assert ".py:" not in warned[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

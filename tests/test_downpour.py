@@ -321,7 +321,7 @@ _Y = np.zeros(10, np.int64)
 @pytest.mark.parametrize(
     "kwargs,data,error,match",
     [
-        ({"n_replicas": 0}, (_X, _Y), ValueError, "n_replicas must be >= 1, got 0"),
+        ({"n_replicas": 0}, (_X, _Y), ValueError, "n_replicas must be .* or 'auto'.*got 0"),
         ({"n_replicas": 2.5}, (_X, _Y), TypeError, "n_replicas must be an int"),
         ({"n_shards": 0}, (_X, _Y), ValueError, "n_shards must be between 1 and 15, got 0"),
         ({"n_shards": 16}, (_X, _Y), ValueError, "n_shards must be between 1 and 15, got 16"),

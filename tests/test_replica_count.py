@@ -14,7 +14,7 @@ from downpour_dask.downpour.replica_count import check_replicas, resolve
 @pytest.mark.parametrize(
     ("n", "most", "error", "message"),
     [
-        (0, None, ValueError, "n_replicas must be >= 1, got 0"),
+        (0, None, ValueError, "n_replicas must be an integer >= 1 or 'auto'.*got 0"),
         ("many", None, ValueError, "n_replicas must be an integer >= 1 or 'auto'"),
         (True, None, TypeError, "n_replicas must be an int, got True"),
         (4, 3, ValueError, "max_replicas must be >= 4, got 3"),

@@ -23,13 +23,14 @@ def check_replicas(n_replicas: Any, max_replicas: Any) -> None:
     """Raise unless ``n_replicas`` is an int >= 1 or ``"auto"`` (TypeError/ValueError as
     :func:`~downpour_dask.base.check_int`; a ValueError naming both forms for another string)
     and ``max_replicas`` None or an int >= ``n_replicas`` (>= 1 with ``"auto"``)."""
+    allowed = "an integer >= 1 or 'auto' (one replica per worker, following the cluster)"
     if isinstance(n_replicas, str) and n_replicas != AUTO:
-        raise ValueError(
-            f"n_replicas must be an integer >= 1 or 'auto' (one replica per worker, following "
-            f"the cluster), got {n_replicas!r}"
-        )
+        raise ValueError(f"n_replicas must be {allowed}, got {n_replicas!r}")
     if n_replicas != AUTO:
-        check_int("n_replicas", n_replicas, 1)
+        try:
+            check_int("n_replicas", n_replicas, 1)
+        except ValueError:  # an int below 1: say what else is allowed
+            raise ValueError(f"n_replicas must be {allowed}, got {n_replicas!r}") from None
     check_int(
         "max_replicas", max_replicas, 1 if n_replicas == AUTO else n_replicas, allow_none=True
     )
