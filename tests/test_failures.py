@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -145,6 +146,54 @@ def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(three_worker
     print(f"clean {clean.score(test):.4f}, with a replica killed {est.score(test):.4f}")
     assert abs(est.score(test) - clean.score(test)) <= 0.02
     assert kinds[-1] == "stop"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_replica_whose_worker_is_stopped_moves_and_the_run_finishes_while_it_stays_stopped(
+    three_workers, mnist
+):
+    """SIGSTOP, never undone during the fit: Dask keeps the worker listed and its task running,
+    so only the worker's silence says it; the replica moves after ``timeout`` seconds of it."""
+    client = three_workers
+    train, test = mnist
+    workers = sorted(cluster_workers(client))
+    pid = client.run(os.getpid, workers=[workers[2]])[workers[2]]  # holds replica 2 only
+    stopped = []
+
+    def stop_at_150_pushes(progress) -> None:
+        if not stopped and progress.pushes >= 150:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(progress.pushes)
+
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            outcome["est"] = _estimator(max_epochs=KILL_EPOCHS, timeout=5).fit(
+                train, eval_data=test, client=client, callback=stop_at_150_pushes
+            )
+        except BaseException as err:  # handed to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=fit, daemon=True)
+    try:
+        thread.start()
+        thread.join(150)
+        finished_while_stopped = not thread.is_alive()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    thread.join(60)
+    assert stopped and finished_while_stopped, "the fit waited for the stopped worker"
+    assert "error" not in outcome, outcome.get("error")
+    est = outcome["est"]
+    assert "shard_lost" not in _kinds(est) and _kinds(est)[-1] == "stop"
+    (failed,) = _data(est, "replica_failed")
+    assert failed["replica"] == 2
+    assert failed["reason"].startswith(f"worker {workers[2]} has not been heard from for ")
+    (moved,) = _data(est, "replica_restarted")
+    assert moved["replica"] == 2 and moved["workers"][0] in workers[:2]
+    assert est.score(test) > 0.85
 
 
 @pytest.mark.slow  # its own cluster: workers that have not made their client yet

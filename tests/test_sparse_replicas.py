@@ -63,6 +63,9 @@ class FakeCluster:
     def workers(self, fresh=True):
         return list(self.alive)
 
+    def silent_for(self, worker):
+        return 0.0  # every worker heard from
+
     def scatter(self, values, worker):
         self.scattered.append((values[0], worker))
         return [f"{values[0]}@{worker}"]

@@ -111,9 +111,13 @@ class FakeCluster:
     born_failed: set[int] = field(default_factory=set)  # replicas whose tasks die at once
     mailboxes: list[FakeMailbox] = field(default_factory=list)
     acked: dict[str, int] = field(default_factory=dict)  # shard key -> newest acknowledged
+    silent: dict[str, float] = field(default_factory=dict)  # worker -> seconds not heard from
 
     def workers(self, fresh: bool = True) -> list[str]:
         return sorted(self.alive)
+
+    def silent_for(self, worker: str) -> float:
+        return self.silent.get(worker, 0.0)
 
     def submit(self, function: Any, *args: Any, worker: str, key: str) -> FakeTask:
         task = FakeTask(key)
@@ -354,6 +358,25 @@ def test_a_replica_killed_with_its_worker_restarts_on_the_least_loaded_survivor_
     assert run.cluster.scattered == [("w3", 2)]  # its data died with w2: sent again, to w3
     assert new.args[2] == ("w3/0", "w3/1")
     assert run.supervisor.restarts == 1 and run.server.stop_requests == 0
+
+
+def test_a_replica_whose_worker_falls_silent_for_the_timeout_moves_to_a_worker_still_heard():
+    # Dask keeps a stopped (SIGSTOP) worker listed and its task running: only its heartbeats
+    # stop.  Replicas 0..2 on w0, w1, w2; the fit's timeout is 5 s, but a silence is only
+    # believed from 10 s on (SILENT_AFTER): w1 silent for 9.9 s is waited for, at 10 s not.
+    run = _run(["w0", "w1", "w2"], ["w0", "w2"], ["w0", "w1", "w2"])
+    run.server.accepted_by_replica = {1: 12}
+    run.cluster.silent = {"w1": 9.9}
+    run.supervisor.check()
+    assert _events(run, "replica_failed") == []
+    run.cluster.silent = {"w1": 10.0, "w2": 10.5}  # w2, silent too, is no place to move it to
+    run.supervisor.check()
+    failed = _events(run, "replica_failed")
+    assert [f["replica"] for f in failed] == [1, 2]
+    assert failed[0]["reason"] == "worker w1 has not been heard from for 10 s (stopped or hung)"
+    assert [r["workers"] for r in _events(run, "replica_restarted")] == [["w0"], ["w0"]]
+    assert run.tasks.workers[1] == run.tasks.workers[2] == "w0"
+    assert run.cluster.scattered == [("w0", 2), ("w0", 2)]  # their data, again, to w0
 
 
 def test_among_equally_loaded_survivors_a_worker_without_a_shard_is_preferred():

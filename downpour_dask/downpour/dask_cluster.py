@@ -70,6 +70,7 @@ class DaskCluster:
         self._alive: list[str] = []
         self._alive_at = -math.inf
         self._skip: dict[str, float] = {}  # unresponsive worker -> until when it is skipped
+        self._beats: dict[str, tuple[Any, float]] = {}  # worker -> (last_seen, when it moved)
         self._heard: deque[dict[str, Any]] = deque()  # membership events not yet taken
         self._watching = False
         self._rows_taken, self._returned_taken = Taken(), Taken()  # (see .outbox)
@@ -77,9 +78,21 @@ class DaskCluster:
     def workers(self, fresh: bool = True) -> list[str]:
         now = time.monotonic()
         if fresh or now - self._alive_at >= ALIVE_EVERY:
-            self._alive = sorted(cluster_workers(self.client))
+            found = cluster_workers(self.client)
+            self._alive = sorted(found)
             self._alive_at = now
+            for worker, info in found.items():  # when its last heartbeat last moved
+                seen = info.get("last_seen")
+                if seen is None or self._beats.get(worker, (None,))[0] != seen:
+                    self._beats[worker] = (seen, now)
         return list(self._alive)
+
+    def silent_for(self, worker: str) -> float:
+        """Seconds since the scheduler's time of ``worker``'s last heartbeat last moved, as
+        this driver saw it at its looks at the worker list (0 for a worker not seen yet).  A
+        stopped or hung worker stays in the list -- Dask does not drop it -- but falls silent."""
+        beat = self._beats.get(worker)
+        return 0.0 if beat is None else time.monotonic() - beat[1]
 
     def submit(self, function: Callable[..., Any], *args: Any, worker: str, key: str) -> Future:
         return self.client.submit(

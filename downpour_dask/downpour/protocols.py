@@ -48,6 +48,9 @@ class Cluster(Protocol):
         """Addresses of the live workers, sorted; without ``fresh`` a recent cached list will do
         (the supervision loop asks every few milliseconds)."""
 
+    def silent_for(self, worker: str) -> float:
+        """Seconds ``worker`` has not been heard from (its heartbeats); 0 if not known."""
+
     def submit(self, function: Callable[..., Any], *args: Any, worker: str, key: str) -> Task:
         """Run ``function(*args)`` on ``worker`` only, as task ``key``."""
 

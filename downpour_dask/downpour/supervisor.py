@@ -7,9 +7,10 @@ worker and decides:
 * a **shard** whose worker left the cluster is restored (:mod:`.shard_recovery`) -- *before* any
   replica is restarted, or the restart would be handed the dead shard;
 * a **replica** whose worker died (``KilledWorker``, a cancelled or lost task, its worker gone,
-  or a finished task whose result died with its worker) is restarted on the least-loaded
-  surviving worker, continuing after the steps it had pushed; a model-parallel replica moves
-  as a whole, its partitions on distinct workers where possible;
+  or a finished task whose result died with its worker) or has not been heard from for
+  ``timeout`` seconds, 10 at least (stopped or hung: Dask keeps listing it), is restarted on the
+  least-loaded surviving worker, continuing after the steps it had pushed; a model-parallel
+  replica moves as a whole, its partitions on distinct workers where possible;
 * a replica that raised an error of its own (a data error, a bug) ends the run with it, and so
   does the :data:`MAX_REPLICA_RESTARTS`-th restart of a run.
 """
@@ -30,6 +31,10 @@ from .tasks import ReplicaTasks
 
 #: How often the driver restarts replicas whose worker died before it gives up on the run.
 MAX_REPLICA_RESTARTS = 10
+#: The least silence (seconds without a heartbeat) that makes a worker stopped or hung, however
+#: short the fit's ``timeout``: Dask's heartbeats come every 0.5-2 s on clusters of up to 200
+#: workers, and a busy worker's can come seconds late.
+SILENT_AFTER = 10.0
 
 T = TypeVar("T")
 
@@ -92,7 +97,18 @@ class Supervisor:
             if reason is None:
                 continue
             replica, partition = tasks.slots[i]
-            self.restart(replica, reason, self.cluster.workers(), partition)
+            self.restart(replica, reason, self._heard(), partition)
+
+    def _heard(self) -> list[str]:
+        """The live workers, but those silent for ``timeout`` seconds (stopped or hung): no
+        replica is moved onto one."""
+        workers = self.cluster.workers()
+        heard = [w for w in workers if self.cluster.silent_for(w) < self._silence()]
+        return heard or workers
+
+    def _silence(self) -> float:
+        """Seconds without a heartbeat after which a worker counts as stopped or hung."""
+        return max(self.timeout, SILENT_AFTER)
 
     def _trouble(self, i: int, task: Any, alive: list[str]) -> str | None:
         """Why slot ``i``'s replica must be restarted, or None if it is fine; gathers the
@@ -114,8 +130,12 @@ class Supervisor:
             return f"{error!r}"
         if task.status in ("cancelled", "lost"):
             return f"its task was {task.status}"
-        if self.tasks.workers[i] not in alive:
-            return f"worker {self.tasks.workers[i]} left the cluster"
+        worker = self.tasks.workers[i]
+        if worker not in alive:
+            return f"worker {worker} left the cluster"
+        silent = self.cluster.silent_for(worker)
+        if silent >= self._silence():  # Dask keeps a stopped worker listed, its task running
+            return f"worker {worker} has not been heard from for {silent:.0f} s (stopped or hung)"
         return None
 
     def restart(self, replica: int, reason: str, alive: list[str], partition: int = 0) -> None:
