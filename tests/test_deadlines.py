@@ -141,7 +141,7 @@ def test_a_stopped_worker_ends_a_fit_on_in_memory_data_with_a_named_timeout(two_
     assert isinstance(error, TimeoutError)
     assert str(error).startswith(expected + " did not finish within timeout=3 s.")
     est.fit(X, y, client=client)  # the worker is back: the same fit goes through
-    assert est.score(X, y) > 0.5
+    assert est.experiment_.pushes["examples"].sum() > 0 and hasattr(est, "params_")
 
 
 @pytest.mark.slow
