@@ -26,6 +26,8 @@ that the final state does not hold (per shard: the replicas' own count of acknow
 minus the shard's final version, at least 0) -- a lower bound, as a replica whose worker died
 takes its count along and replies the old copy sent after its replacement started are refused,
 never acknowledged; *fenced*: replaced incarnations reached and retired, of those replaced.
+Under a Downpour row, the number of ``replica_restarted`` events per run, if any (a replica on
+the stopped worker is moved once its worker has been silent for 10 s).
 
     python benchmarks/bench_chaos.py [--runs 2] [--epochs 25] [--scenarios sandblaster]
 """
@@ -116,8 +118,10 @@ def downpour(client: Client, fault, epochs: int, seed: int) -> dict:
         )
         for r in records
     )
+    kinds = est.experiment_.events["kind"]
     return {
         "accuracy": est.score(test),
+        "moved": int((kinds == "replica_restarted").sum()),
         "reported": int(status["lost_updates"].sum()),
         "gap": gap,
         "measured": measured,
@@ -209,6 +213,8 @@ def main() -> None:
             print(f"{name:<22}{f'0/{len(errors)}':>9}")
         if any("restores" in r for r in results):
             print(f"    shard restores per run: {' '.join(str(r['restores']) for r in results)}")
+        if any(r.get("moved") for r in results):
+            print(f"    replicas restarted per run: {' '.join(str(r['moved']) for r in results)}")
         for error in errors:
             print(f"    failed: {error}")
 
