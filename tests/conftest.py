@@ -28,6 +28,7 @@ from downpour_dask import optim
 from downpour_dask.ps import frames
 from downpour_dask.ps.service import ShardService
 from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.runtime.dask_client_calls import scheduler_workers
 from downpour_dask.runtime.profiler import PROFILE_SETTING, profiler_can_deadlock
 
 # The worker processes of the clusters the tests start come from a fork server that imported
@@ -269,3 +270,42 @@ def _shared_cluster_left_idle(request):
         if time.monotonic() > deadline:
             pytest.fail(f"work still running on the shared cluster 30 s after the test: {running}")
         time.sleep(0.05)
+
+
+def while_stopped(pid: int, call: Callable[[], Any], wait: float, stop_first: bool = True) -> dict:
+    """Run ``call`` in a thread while the process ``pid`` is stopped -- by SIGSTOP now, or by
+    ``call`` itself (a fit's callback) without ``stop_first`` -- for up to ``wait`` seconds;
+    SIGCONT it whatever happens.  Returns ``{"finished": whether ``call`` returned or raised
+    before the SIGCONT, "result": ... or "error": ...}``."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as err:  # handed to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    if stop_first:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        thread.start()
+        thread.join(wait)
+        outcome["finished"] = not thread.is_alive()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    thread.join(60)
+    return outcome
+
+
+def newcomer_after_sigkill(client: Client, pids: dict[str, int], victim: str) -> str:
+    """SIGKILL worker ``victim`` (of the workers ``pids``) and return the address of the worker
+    its nanny starts instead, at a new address (waited for up to 90 s)."""
+    os.kill(pids[victim], signal.SIGKILL)
+    end = time.monotonic() + 90
+    workers = set(scheduler_workers(client))
+    while time.monotonic() < end and (victim in workers or len(workers) < len(pids)):
+        time.sleep(0.2)
+        workers = set(scheduler_workers(client))
+    (newcomer,) = workers - set(pids)
+    return newcomer

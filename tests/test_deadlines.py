@@ -10,6 +10,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import while_stopped
 from distributed import futures_of, wait
 
 from downpour_dask import DownpourSGD, SandblasterLBFGS, datasets, models
@@ -54,27 +55,9 @@ def _fit_with_a_worker_stopped(client, victim: str, fit) -> BaseException | None
     """Run ``fit`` while ``victim``'s process is stopped (SIGSTOP); its error, or None if it
     finished.  The worker is let go on (SIGCONT) whatever happens; a fit still running after
     60 s fails the test."""
-    pid = client.run(os.getpid, workers=[victim])[victim]
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            fit()
-            outcome["error"] = None
-        except BaseException as err:  # handed to the test
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        thread.start()
-        thread.join(60)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    finished = "error" in outcome
-    thread.join(60)
-    assert finished, "the fit was still waiting on the stopped worker after 60 s"
-    return outcome["error"]
+    outcome = while_stopped(client.run(os.getpid, workers=[victim])[victim], fit, 60)
+    assert outcome["finished"], "the fit was still waiting on the stopped worker after 60 s"
+    return outcome.get("error")
 
 
 @pytest.mark.slow
@@ -164,22 +147,9 @@ def test_a_worker_stopped_mid_fit_ends_a_sandblaster_fit_while_it_is_still_stopp
             stopped.set()
 
     est = SandblasterLBFGS(models.SoftmaxRegression(20, 2), n_shards=1, max_iter=300, timeout=3)
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            est.fit(X, y, client=client, callback=stop_the_victim)
-            outcome["error"] = None
-        except BaseException as err:  # handed to the test
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    try:
-        thread.start()
-        thread.join(60)
-    finally:
-        os.kill(pids[victim], signal.SIGCONT)
+    fit = lambda: est.fit(X, y, client=client, callback=stop_the_victim)  # noqa: E731
+    outcome = while_stopped(pids[victim], fit, 60, stop_first=False)
     assert stopped.is_set()
-    assert "error" in outcome, "the fit was still waiting on the stopped worker after 60 s"
-    assert isinstance(outcome["error"], RuntimeError)
+    assert outcome["finished"], "the fit was still waiting on the stopped worker after 60 s"
+    assert isinstance(outcome.get("error"), RuntimeError)
     assert "did not finish within timeout=3 s" in str(outcome["error"])

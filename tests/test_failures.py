@@ -19,12 +19,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import while_stopped
 from distributed import Client
 
 from downpour_dask import DownpourSGD, Experiment, cli, datasets, models, runs
@@ -166,27 +166,11 @@ def test_a_replica_whose_worker_is_stopped_moves_and_the_run_finishes_while_it_s
             os.kill(pid, signal.SIGSTOP)
             stopped.append(progress.pushes)
 
-    outcome: dict = {}
-
-    def fit() -> None:
-        try:
-            outcome["est"] = _estimator(max_epochs=KILL_EPOCHS, timeout=5).fit(
-                train, eval_data=test, client=client, callback=stop_at_150_pushes
-            )
-        except BaseException as err:  # handed to the test
-            outcome["error"] = err
-
-    thread = threading.Thread(target=fit, daemon=True)
-    try:
-        thread.start()
-        thread.join(150)
-        finished_while_stopped = not thread.is_alive()
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    thread.join(60)
-    assert stopped and finished_while_stopped, "the fit waited for the stopped worker"
+    est = _estimator(max_epochs=KILL_EPOCHS, timeout=5)
+    fit = lambda: est.fit(train, eval_data=test, client=client, callback=stop_at_150_pushes)  # noqa: E731
+    outcome = while_stopped(pid, fit, 150, stop_first=False)
+    assert stopped and outcome["finished"], "the fit waited for the stopped worker"
     assert "error" not in outcome, outcome.get("error")
-    est = outcome["est"]
     assert "shard_lost" not in _kinds(est) and _kinds(est)[-1] == "stop"
     (failed,) = _data(est, "replica_failed")
     assert failed["replica"] == 2

@@ -4,12 +4,11 @@ the command's own handling of it is tested in test_cli.py and test_cli_interrupt
 import os
 import signal
 import threading
-import time
 
 import pytest
+from conftest import newcomer_after_sigkill
 
 from downpour_dask.runtime import cluster as cluster_module
-from downpour_dask.runtime.dask_client_calls import scheduler_workers
 from downpour_dask.runtime.interrupts import LeaveInterruptsToTheDriver, ignores_interrupts
 
 
@@ -43,11 +42,5 @@ def test_an_embedded_clusters_workers_outlive_sigint_and_a_restarted_one_ignores
         victim = sorted(pids)[0]
         os.kill(pids[victim], signal.SIGINT)  # what a terminal's Ctrl-C sends it
         assert client.run(os.getpid, workers=[victim]) == {victim: pids[victim]}  # alive
-        os.kill(pids[victim], signal.SIGKILL)
-        end = time.monotonic() + 90  # the nanny starts a new worker at a new address
-        workers = set(scheduler_workers(client))
-        while time.monotonic() < end and (victim in workers or len(workers) < len(pids)):
-            time.sleep(0.2)
-            workers = set(scheduler_workers(client))
-        (newcomer,) = workers - set(pids)
+        newcomer = newcomer_after_sigkill(client, pids, victim)
         assert client.run(ignores_interrupts, workers=[newcomer]) == {newcomer: True}

@@ -4,17 +4,15 @@ the library starts go without it, and a cluster a user brings with it is warned 
 from __future__ import annotations
 
 import os
-import signal
-import time
 import warnings
 
 import dask
 import pytest
+from conftest import newcomer_after_sigkill
 from distributed import Client, LocalCluster
 
 from downpour_dask.runtime import cluster as cluster_module
 from downpour_dask.runtime import profiler
-from downpour_dask.runtime.dask_client_calls import scheduler_workers
 from downpour_dask.runtime.profiler import PROFILE_SETTING, profiler_can_deadlock
 
 CONNECT = "distributed.comm.timeouts.connect"
@@ -134,14 +132,7 @@ def test_a_worker_its_nanny_restarts_after_sigkill_still_goes_without_the_profil
     with dask.config.set({PROFILE_SETTING: True}):
         with cluster_module.cluster_client(None) as client:
             pids = client.run(_pid)
-            victim = sorted(pids)[0]
-            os.kill(pids[victim], signal.SIGKILL)
-            end = time.monotonic() + 90  # the nanny starts a new worker at a new address
-            workers = set(scheduler_workers(client))
-            while time.monotonic() < end and (victim in workers or len(workers) < len(pids)):
-                time.sleep(0.2)
-                workers = set(scheduler_workers(client))
-            (newcomer,) = workers - set(pids)
+            newcomer = newcomer_after_sigkill(client, pids, sorted(pids)[0])
             running = client.run(_profiling, workers=[newcomer])[newcomer]
     assert running is not profiler_can_deadlock()
 
