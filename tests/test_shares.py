@@ -99,3 +99,13 @@ def test_streamed_files_not_yet_read_go_to_the_joined_replica_only(tmp_path):
     twice = {f for f, n in files.items() if n == 2 * rows}
     assert set(files) == set(range(6)) and twice <= {opened}
     assert all(n == rows for f, n in files.items() if f != opened)
+
+
+def test_a_replica_whose_data_is_not_shared_reads_all_of_it():
+    """A fit on a Dask collection shares nothing (``shareable`` is empty: a replica cannot hand
+    partitions over); moving one of its replicas asks for its share all the same.  That used to
+    raise a bare KeyError and end the fit when a replica's worker retired."""
+    shares = DataShares([], seed=0)
+    assert shares.positions(0) is None and shares.positions(3) is None
+    shares = DataShares(_subsets([4, 4]), seed=0)
+    assert shares.positions(1) is None and shares.positions(2) is None  # (2: not in the record)

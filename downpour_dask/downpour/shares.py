@@ -65,8 +65,11 @@ class DataShares:
         return len(data.shards) if isinstance(data, StreamSpec) else len(data[0])
 
     def positions(self, replica: int) -> np.ndarray | None:
-        """What ``replica`` reads of its data (positions), None if all of it."""
-        keep = self.keep[replica]
+        """What ``replica`` reads of its data (positions), None if all of it -- as a replica
+        whose data is not shared does (a Dask collection's partitions: not in the record)."""
+        keep = self.keep.get(replica)
+        if keep is None:
+            return None
         return None if len(keep) == self._size(self.data[replica]) else keep
 
     def add(self, replica: int, sharing: list[int]) -> tuple[Any, dict[int, np.ndarray]] | None:
