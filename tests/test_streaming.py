@@ -58,6 +58,21 @@ def _write_parquet(folder: Path, sizes: list[int], row_group: int = 50) -> list[
     return paths
 
 
+def test_files_named_relative_to_the_drivers_folder_are_kept_as_absolute_paths(
+    tmp_path, monkeypatch
+):
+    """Workers read the files from folders of their own (a cluster started elsewhere): a path
+    relative to the driver's folder would name nothing there."""
+    _write_parquet(tmp_path / "shards", [30, 20])
+    monkeypatch.chdir(tmp_path)
+    listed = ["shards/part-0.parquet", "shards/part-1.parquet"]
+    for named in ("shards", "shards/part-*.parquet", listed):
+        ds = datasets.from_parquet(named)
+        assert [s.path for s in ds.shards] == [
+            str(tmp_path / "shards" / f"part-{i}.parquet") for i in range(2)
+        ]
+
+
 def _write(kind: str, folder: Path, sizes: list[int]) -> datasets.ShardedDataset:
     """The same rows (ids 0..sum(sizes)-1) as parquet, npy or csv files."""
     if kind == "parquet":

@@ -171,7 +171,7 @@ def _tables(path: Path, spec: HashSpec, chunk_rows: int) -> Iterator[pa.Table]:
 def _paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     if isinstance(paths, (str, Path)):
         paths = sorted(Path().glob(str(paths))) if any(c in str(paths) for c in "*?[") else [paths]
-    found = [Path(p) for p in paths]
+    found = [Path(p).absolute() for p in paths]  # workers may read from another folder
     absent = [str(p) for p in found if not p.exists()]
     if not found or absent:
         raise FileNotFoundError(f"no such data file(s): {absent or paths}")

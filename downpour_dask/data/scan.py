@@ -26,7 +26,9 @@ from .schema import Schema, Shard, open_npy, read_error
 
 
 def expand_paths(paths: Any, suffix: str, what: str = "paths") -> list[str]:
-    """Files named by a path, a glob pattern, a directory (its ``*suffix`` files) or a list.
+    """Files named by a path, a glob pattern, a directory (its ``*suffix`` files) or a list,
+    as absolute paths: workers read them from folders of their own (a cluster started
+    elsewhere), where a path relative to the driver's folder names nothing.
 
     Raises
     ------
@@ -51,7 +53,7 @@ def expand_paths(paths: Any, suffix: str, what: str = "paths") -> list[str]:
             found = [text]
         else:
             raise FileNotFoundError(f"{what}: no such file {text!r}")
-        files.extend(found)
+        files.extend(os.path.abspath(f) for f in found)
     return files
 
 
