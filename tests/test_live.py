@@ -346,6 +346,41 @@ def test_watch_errors_are_one_line(client, capsys):
     assert "cannot reach the Dask scheduler" in error
 
 
+@pytest.mark.slow  # waits for a connection timeout
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("peer", ["silent", "banner"])
+def test_a_port_that_does_not_speak_dask_is_one_line_of_error_within_the_timeout(capsys, peer):
+    """A port that accepts but never answers (a web server) held the command for ever; one
+    that speaks first (an SSH server) failed it deep in Dask's frame reader.  Loopback, one
+    connection at a time, for at most 30 s."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(30)
+    done = threading.Event()
+
+    def serve() -> None:
+        with server:
+            while not done.is_set():
+                try:
+                    conn, _ = server.accept()
+                except OSError:  # (30 s without a connection: the test is over)
+                    return
+                with conn:
+                    if peer == "banner":
+                        conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n" + b"\xff" * 64)
+                    done.wait(30)
+
+    threading.Thread(target=serve, daemon=True).start()
+    address = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        status = cli.main(["watch", "x", "--scheduler", address, "--connect-timeout", "2"])
+    finally:
+        done.set()
+    said, error = capsys.readouterr().err.splitlines()
+    assert status == 2 and said == f"connecting to {address} (timeout 2 s)"
+    assert error.startswith("downpour-dask watch: error: cannot reach the Dask scheduler at ")
+    assert "Traceback" not in error
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_view_follows_a_shard_recreated_after_its_worker_died(own_cluster):

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 
 from distributed import Client, Security
+from distributed.comm import connect as comm_connect
 
 from ..runtime.dask_internals import connect_client
 from .errors import Unreachable, UsageError, one_line
@@ -74,7 +76,8 @@ def connect(scheduler: str, args: argparse.Namespace, quiet: bool = False) -> Cl
     Raises
     ------
     Unreachable
-        If the scheduler cannot be reached within ``--connect-timeout`` seconds (exit status 2).
+        If the scheduler cannot be reached within ``--connect-timeout`` seconds, or what answers
+        at ``scheduler`` is not a Dask scheduler (exit status 2).
     """
     security = client_security(args)
     if not args.connect_timeout > 0:
@@ -82,9 +85,35 @@ def connect(scheduler: str, args: argparse.Namespace, quiet: bool = False) -> Cl
     if not quiet:
         print(f"connecting to {scheduler} (timeout {args.connect_timeout:g} s)", file=sys.stderr)
     try:
+        asyncio.run(_answers_as_dask(scheduler, args.connect_timeout, security))
         return connect_client(scheduler, args.connect_timeout, security=security)
     except (OSError, TimeoutError, ValueError, TypeError) as err:  # TypeError: TLS, no creds
         raise Unreachable(
             f"cannot reach the Dask scheduler at {scheduler!r} within "
             f"{args.connect_timeout:g} s ({one_line(err)})"
         ) from None
+
+
+async def _answers_as_dask(address: str, timeout: float, security: Security | None) -> None:
+    """Ask ``address`` for its identity, as a Dask client's first message, within ``timeout``
+    seconds.  ``Client(address, timeout=)`` bounds only reaching the port: a port that accepts
+    but never answers (a web server) would hold it for ever, and one that speaks first (an SSH
+    server) fails it deep in Dask's frame reader.  Raises ``TimeoutError`` or ``OSError``."""
+
+    async def ask() -> None:
+        args = (security or Security()).get_connection_args("client")
+        comm = await comm_connect(address, timeout=timeout, **args)
+        try:
+            await comm.write({"op": "identity"})
+            await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        await asyncio.wait_for(ask(), timeout)
+    except (TimeoutError, asyncio.TimeoutError) as err:  # (wait_for's own has no message)
+        raise TimeoutError(str(err) or "no answer as a Dask scheduler") from None
+    except (OSError, ValueError, TypeError):
+        raise
+    except Exception as err:  # what a non-Dask peer's bytes make of Dask's frame reader
+        raise OSError(f"what answers there is not a Dask scheduler: {one_line(err)}") from None
