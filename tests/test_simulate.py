@@ -337,3 +337,10 @@ def test_simulate_command_prints_the_table_and_the_plan(client, tmp_path, capsys
     assert cli.main([*also, "--also", str(tmp_path / "missing")]) == 2
     assert cli.main([*also, "--also", str(run_dir)]) == 0  # calibrated on both, written again
     assert "calibrated from 2 run log(s)" in capsys.readouterr().out
+    too_many = ["simulate", "--from", str(run_dir), "--replicas", "10000000"]
+    assert cli.main(too_many) == 2  # refused at once, not simulated for minutes
+    assert "--replicas takes at most 100,000, got 10,000,000" in capsys.readouterr().err
+    n_params = models.MLP(784, (32,), 10).n_params  # the fit's "mlp:32" on mnist5k
+    assert cli.main(["simulate", "--from", str(run_dir), "--shards", "1000000"]) == 2
+    error = capsys.readouterr().err
+    assert f"--shards takes at most the model's {n_params:,} parameters" in error

@@ -30,6 +30,11 @@ COLUMNS = {
 }
 
 
+#: The most replicas a simulated configuration may have: the simulator's events, time and
+#: memory grow with them.
+MAX_REPLICAS = 100_000
+
+
 def counts(text: str, flag: str) -> list[int]:
     """``"10,100,1000"`` as ints >= 1, or a UsageError naming ``flag``."""
     try:
@@ -80,6 +85,8 @@ def simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--from {args.run_dir!r} is not a run directory (no config.json)")
     replicas = counts(args.replicas, "--replicas")
     shards = counts(args.shards, "--shards")
+    if max(replicas) > MAX_REPLICAS:  # its events grow with the replicas: time and memory
+        raise UsageError(f"--replicas takes at most {MAX_REPLICAS:,}, got {max(replicas):,}")
     if not 0 < args.max_utilisation <= 1:
         raise UsageError(f"--max-utilisation must be in (0, 1], got {args.max_utilisation}")
     others = [Path(part) for part in args.also.split(",") if part.strip()]
@@ -96,6 +103,11 @@ def simulate(args: argparse.Namespace) -> int:
         print(f"calibrated from {1 + len(others)} run log(s); wrote {fitted.save(run_dir)}")
     else:
         fitted = calibration.load(run_dir)
+    if max(shards) > fitted.setup.n_params:
+        raise UsageError(
+            f"--shards takes at most the model's {fitted.setup.n_params:,} parameters (a shard "
+            f"holds at least one), got {max(shards):,}"
+        )
     timing = fitted.timing.with_(cores=None)
     setup = fitted.setup.with_(local_replicas=0)  # every replica on a machine of its own
     print(f"timing: {timing}")

@@ -76,7 +76,7 @@ def check_columns(
     """
     if label not in names:
         raise ValueError(
-            f"{path}: label column {label!r} not found; the file has columns "
+            f"{path}: label column {label!r} not found; its columns are "
             f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''} (pass label=)"
         )
     if features is None:
