@@ -195,15 +195,16 @@ class DaskCluster:
         retirements Dask aborted, are heard of."""
         self._watching = True
         self.client.subscribe_topic(membership_topic(self.run), self._hear)
-        for plugin, without in (
-            (HoldForMigration(self.run), "workers that leave are handled as failures"),
-            (MembershipPlugin(self.run), "workers that join get no replica"),
-        ):
+        holder, member = HoldForMigration(self.run), MembershipPlugin(self.run)
+        for plugin, register, without in (
+            (holder,  # set up on every worker: bounded, a stopped one must not hold the fit
+             lambda: register_worker_plugin(self.client, holder, holder.name, self.timeout),
+             "workers that leave are handled as failures"),
+            (member, lambda: self.client.register_plugin(member),  # the scheduler's
+             "workers that join get no replica"),
+        ):  # fmt: skip
             try:
-                if isinstance(plugin, HoldForMigration):  # set up on every worker: bounded
-                    register_worker_plugin(self.client, plugin, plugin.name, self.timeout)
-                else:  # the scheduler's
-                    self.client.register_plugin(plugin)
+                register()
             except Exception as err:  # noqa: BLE001 - any refusal (or timeout) means the same
                 warnings.warn(
                     f"the Dask cluster refused {type(plugin).__name__} ({err!r}): {without}",

@@ -23,7 +23,7 @@ from ..base import ParamServerEstimator, check_int, check_positive
 from ..core.protocol import TrainableModel
 from ..data.datasets import Dataset
 from ..data.shards import ShardedDataset
-from ..inputs import check_distributed, evaluation_data, is_distributed, prepare_fit
+from ..inputs import evaluation_data, is_distributed, prepare_before_cluster, prepare_fit
 from ..log import Progress
 from ..runtime.cluster import check_security, cluster_client
 from ..runtime.placement import persist_partitions
@@ -274,12 +274,7 @@ class SandblasterLBFGS(ParamServerEstimator):
                 f"every pass reads all the rows where the workers keep them (full batch), got "
                 f"batch_size={self.batch_size}"
             )
-        model = rows = evaluation = None
-        if files or not is_distributed(data):  # every check before any cluster work
-            model, rows = prepare_fit(self, data, y)
-            evaluation = evaluation_data(self, model, eval_data)
-        else:  # Dask collections: their kinds now, their labels on the cluster
-            check_distributed(self, data, y)
+        model, rows, evaluation = prepare_before_cluster(self, data, y, eval_data)
         callback, delay = self._callback(callback), dict(portion_delay or {})
         with cluster_client(client, self.security, announce=self.verbose >= 1) as active:
             if model is None:  # Dask collections: their labels are read on the cluster
