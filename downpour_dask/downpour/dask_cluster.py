@@ -29,6 +29,7 @@ from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers, send_to_workers
 from ..runtime.dask_client_calls import register_worker_plugin, unregister_worker_plugin
 from ..runtime.deadlines import waiting_for
+from .driver_loss import DriverLoss, driver_loss_name
 from .membership import (
     HoldForMigration,
     MembershipPlugin,
@@ -73,6 +74,7 @@ class DaskCluster:
         self._beats: dict[str, tuple[Any, float]] = {}  # worker -> (last_seen, when it moved)
         self._heard: deque[dict[str, Any]] = deque()  # membership events not yet taken
         self._watching = False
+        self._loss_plugin = False  # whether the scheduler holds this fit's DriverLoss plugin
         self._rows_taken, self._returned_taken = Taken(), Taken()  # (see .outbox)
 
     def workers(self, fresh: bool = True) -> list[str]:
@@ -254,8 +256,33 @@ class DaskCluster:
         self._skip.pop(worker, None)
         self._run_each(function, *args, workers=[worker])
 
+    def let_go_if_driver_lost(
+        self, shards: list[Future], published: str | None, secret: bytes
+    ) -> None:
+        """Have the scheduler stop this fit's replicas and let go of what the fit leaves on the
+        cluster (its variables, the name ``published`` it publishes under, its plugins, the
+        workers' records, the actors of ``shards``, whose stop needs the fit's ``secret``)
+        should the driver's client be removed before :meth:`forget` (:mod:`.driver_loss`).  A
+        refusal (downpour-dask not importable on the scheduler) warns: a driver killed then
+        leaves it all behind."""
+        keys = [future.key for future in shards]
+        loss = DriverLoss(self.run, self.client.id, keys, published, secret)
+        try:
+            self.client.register_plugin(loss)
+            self._loss_plugin = True
+        except Exception as err:  # noqa: BLE001 - any refusal means the same
+            warnings.warn(
+                f"the Dask cluster refused DriverLoss ({err!r}): should this process die "
+                f"during the fit, its shards and published name stay on the cluster",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
     def forget(self) -> None:
         """At the end of the fit: drop what workers keep for this run, and the variables."""
+        if self._loss_plugin:  # first: the client's later departure must touch nothing
+            with contextlib.suppress(Exception):
+                self.client.unregister_scheduler_plugin(driver_loss_name(self.run))
         if self._watching:
             with contextlib.suppress(Exception):
                 self.client.unsubscribe_topic(membership_topic(self.run))

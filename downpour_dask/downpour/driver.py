@@ -6,8 +6,9 @@ starts the parameter-server shards (next to replica 0's partitions with model pa
 starts every replica -- the others wait on the shards for replica 0's warmstart --, watches the
 warmstart, supervises until every replica has finished (:mod:`.supervision`), reads the final
 parameters, and always lets go of what it started: tasks, mailboxes, shards, the published
-name.  The decisions of the run are its collaborators': :mod:`.supervisor`,
-:mod:`.shard_recovery`, :mod:`.tasks`, :mod:`.checkpoints`.
+name (should the driver die first, the scheduler does, :mod:`.driver_loss`).  The decisions of
+the run are its collaborators': :mod:`.supervisor`, :mod:`.shard_recovery`, :mod:`.tasks`,
+:mod:`.checkpoints`.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class Driver:
             info = self._live_info(recorder, placed.n_rows)
             publication = Publication(client, self.publish, info)
         try:
+            self.cluster.let_go_if_driver_lost(server.futures, self.publish, self.wire_secret)
             for i, future in enumerate(server.futures):  # replicas find replacements there
                 self.cluster.announce_shard(i, future, 0)
             checkpoints = Checkpoints(
@@ -138,9 +140,7 @@ class Driver:
                 before_write=functools.partial(take_rows, self.cluster, recorder),
             )
             self._record_start(recorder, len(workers))
-            republish = (
-                None if publication is None else functools.partial(publication.republish, server)
-            )
+            republish = publication and functools.partial(publication.republish, server)
             recovery = ShardRecovery(
                 self.cluster, view, checkpoints, recorder, fit.timeout, republish,
                 reported_acks=tasks.acked_version,

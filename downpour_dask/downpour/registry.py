@@ -7,11 +7,15 @@ acknowledged) and their push-log rows not yet collected (:func:`rows_after`), so
 dies loses only its newest rows.  The driver reads them with ``client.run`` and clears them
 with :func:`forget_run`.  Rows and results are handed over through an :class:`~.outbox.Outbox`:
 kept until the driver says it holds them, so an answer that arrives too late loses nothing.
+The replicas running in the process are counted per run (:func:`replica_running`): the
+scheduler's cleanup after a lost driver waits for them (:mod:`.driver_loss`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -24,9 +28,14 @@ _FETCHED: dict[tuple[str, int, str], tuple[int, np.ndarray]] = {}
 _FETCHED_LOCK = threading.Lock()
 
 
+def run_variables(run: str) -> str:
+    """The prefix of the name of every ``distributed.Variable`` of fit ``run``."""
+    return f"downpour-{run}-"
+
+
 def shard_variable(run: str, shard: int) -> str:
     """Name of the ``distributed.Variable`` holding the current actor future of ``shard``."""
-    return f"downpour-{run}-shard-{shard}"
+    return f"{run_variables(run)}shard-{shard}"
 
 
 def remember_fetched(run: str, shard: int, key: str, version: int, values: np.ndarray) -> bool:
@@ -147,6 +156,29 @@ def assign_share(run: str, replica: int, positions: np.ndarray) -> None:
 def assigned_share(run: str, replica: int) -> np.ndarray | None:
     """The positions :func:`assign_share` gave ``replica`` last, None if it reads everything."""
     return _SHARES.get((run, replica))
+
+
+#: How many replica loops of each run are running in this process.
+_RUNNING: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def replica_running(run: str) -> Iterator[None]:
+    """Count a replica loop of ``run`` as running in this process while in the block."""
+    with _FETCHED_LOCK:
+        _RUNNING[run] = _RUNNING.get(run, 0) + 1
+    try:
+        yield
+    finally:
+        with _FETCHED_LOCK:
+            _RUNNING[run] -= 1
+            if not _RUNNING[run]:
+                del _RUNNING[run]
+
+
+def running_replicas(run: str) -> int:
+    """How many replica loops of ``run`` run in this process now."""
+    return _RUNNING.get(run, 0)
 
 
 def forget_run(run: str) -> None:

@@ -35,6 +35,7 @@ from .registry import (
     keep_returned,
     keep_row,
     remember_fetched,
+    replica_running,
     shard_variable,
 )
 from .replica_loop import ReplicaConfig, ReplicaLoop, gradient_scale
@@ -123,27 +124,28 @@ def run_loop(
     replacements = None
     if config.run:
         replacements = [shard_variable(config.run, shard) for shard in server.ids]
-    channels = open_channels(
-        server,
-        config.replica,
-        config.timeout,
-        replacements,
-        direct=config.transport == "auto",
-        secret=config.wire_secret,
-    )
-    try:
-        sink = WorkerSink(config.run, config.topic)
-        loop = loop_class(channels, server.ranges, model, config, sink)
-        if loop_class is ReplicaLoop:  # a split replica's partitions move as one: crash path
-            sink.stop_replica = lambda: setattr(loop, "stop", True)
-        result = loop.run(source)
-        if sink.retired:  # a closing worker cancels this task: the driver reads it from there
-            result = {**result, "retired": True}
-            keep_returned(config.run, result)
-        return result
-    finally:
-        for channel in channels:
-            channel.close()
+    with replica_running(config.run):  # a lost driver's cleanup waits for it (.driver_loss)
+        channels = open_channels(
+            server,
+            config.replica,
+            config.timeout,
+            replacements,
+            direct=config.transport == "auto",
+            secret=config.wire_secret,
+        )
+        try:
+            sink = WorkerSink(config.run, config.topic)
+            loop = loop_class(channels, server.ranges, model, config, sink)
+            if loop_class is ReplicaLoop:  # a split replica's partitions move as one: crash path
+                sink.stop_replica = lambda: setattr(loop, "stop", True)
+            result = loop.run(source)
+            if sink.retired:  # a closing worker cancels this task: the driver reads it from there
+                result = {**result, "retired": True}
+                keep_returned(config.run, result)
+            return result
+        finally:
+            for channel in channels:
+                channel.close()
 
 
 def run_replica(

@@ -277,6 +277,7 @@ def fit_sparse(
                            lambda r: server.recent_pushes(r, timeout), n_push, started)
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
     try:
+        cluster.let_go_if_driver_lost(futures, publish, secret)  # should this process die
         monitor.start()
         supervise(supervisor, replicas, fit, recovery, checkpoint_dir,
                   checkpoint_every if checkpoint_dir is not None else 1e9, monitor.tick)

@@ -9,11 +9,13 @@ every shard (in-process, the direct wire or actor messages:
 (:class:`~.sparse_accrual.AccruingReplica` for ``n_fetch``/``n_push`` other than 1).  A shard
 lost mid-run is waited for (:func:`~.sparse_recovery.await_replacement`) and the replica goes
 on against its next generation.  Its push records are kept on the worker for the driver as they
-are made (:func:`~.sparse_replicas.keep_records`) and returned whole at the end.
+are made (:func:`~.sparse_replicas.keep_records`) and returned whole at the end.  A task
+Dask cancelled (its driver let it go or is gone) stops at its next batch.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
@@ -28,12 +30,15 @@ from ..ps.protocol import ShardLostError
 from ..ps.refs import ActorRef
 from ..ps.rows import RowsLink, SparseLayout
 from ..ps.rows_wire import RowsWireClient
-from ..runtime.dask_internals import worker_client
-from .registry import keep_acked
+from ..runtime.dask_internals import task_cancelled, worker_client
+from .registry import keep_acked, replica_running
 from .sparse_accrual import AccruingReplica
 from .sparse_loop import run_sparse_replica
 from .sparse_recovery import await_replacement
 from .sparse_replicas import keep_records
+
+#: Seconds between looks at whether the task was cancelled.
+CANCEL_CHECK_EVERY = 0.25
 
 
 def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: int,
@@ -47,6 +52,19 @@ def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: 
         else:
             paths, spec = data
             yield from read_hashed(list(paths)[replica::n_replicas], spec, batch_size, rng)
+
+
+def _until_cancelled(batches: Iterator[SparseBatch]) -> Iterator[SparseBatch]:
+    """``batches`` until this task is cancelled -- its driver let it go, or died and Dask let
+    go of its tasks (a running task cannot be interrupted) --, looked up every
+    :data:`CANCEL_CHECK_EVERY` seconds."""
+    checked = time.monotonic()
+    for batch in batches:
+        if time.monotonic() - checked >= CANCEL_CHECK_EVERY:
+            checked = time.monotonic()
+            if task_cancelled():
+                return
+        yield batch
 
 
 def _link(ref: ActorRef, s: int, replica: int, timeout: float, n_tables: int,
@@ -80,53 +98,56 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
     (the push in flight when the shard was lost is lost on it).  ``key``: the task's key, under
     which its records are kept on the worker for the driver (:mod:`.sparse_replicas`)."""
     secede()  # it runs for the whole fit: it must not hold one of the worker's task slots
-    refs, records, generations = list(refs), [], [0] * len(refs)
-    if run and key:
-        keep_records(run, key, records)
-    batches = islice(_batches(data, replica, n_replicas, batch_size, epochs, seed),
-                     start_step, None)
-    accruing = None
-    if (n_fetch, n_push) != (1, 1):
-        accruing = AccruingReplica(model, layout, batches, replica, n_fetch, n_push, alpha,
-                                   start_step, max_steps, started, records)
-    start, first_seq = start_step, (0 if start_step else None)
-    first_step: int | None = start_step  # (a later session's numbering starts mid-accrual)
-    while True:
-        links = [_link(ref, s, replica, timeout, len(layout.specs), secret, first_step)
-                 for s, ref in enumerate(refs)]
-        first_step = None
-        for link, generation in zip(links, generations):
-            link.generation = generation
-        keys = [ref.key for ref in refs]
+    with replica_running(run):  # a lost driver's cleanup waits for it (.driver_loss)
+        refs, records, generations = list(refs), [], [0] * len(refs)
+        if run and key:
+            keep_records(run, key, records)
+        batches = _until_cancelled(islice(
+            _batches(data, replica, n_replicas, batch_size, epochs, seed), start_step, None))
+        accruing = None
+        if (n_fetch, n_push) != (1, 1):
+            accruing = AccruingReplica(model, layout, batches, replica, n_fetch, n_push, alpha,
+                                       start_step, max_steps, started, records)
+        start, first_seq = start_step, (0 if start_step else None)
+        first_step: int | None = start_step  # (a later session's numbering starts mid-accrual)
+        while True:
+            links = [_link(ref, s, replica, timeout, len(layout.specs), secret, first_step)
+                     for s, ref in enumerate(refs)]
+            first_step = None
+            for link, generation in zip(links, generations):
+                link.generation = generation
+            keys = [ref.key for ref in refs]
 
-        def acked(s: int, version: int, keys: list[str] = keys) -> None:
-            keep_acked(run, s, keys[s], version)
+            def acked(s: int, version: int, keys: list[str] = keys) -> None:
+                keep_acked(run, s, keys[s], version)
 
-        try:
-            if accruing is not None:
-                accruing.acked = acked
-                accruing.run(links)
+            try:
+                if accruing is not None:
+                    accruing.acked = acked
+                    accruing.run(links)
+                    break
+                left = None if max_steps is None else max(0, max_steps - start)
+                run_sparse_replica(model, links, layout, batches, replica, left, started,
+                                   start_step=start, records=records, first_seq=first_seq,
+                                   acked=acked)
                 break
-            left = None if max_steps is None else max(0, max_steps - start)
-            run_sparse_replica(model, links, layout, batches, replica, left, started,
-                               start_step=start, records=records, first_seq=first_seq,
-                               acked=acked)
-            break
-        except ShardLostError as err:
-            if not run:
-                raise
-            generations[err.shard] = links[err.shard].generation
-            actor = await_replacement(worker_client(), run, err.shard,
-                                      generations[err.shard], timeout)
-            generations[err.shard] += 1
-            refs[err.shard] = actor
-            start = max((r["step"] for r in records), default=start - 1) + 1
-            first_seq = 0  # fresh links: fresh push sessions
-        finally:
-            for link in links:
-                link.close()
-                record_transport(records, link)
-    return records
+            except ShardLostError as err:
+                if not run:
+                    raise
+                if task_cancelled():  # a lost driver's shards go too (.driver_loss)
+                    break
+                generations[err.shard] = links[err.shard].generation
+                actor = await_replacement(worker_client(), run, err.shard,
+                                          generations[err.shard], timeout)
+                generations[err.shard] += 1
+                refs[err.shard] = actor
+                start = max((r["step"] for r in records), default=start - 1) + 1
+                first_seq = 0  # fresh links: fresh push sessions
+            finally:
+                for link in links:
+                    link.close()
+                    record_transport(records, link)
+        return records
 
 
 def record_transport(records: list[dict[str, Any]], link: RowsLink) -> None:

@@ -1,12 +1,14 @@
 """Every use of Dask's private API in the package but its bounded client calls, which are in
-:mod:`.dask_client_calls`.
+:mod:`.dask_client_calls`, and a scheduler plugin's changes to the scheduler's state, in
+:mod:`.dask_scheduler_state`.
 
 Each function below relies on something ``distributed`` does not promise to keep: an attribute
 of an object, the signature of a constructor not meant to be called directly, a private
 method.  Each says what it relies on, the ``distributed`` versions it was checked against, and
 what it falls back to -- or that it fails loudly -- when Dask changes.  ``tests/
 test_dask_internals.py`` runs every one of them on the installed ``distributed``: when that test
-fails after an upgrade, this module and :mod:`.dask_client_calls` are the only ones to fix.
+fails after an upgrade (or ``tests/test_driver_loss.py``), this module and its two siblings
+are the only ones to fix.
 
 Outside this module the package also relies on the *wording* of one Dask error, "Worker holding
 Actor was lost" (see :data:`downpour_dask.ps.protocol.LOST_ACTOR`, which stays free of Dask
@@ -67,6 +69,14 @@ def local_actor(key: str) -> Any | None:
         actors = get_worker().state.actors
     except (ValueError, AttributeError):
         return None
+    return actors.get(key) if isinstance(actors, dict) else None
+
+
+def worker_actor(worker: Any, key: str) -> Any | None:
+    """The object of actor ``key`` if it lives in ``worker`` (a ``distributed.Worker``, e.g.
+    the ``dask_worker`` a function run on it with ``Client.run`` gets), else None; on
+    :func:`local_actor`'s reliance on ``Worker.state.actors``."""
+    actors = getattr(getattr(worker, "state", None), "actors", None)
     return actors.get(key) if isinstance(actors, dict) else None
 
 
