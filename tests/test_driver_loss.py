@@ -51,7 +51,7 @@ def until(condition: Callable[[], bool], timeout: float = WAIT) -> bool:
 def in_process():
     """A client of an in-process cluster (one worker thread): scheduler calls at no cost."""
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None)
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0")
         as cluster,
         Client(cluster, timeout=30) as client,
     ):  # fmt: skip
@@ -202,6 +202,25 @@ DRIVER = textwrap.dedent(
 )
 
 
+def kill_driver_once(
+    client: Client, name: str, training: Callable[[], bool], script: str, *args: str
+) -> None:
+    """Run ``script`` (given the scheduler's address and ``args``) as a driver process, wait
+    until it published ``name`` and ``training()`` holds, and SIGKILL it."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", script, client.scheduler.address, *args], start_new_session=True
+    )
+    try:
+        assert until(lambda: name in client.list_datasets(), timeout=120)
+        assert until(training)
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(timeout=30)
+
+
 def _actors(dask_worker) -> list[str]:
     return sorted(map(str, dask_worker.state.actors))
 
@@ -217,20 +236,11 @@ def _records(dask_worker) -> list[str]:
 def test_a_killed_driver_leaves_nothing_and_its_name_is_free_again(two_workers, partitions):
     client = two_workers
     name = "killed-driver"
-    driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, client.scheduler.address, name, str(partitions)],
-        start_new_session=True,
-    )
-    try:
-        assert until(lambda: name in client.list_datasets(), timeout=120)
-        assert until(lambda: any(client.run(_records).values()))  # the replicas are training
-        assert all(client.run(_actors).values())  # a shard on each worker
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait(timeout=30)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait(timeout=30)
+
+    def training() -> bool:
+        return any(client.run(_records).values()) and all(client.run(_actors).values())
+
+    kill_driver_once(client, name, training, DRIVER, name, str(partitions))
     assert until(lambda: name not in client.list_datasets())
     assert until(lambda: not any(client.run(_actors).values())), client.run(_actors)
     assert until(lambda: not any(client.run(_records).values())), client.run(_records)
@@ -270,19 +280,11 @@ def _replicas_running(dask_worker) -> list[str]:
 def test_a_killed_sparse_driver_leaves_no_shard_replica_or_name(two_workers, tmp_path):
     client = two_workers
     name = "killed-sparse-driver"
-    driver = subprocess.Popen(
-        [sys.executable, "-c", SPARSE_DRIVER, client.scheduler.address, name, str(tmp_path)],
-        start_new_session=True,
-    )
-    try:
-        assert until(lambda: name in client.list_datasets(), timeout=120)
-        assert until(lambda: all(client.run(_replicas_running).values()))
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait(timeout=30)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait(timeout=30)
+
+    def training() -> bool:
+        return all(client.run(_replicas_running).values())
+
+    kill_driver_once(client, name, training, SPARSE_DRIVER, name, str(tmp_path))
     assert until(lambda: name not in client.list_datasets())
     assert until(lambda: not any(client.run(_actors).values())), client.run(_actors)
     # its replicas stop too, not at their lost shards' timeout (120 s)

@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 
 #: The scheduler event topic on which each cleanup logs what it let go of.
 TOPIC = "downpour-dask-driver-loss"
-#: Seconds a worker waits for the fit's replicas to end, and the scheduler for each worker.
+#: Seconds a worker waits for the fit's replicas on it to end (they stop at their next reply).
 ENDED_WAIT = 5.0
+#: Seconds the scheduler waits for each worker's answer (a stopped worker must not hold it).
 TEARDOWN_WAIT = 10.0
 
 
@@ -120,6 +121,8 @@ class DriverLoss(SchedulerPlugin):
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         if client != self.driver or self._cleanup is not None:
             return
+        if getattr(scheduler.status, "name", "running") != "running":
+            return  # the scheduler is closing: its workers, actors and names go with it
         # Called on the scheduler's event loop; the cleanup waits for workers, so it runs on
         # its own (kept referenced until it ends).
         self._cleanup = asyncio.ensure_future(self._clean_up_logged(scheduler))
