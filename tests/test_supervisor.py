@@ -582,6 +582,20 @@ def test_a_replacement_whose_worker_died_unnoticed_is_started_on_the_next_worker
     assert restored["worker"] == "w3" and run.server.workers[1] == "w3"
 
 
+def test_a_shard_lost_with_every_worker_ends_the_fit_saying_no_worker_is_left():
+    """``cluster.scale(0)`` mid-fit: the last survivor goes while the shard is placed on it."""
+    run = _run(["w0", "w1"], ["w0", "w1"], ["w0", "w1"])
+    run.cluster.alive.remove("w1")
+
+    def replace_shard(*args: Any) -> str:
+        run.cluster.alive.clear()
+        raise TimeoutError("timed out after 5 s.")
+
+    run.server.replace_shard = replace_shard
+    with pytest.raises(RuntimeError, match="the cluster has no workers left"):
+        run.supervisor.check()
+
+
 def test_a_lost_shard_is_restored_before_a_replica_on_its_worker_is_restarted():
     run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w1", "w2"])
     run.cluster.alive.remove("w1")

@@ -294,6 +294,10 @@ class ShardRecovery:
                 tried.append(worker)
                 fresh = self.cluster.workers()
                 survivors = [w for w in fresh if w != lost_worker and w not in tried]
+                if not fresh:  # e.g. cluster.scale(0), or every worker died
+                    message = (f"shard {shard} could not be restored: the cluster has no workers "
+                               f"left (tried {tried}: {err})")  # fmt: skip
+                    raise RuntimeError(message) from err
                 if len(tried) >= MAX_PLACEMENTS or not survivors:
                     message = f"shard {shard} could not be restored on {tried}: {err}"
                     raise RuntimeError(message) from err
