@@ -22,7 +22,13 @@ from downpour_dask.sandblaster import scheduling
 from downpour_dask.sandblaster.portions import PortionCopy, Portions
 from downpour_dask.sandblaster.runners import RunnerCall
 from downpour_dask.sandblaster.shard import Finished, SandblasterShard
-from downpour_dask.sandblaster.tasks import PortionResult, _newest, forget_run
+from downpour_dask.sandblaster.tasks import (
+    _CACHE,
+    STALE_AFTER,
+    PortionResult,
+    _newest,
+    forget_run,
+)
 
 
 class _FakeFuture:
@@ -311,6 +317,18 @@ def test_a_task_given_its_point_computes_only_if_its_worker_saw_no_later_version
     assert not _newest("run-a", 2, point)  # a copy of an earlier batch: its batch is over
     assert _newest("run-a", 4, point) and _newest("run-b", 1, point)  # runs are apart
     forget_run("run-a"), forget_run("run-b")
+
+
+def test_a_point_cached_by_a_run_whose_driver_died_goes_once_another_run_caches(monkeypatch):
+    point = np.zeros(3, np.float32)
+    assert _newest("run-killed", 5, point) and _newest("run-live", 2, point)
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + STALE_AFTER / 2)
+    assert _newest("run-live", 3, point)  # used since
+    monkeypatch.setattr(time, "monotonic", lambda: now + STALE_AFTER + 1)
+    assert _newest("run-new", 1, point)
+    assert set(_CACHE) == {"run-live", "run-new"}  # not forgotten, but unused for too long
+    forget_run("run-live"), forget_run("run-new")
 
 
 class _FinishedServer:

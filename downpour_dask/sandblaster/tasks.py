@@ -9,7 +9,9 @@
 * :func:`evaluate_task` scores a snapshot of the iterate on the evaluation data (and, like a
   portion, stops waiting for shards once its attempt ended).
 * :func:`forget_run` (run on every worker when a fit ends) drops the run's cached parameters and
-  makes its straggling portions stop instead of waiting for shards that are gone.
+  makes its straggling portions stop instead of waiting for shards that are gone; a run whose
+  driver died loses its cached parameters once they went unused for :data:`STALE_AFTER`
+  seconds and another run caches its own.
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ from ..runtime.malloc import tune_malloc
 from ..runtime.xla_threads import size_xla_pools
 from .shard import Finished, SandblasterShard
 
-_CACHE: dict[str, tuple[int, np.ndarray]] = {}  # run token -> (version, parameters)
+#: Per run token: (version, the parameters of that version, time.monotonic() of their last use).
+_CACHE: dict[str, tuple[int, np.ndarray, float]] = {}
 _CACHE_LOCK = threading.Lock()
+#: Seconds after its last use a run's cached point is dropped once another run caches one: a
+#: run whose driver died never calls :func:`forget_run`, and its point (as large as the model)
+#: would stay in the worker for good.
+STALE_AFTER = 600.0
 _ENDED: set[str] = set()  # runs whose fit ended: their straggling portions stop waiting
 
 
@@ -99,6 +106,7 @@ def _params_for(
     with _CACHE_LOCK:  # portions on one worker's threads share a single fetch
         hit = _CACHE.get(token)
         if hit is not None and hit[0] == version:
+            _CACHE[token] = (version, hit[1], time.monotonic())
             return hit[1]
         if hit is not None and hit[0] > version:
             return None
@@ -108,8 +116,17 @@ def _params_for(
         if any(p is None for p in pieces):
             return None
         params = np.concatenate(pieces).astype(DTYPE, copy=False)
-        _CACHE[token] = (version, params)  # replaces the older version
+        _keep(token, version, params)  # replaces the older version
         return params
+
+
+def _keep(token: str, version: int, params: np.ndarray) -> None:
+    """Cache ``params`` as run ``token``'s point of ``version`` and drop the points of other
+    runs unused for :data:`STALE_AFTER` seconds (the caller holds the lock)."""
+    now = time.monotonic()
+    for other in [t for t, (_, _, used) in _CACHE.items() if now - used > STALE_AFTER]:
+        del _CACHE[other]
+    _CACHE[token] = (version, params, now)
 
 
 def _newest(token: str, version: int, params: np.ndarray) -> bool:
@@ -119,7 +136,7 @@ def _newest(token: str, version: int, params: np.ndarray) -> bool:
         hit = _CACHE.get(token)
         if hit is not None and hit[0] > version:
             return False
-        _CACHE[token] = (version, params)
+        _keep(token, version, params)
         return True
 
 
