@@ -1,5 +1,6 @@
 """DownpourSGD end to end on a real local cluster with two worker processes."""
 
+import gc
 import time
 
 import dask.array as da
@@ -562,6 +563,29 @@ def test_finished_fits_release_their_shards_on_the_workers(
         ).fit(digits[0], client=client)
     assert cluster_keys(beyond=keys) == set()  # (releases travel asynchronously: waited for)
     assert sum(client.run(_actors).values()) <= before
+
+
+def _cycle_collector(on: bool) -> None:
+    (gc.enable if on else gc.disable)()
+
+
+@pytest.mark.slow  # it trains for seconds
+def test_a_fit_long_enough_to_look_for_replacements_releases_its_shards_on_the_workers(
+    client, digits, cluster_keys
+):
+    """Replicas look at their shards' variables every second (a replaced shard), which gives
+    each worker's client handles of the shards; with the workers' cycle collector off, those
+    must not keep the actors alive once the fit ended either."""
+    client.run(_cycle_collector, False)
+    try:
+        before, keys = sum(client.run(_actors).values()), cluster_keys()
+        DownpourSGD(
+            models.MLP(64, (16,), 10), n_replicas=2, max_epochs=10**4, max_seconds=2.5
+        ).fit(digits[0], client=client)
+        assert cluster_keys(beyond=keys) == set()
+        assert sum(client.run(_actors).values()) <= before
+    finally:
+        client.run(_cycle_collector, True)
 
 
 def test_a_checkpoint_written_by_the_previous_release_resumes_and_continues_its_log(

@@ -24,7 +24,7 @@ from ..data.stream import StreamSpec, make_source
 from ..log import PushRow, plain
 from ..ps.opening import open_channels
 from ..ps.server import ParameterServer
-from ..runtime.dask_internals import task_cancelled
+from ..runtime.dask_internals import release_hold, task_cancelled
 from ..runtime.malloc import tune_malloc
 from ..runtime.xla_threads import size_xla_pools
 from .clocked_loop import ClockedReplicaLoop
@@ -146,6 +146,8 @@ def run_loop(
         finally:
             for channel in channels:
                 channel.close()
+            for shard in server.shards:  # (see DaskShardChannel.close)
+                release_hold(shard)
 
 
 def run_replica(

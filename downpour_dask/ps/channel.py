@@ -39,7 +39,13 @@ import numpy as np
 from distributed import Variable
 
 from ..core.params import DTYPE
-from ..runtime.dask_internals import actor_result, local_actor, task_cancelled, worker_client
+from ..runtime.dask_internals import (
+    actor_result,
+    local_actor,
+    release_hold,
+    task_cancelled,
+    worker_client,
+)
 from .calls import Done, Half
 from .protocol import (
     FencedError,
@@ -370,6 +376,10 @@ class DaskShardChannel:
         return True
 
     def close(self) -> None:
+        """Close the direct connection and let go of the handle's hold on the actor (a called
+        handle sits in reference cycles: it would keep the actor alive after the fit, until
+        this worker's cycle collector happened to run)."""
         if self.wire is not None:
             self.wire.close()
             self.wire = None
+        release_hold(self.actor)
