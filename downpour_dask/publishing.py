@@ -104,6 +104,18 @@ def unpublish(client: Client, name: str) -> None:
         pass
 
 
+#: The ``reason`` of the ``end`` record the scheduler logs for a run whose driver died
+#: (:mod:`downpour_dask.downpour.driver_loss`).
+DRIVER_LOST = "driver lost"
+
+
+def end_reason(client: Client, name: str) -> str | None:
+    """The ``reason`` of the run's last ``end`` record, if it gives one (:data:`DRIVER_LOST`)."""
+    ends = [m for _, m in client.get_events(topic(name)) if isinstance(m, dict)
+            and m.get("kind") == "end"]  # fmt: skip
+    return ends[-1].get("reason") if ends else None
+
+
 def log_progress(client: Client, name: str, progress: Progress) -> None:
     """Log one progress snapshot under the run's event topic (msgpack-able dict)."""
     record = {"kind": "progress", **dataclasses.asdict(progress)}

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -206,7 +207,8 @@ def kill_driver_once(
     client: Client, name: str, training: Callable[[], bool], script: str, *args: str
 ) -> None:
     """Run ``script`` (given the scheduler's address and ``args``) as a driver process, wait
-    until it published ``name`` and ``training()`` holds, and SIGKILL it."""
+    until it published ``name`` and ``training()`` holds (which may start watchers), and
+    SIGKILL it."""
     driver = subprocess.Popen(
         [sys.executable, "-c", script, client.scheduler.address, *args], start_new_session=True
     )
@@ -237,10 +239,29 @@ def test_a_killed_driver_leaves_nothing_and_its_name_is_free_again(two_workers, 
     client = two_workers
     name = "killed-driver"
 
-    def training() -> bool:
-        return any(client.run(_records).values()) and all(client.run(_actors).values())
+    command = ["watch", name, "--scheduler", client.scheduler.address, "--wait", "120"]
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "downpour_dask", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    heard: list[str] = []
+    threading.Thread(target=lambda: heard.extend(watcher.stdout), daemon=True).start()
 
-    kill_driver_once(client, name, training, DRIVER, name, str(partitions))
+    def training() -> bool:  # and watched
+        trained = any(client.run(_records).values()) and all(client.run(_actors).values())
+        return trained and any(line.startswith("watching") for line in heard)
+
+    try:
+        kill_driver_once(client, name, training, DRIVER, name, str(partitions))
+        watcher.wait(timeout=WAIT)  # the watch command ends by itself
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait(timeout=WAIT)
+    said = watcher.stderr.read()
+    assert watcher.returncode == 1 and "its driver died" in said, said
     assert until(lambda: name not in client.list_datasets())
     assert until(lambda: not any(client.run(_actors).values())), client.run(_actors)
     assert until(lambda: not any(client.run(_records).values())), client.run(_records)

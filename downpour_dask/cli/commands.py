@@ -25,6 +25,7 @@ from ..data import datasets
 from ..data.criteo import write_criteo
 from ..live import attach, check_name, follow, is_published
 from ..progress import ProgressBar
+from ..publishing import DRIVER_LOST, end_reason
 from ..report import format_table, report
 from ..runs import DEFAULTS, Job, RunResult, misnamed_interval, prepare, resume, run
 from .connection import connect, tls_credentials_given
@@ -183,6 +184,12 @@ def watch(args: argparse.Namespace) -> int:
         )
         del view  # watching needs only the event topic; do not hold the run's actors
         finished = follow(client, args.name, sys.stdout, args.interval)
+        lost = not finished and end_reason(client, args.name) == DRIVER_LOST
+    if lost:
+        raise RuntimeError(
+            f"run {args.name!r} ended without finishing: its driver died, and the scheduler "
+            f"let go of the run"
+        )
     if not finished:
         raise RuntimeError(f"run {args.name!r} ended without finishing (its fit failed)")
     print(f"run {args.name!r} finished", flush=True)

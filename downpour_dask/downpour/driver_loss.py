@@ -36,7 +36,7 @@ from distributed import Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..ps.shard import ParameterServerShard
-from ..publishing import topic
+from ..publishing import DRIVER_LOST, topic
 from ..runtime.dask_internals import worker_actor
 from ..runtime.dask_scheduler_state import (
     delete_variables,
@@ -155,7 +155,7 @@ class DriverLoss(SchedulerPlugin):
         let_go.extend(f"variable {name}" for name in variables)
         shards = {*self.shards, *(key for key in variables.values() if key is not None)}
         if self.published is not None and withdraw_dataset(scheduler, self.published, shards):
-            scheduler.log_event(topic(self.published), {"kind": "end", "reason": "driver lost"})
+            scheduler.log_event(topic(self.published), {"kind": "end", "reason": DRIVER_LOST})
             let_go.append(f"published name {self.published}")
         if not running:  # the replicas ended: their leftover handles can go
             let_go.extend(f"shard futures of {c}" for c in release_keys(scheduler, shards))
