@@ -30,7 +30,7 @@ async def delete_variables(scheduler: Any, prefix: str) -> dict[str, Any]:
     Relies on the scheduler's ``extensions["variables"]`` (``VariableExtension``) keeping its
     variables in a dict ``variables`` of ``{"type": ..., "value": ...}`` records by name (the
     value of a future is its key) and on its ``delete(name=...)`` handler, which is what
-    ``Variable.delete`` calls (checked: distributed 2024.x to 2026.8).  Without them it
+    ``Variable.delete`` calls (checked: distributed 2026.8).  Without them it
     deletes nothing and returns ``{}``.
     """
     extension = getattr(scheduler, "extensions", {}).get("variables")
@@ -64,7 +64,7 @@ def withdraw_dataset(scheduler: Any, name: str, holding: Any) -> bool:
 
     Relies on the scheduler's ``extensions["publish"]`` (``PublishExtension``) keeping datasets
     in a dict ``datasets`` of ``{"keys": ...}`` records by name, whose keys are wanted by the
-    pseudo-client ``"published-<name>"`` (checked: distributed 2024.x to 2026.8).  Its
+    pseudo-client ``"published-<name>"`` (checked: distributed 2026.8).  Its
     ``delete`` handler cannot be used: it first waits for a message from the (gone) client.
     Without the dict it withdraws nothing and returns False.
     """
@@ -83,7 +83,7 @@ async def unregister_worker_plugin(scheduler: Any, name: str, timeout: float) ->
 
     Calls the scheduler's ``unregister_worker_plugin(comm, name)`` handler, what
     ``Client.unregister_worker_plugin`` asks for, which forgets the plugin at once and then
-    waits for every worker's answer (checked: distributed 2024.x to 2026.8): a stopped worker
+    waits for every worker's answer (checked: distributed 2026.8): a stopped worker
     must not hold the scheduler's cleanup, hence the bound.
     """
     if name not in getattr(scheduler, "worker_plugins", {}):
@@ -101,7 +101,7 @@ def release_keys(scheduler: Any, keys: Any) -> list[str]:
     reference cycles on its worker until Python's cycle collector runs, and an idle worker's
     may never run.  Relies on the scheduler's ``tasks`` dict of ``TaskState`` objects, whose
     ``who_wants`` holds ``ClientState`` objects with a ``client_key`` (checked: distributed
-    2024.x to 2026.8); without them it releases nothing.  The client's own later release of
+    2026.8); without them it releases nothing.  The client's own later release of
     the key is then a no-op.
     """
     released = []
@@ -132,8 +132,9 @@ async def run_on_workers(
 
     Sends each worker the message ``Client.run`` has the scheduler broadcast: ``{"op": "run",
     "function": ..., "args": ..., "kwargs": ..., "wait": True}`` pickled by
-    ``distributed.protocol.pickle``, answered ``{"status": "OK", "result": ...}`` (checked:
-    distributed 2024.x to 2026.8); another answer counts as the worker's failure.
+    ``distributed.protocol.pickle``, answered ``{"status": "OK", "result": ...}`` or an error
+    ``distributed.core.clean_exception`` reads, whose values the scheduler leaves serialised
+    (checked: distributed 2026.8); another answer counts as the worker's failure.
     """
     message = {
         "op": "run",
