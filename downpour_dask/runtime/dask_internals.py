@@ -75,7 +75,8 @@ def local_actor(key: str) -> Any | None:
 def worker_actor(worker: Any, key: str) -> Any | None:
     """The object of actor ``key`` if it lives in ``worker`` (a ``distributed.Worker``, e.g.
     the ``dask_worker`` a function run on it with ``Client.run`` gets), else None; on
-    :func:`local_actor`'s reliance on ``Worker.state.actors`` (and so tested with it)."""
+    :func:`local_actor`'s reliance on ``Worker.state.actors`` (run on real workers by
+    ``tests/test_driver_loss.py``)."""
     actors = getattr(getattr(worker, "state", None), "actors", None)
     return actors.get(key) if isinstance(actors, dict) else None
 
