@@ -26,6 +26,7 @@ from distributed import Client, LocalCluster, Variable
 
 from downpour_dask import DownpourSGD, datasets, live, models, optim
 from downpour_dask.downpour import registry
+from downpour_dask.downpour.dask_cluster import DaskCluster
 from downpour_dask.downpour.driver_loss import TOPIC, DriverLoss, driver_loss_name, end_run_here
 from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.runtime.dask_scheduler_state import (
@@ -178,6 +179,26 @@ def test_the_plugin_acts_on_its_driver_leaving_and_on_no_other_client(in_process
     assert until(lambda: client.run_on_scheduler(_wanted_by, key=key) == [])
     ends = [m for _, m in client.get_events(live.topic("running")) if m.get("kind") == "end"]
     assert ends == [{"kind": "end", "reason": "driver lost"}]
+
+
+def test_a_scheduler_that_refuses_the_plugin_leaves_the_fit_going_with_a_warning():
+    class Refusing:  # a scheduler without downpour-dask cannot unpickle the plugin
+        id = "Client-driver"
+        unregistered: list[str] = []
+
+        def register_plugin(self, plugin):
+            raise ModuleNotFoundError("No module named 'downpour_dask'")
+
+        def unregister_scheduler_plugin(self, name):
+            self.unregistered.append(name)
+
+    refusing = Refusing()
+    cluster = DaskCluster(refusing, "run-r", timeout=5)
+    with pytest.warns(RuntimeWarning, match="refused DriverLoss.*stay on the cluster"):
+        cluster.let_go_if_driver_lost([], "name", b"secret")
+    cluster.everywhere = lambda *args: None  # (no workers to tell)
+    cluster.forget()
+    assert refusing.unregistered == []  # nothing was registered, nothing to unregister
 
 
 def test_a_fit_that_ends_leaves_no_plugin_behind(client):
