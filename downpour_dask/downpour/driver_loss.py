@@ -43,7 +43,7 @@ from ..runtime.dask_scheduler_state import (
     release_keys,
     run_on_workers,
     unregister_worker_plugin,
-    variable_keys,
+    variables_named,
     withdraw_dataset,
 )
 from .membership import plugin_name
@@ -138,9 +138,10 @@ class DriverLoss(SchedulerPlugin):
         let_go = self.let_go
         # First the replicas: their shards tell them to stop, and they must end before the
         # shards go (a call to a deleted actor can hang).
-        known = [*self.shards, *variable_keys(scheduler, run_variables(self.run))]
+        held = variables_named(scheduler, run_variables(self.run))  # (replaced shards' too)
+        shards = {*self.shards, *(key for key in held.values() if key is not None)}
         ended = await run_on_workers(
-            scheduler, end_run_here, self.run, known, self.secret, ENDED_WAIT,
+            scheduler, end_run_here, self.run, sorted(shards), self.secret, ENDED_WAIT,
             timeout=TEARDOWN_WAIT,
         )  # fmt: skip
         running = {worker: answer for worker, answer in ended.items() if answer is not True}
@@ -153,7 +154,6 @@ class DriverLoss(SchedulerPlugin):
             let_go.append(f"worker plugin {membership}")
         variables = await delete_variables(scheduler, run_variables(self.run))
         let_go.extend(f"variable {name}" for name in variables)
-        shards = {*self.shards, *(key for key in variables.values() if key is not None)}
         if self.published is not None and withdraw_dataset(scheduler, self.published, shards):
             scheduler.log_event(topic(self.published), {"kind": "end", "reason": DRIVER_LOST})
             let_go.append(f"published name {self.published}")

@@ -22,39 +22,30 @@ from distributed.protocol import pickle
 from distributed.protocol.serialize import Serialize, Serialized, deserialize
 
 
-async def delete_variables(scheduler: Any, prefix: str) -> dict[str, Any]:
-    """Delete every ``distributed.Variable`` whose name starts with ``prefix``, letting go of
-    the futures they hold; return their names, each with the key of the future it held (None
-    for a plain value).
+def variables_named(scheduler: Any, prefix: str) -> dict[str, Any]:
+    """The ``distributed.Variable`` objects whose name starts with ``prefix``: each name with
+    the key of the future it holds (None for a plain value).
 
     Relies on the scheduler's ``extensions["variables"]`` (``VariableExtension``) keeping its
-    variables in a dict ``variables`` of ``{"type": ..., "value": ...}`` records by name (the
-    value of a future is its key) and on its ``delete(name=...)`` handler, which is what
-    ``Variable.delete`` calls (checked: distributed 2026.8).  Without them it
-    deletes nothing and returns ``{}``.
+    variables in a dict ``variables`` of ``{"type": ..., "value": ...}`` records by name, the
+    value of a future being its key (checked: distributed 2026.8).  Without it: ``{}``.
     """
-    extension = getattr(scheduler, "extensions", {}).get("variables")
-    held = getattr(extension, "variables", {})
-    found = {
+    held = getattr(getattr(scheduler, "extensions", {}).get("variables"), "variables", {})
+    return {
         name: record.get("value") if record.get("type") == "Future" else None
         for name, record in list(held.items())
         if isinstance(name, str) and name.startswith(prefix) and isinstance(record, dict)
     }
+
+
+async def delete_variables(scheduler: Any, prefix: str) -> dict[str, Any]:
+    """Delete the :func:`variables_named` ``prefix``, letting go of the futures they hold, with
+    the ``delete(name=...)`` handler ``Variable.delete`` calls (checked: distributed 2026.8);
+    return what :func:`variables_named` did."""
+    found = variables_named(scheduler, prefix)
     for name in found:
-        await extension.delete(name=name)
+        await scheduler.extensions["variables"].delete(name=name)
     return found
-
-
-def variable_keys(scheduler: Any, prefix: str) -> list[str]:
-    """The keys of the futures held by the ``distributed.Variable`` objects whose name starts
-    with ``prefix`` (on :func:`delete_variables`' reliance on ``VariableExtension``)."""
-    held = getattr(getattr(scheduler, "extensions", {}).get("variables"), "variables", {})
-    return [
-        record["value"]
-        for name, record in list(held.items())
-        if isinstance(name, str) and name.startswith(prefix)
-        and isinstance(record, dict) and record.get("type") == "Future"
-    ]  # fmt: skip
 
 
 def withdraw_dataset(scheduler: Any, name: str, holding: Any) -> bool:
