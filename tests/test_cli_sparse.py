@@ -41,6 +41,7 @@ BAD = [
     (["--shards", "0"], "--shards must be an integer >= 1, got 0"),
     (["--n-rows", "0"], "--n-rows must be an integer >= 1"),
     (["--optimizer", "adamw"], "optimizer name must be one of"),
+    (["--optimizer", "adam"], "it cannot update table rows; use sgd, momentum, adagrad"),
     (["--optimizer", "momentum:beta2=0.9"], "unknown option(s) ['beta2'] for --optimizer"),
     (["--optimizer", "adagrad:eps"], "'eps' is not option=value"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0"),

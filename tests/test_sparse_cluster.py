@@ -124,6 +124,19 @@ def test_data_that_does_not_fit_the_model_is_refused_before_any_work(client, tmp
         fit_sparse(small, bad, client=client)
 
 
+class _NoCluster:
+    """A client stand-in that fails any use: a fit refused up front never reaches it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the fit used its client ({name}) before refusing its input")
+
+
+def test_adam_is_refused_for_tables_before_a_shard_starts():
+    model = SparseLogisticRegression(500, 4, n_numeric=2)
+    with pytest.raises(ValueError, match="'adam' keeps a state 't' that is not per coordinate"):
+        fit_sparse(model, click_data(n=64), client=_NoCluster(), optimizer="adam")
+
+
 def kill_after_a_checkpoint(pid, root, shard, updates=0, after=None):
     """A thread that SIGKILLs process ``pid`` once a checkpoint under ``root`` holds more than
     ``updates`` updates of ``shard`` and the event ``after`` (if given) is set (within 120 s)."""

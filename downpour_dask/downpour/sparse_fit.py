@@ -35,6 +35,7 @@ from distributed import Client
 
 from ..base import RunRecorder
 from ..core import optimizer_spec
+from ..core.rows import row_state_shapes
 from ..core.sparse import SparseBatch, check_batch, check_sparse_model, table_rows
 from ..data.hashing import HashSpec
 from ..log import Progress, events_frame
@@ -220,6 +221,7 @@ def fit_sparse(
     else:
         _check_files(model, data, n_replicas)
     rule = optimizer_spec.build(optimizer, learning_rate)
+    row_state_shapes(rule)  # refuses Adam here, before a shard starts, not in a shard's start
     monitor = SparseMonitor(client, model, eval_data, eval_every, publish, callback)  # checks
     layout = SparseLayout.build(model.n_dense, model.tables, n_shards)
     workers = sorted(cluster_workers(client))

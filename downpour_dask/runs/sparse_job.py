@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from distributed import Client
 
 from ..core import optimizer_spec
+from ..core.rows import row_state_shapes
 from ..data.hashing import TRANSFORMS, HashSpec
 from ..downpour.sparse_estimator import MODELS
 from ..downpour.sparse_fit import SparseFit, fit_sparse
@@ -157,7 +158,7 @@ def prepare_sparse(settings: dict[str, Any]) -> SparseJob:
         ("seed", 0), ("hash_seed", 0))}
     if s["max_steps"] is not None:
         counts["max_steps"] = _count(s, "max_steps", 1)
-    optimizer_spec.build(s["optimizer"], s["learning_rate"])  # errors name what is wrong
+    row_state_shapes(optimizer_spec.build(s["optimizer"], s["learning_rate"]))  # names the fault
     for key in ("eval_every", "timeout"):
         if isinstance(s[key], bool) or not isinstance(s[key], (int, float)) or not s[key] > 0:
             raise ValueError(f"{key} must be a number of seconds > 0, got {s[key]!r}")
