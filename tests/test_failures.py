@@ -180,6 +180,47 @@ def test_a_replica_whose_worker_is_stopped_moves_and_the_run_finishes_while_it_s
     assert est.score(test) > 0.85
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_replica_whose_new_worker_stops_before_it_starts_there_starts_on_the_next_one(
+    three_workers, mnist
+):
+    """Worker 1 dies (SIGKILL) with replica 1; worker 2, which runs nothing and so is where
+    the replica would go, was stopped (SIGSTOP) just before.  Dask still lists it, so the
+    replica's data is sent there and never arrives: after ``timeout`` the replica starts on
+    worker 0 instead, and the fit finishes.  Worker 1's nanny is told not to start a worker
+    in its place, which the replica would go to instead."""
+    client = three_workers
+    train, test = mnist
+    workers = sorted(cluster_workers(client))  # shard 0, replica 0 on 0; replica 1 on 1
+    pids = client.run(os.getpid)
+    client.run(lambda dask_worker: dask_worker.close_gracefully(), workers=[workers[1]],
+               nanny=True)  # fmt: skip
+    done: list[int] = []
+
+    def stop_then_kill(progress) -> None:
+        if not done and progress.pushes >= 150:
+            os.kill(pids[workers[2]], signal.SIGSTOP)
+            os.kill(pids[workers[1]], signal.SIGKILL)
+            done.append(progress.pushes)
+
+    est = _estimator(n_replicas=2, n_shards=1, max_epochs=KILL_EPOCHS, timeout=5)
+    try:
+        est.fit(train, eval_data=test, client=client, callback=stop_then_kill)
+    finally:
+        os.kill(pids[workers[2]], signal.SIGCONT)
+    assert done, "the fit ended before 150 pushes"
+    first, again = _data(est, "replica_failed")
+    assert first["replica"] == again["replica"] == 1
+    assert again["reason"].startswith(
+        f"its start on {workers[2]} did not finish: sending a replica's data to worker {workers[2]}"
+    )
+    (moved,) = _data(est, "replica_restarted")
+    assert moved["replica"] == 1 and moved["workers"] == [workers[0]]
+    assert "shard_lost" not in _kinds(est) and _kinds(est)[-1] == "stop"
+    assert est.score(test) > 0.85
+
+
 @pytest.mark.slow  # its own cluster: workers that have not made their client yet
 @pytest.mark.timeout(240)
 def test_replicas_whose_workers_client_meets_dasks_handshake_race_train_all_the_same(

@@ -112,6 +112,7 @@ class FakeCluster:
     mailboxes: list[FakeMailbox] = field(default_factory=list)
     acked: dict[str, int] = field(default_factory=dict)  # shard key -> newest acknowledged
     silent: dict[str, float] = field(default_factory=dict)  # worker -> seconds not heard from
+    stopped: set[str] = field(default_factory=set)  # workers a scatter to times out
 
     def workers(self, fresh: bool = True) -> list[str]:
         return sorted(self.alive)
@@ -134,6 +135,8 @@ class FakeCluster:
 
     def scatter(self, values: list[Any], worker: str) -> list[Any]:
         self.scattered.append((worker, len(values)))
+        if worker in self.stopped:
+            raise TimeoutError(f"sending a replica's data to worker {worker} did not finish")
         return [f"{worker}/{i}" for i in range(len(values))]
 
     def wait(self, tasks: list[FakeTask], timeout: float) -> None:
@@ -377,6 +380,40 @@ def test_a_replica_whose_worker_falls_silent_for_the_timeout_moves_to_a_worker_s
     assert [r["workers"] for r in _events(run, "replica_restarted")] == [["w0"], ["w0"]]
     assert run.tasks.workers[1] == run.tasks.workers[2] == "w0"
     assert run.cluster.scattered == [("w0", 2), ("w0", 2)]  # their data, again, to w0
+
+
+def test_a_replica_whose_new_worker_stops_before_it_starts_there_starts_on_the_next_one():
+    # w2 dies with replica 2; w3, the least loaded, was stopped (SIGSTOP) after the check that
+    # chose it, so Dask still lists it and the replica's data never reaches it
+    run = _run(["w0", "w1", "w2", "w3"], ["w0", "w3"], ["w0", "w1", "w2", "w1"])
+    run.server.accepted_by_replica = {2: 9}
+    old = run.tasks.tasks[2]
+    old.status, old.outcome = "error", KilledWorker(old.key, "w2", 3)
+    run.cluster.alive.remove("w2")
+    run.cluster.stopped.add("w3")
+    run.supervisor.check()
+
+    failed = _events(run, "replica_failed")
+    assert [f["replica"] for f in failed] == [2, 2]
+    assert failed[1]["reason"].startswith("its start on w3 did not finish: sending a replica's")
+    assert _events(run, "replica_restarted") == [{"replica": 2, "workers": ["w0"], "step": 9}]
+    assert run.cluster.scattered == [("w3", 2), ("w0", 2)]
+    new = run.cluster.submitted[-1]
+    assert new.worker == "w0" and new.config.start_step == 9 and run.tasks.workers[2] == "w0"
+    assert [s.worker for s in run.cluster.submitted].count("w3") == 0
+    assert run.supervisor.restarts == 1
+
+
+def test_a_restart_that_no_surviving_worker_takes_ends_the_fit_with_the_named_timeout():
+    run = _run(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w1", "w2"])
+    old = run.tasks.tasks[2]
+    old.status, old.outcome = "error", KilledWorker(old.key, "w2", 3)
+    run.cluster.alive.remove("w2")
+    run.cluster.stopped.update({"w0", "w1"})
+    with pytest.raises(TimeoutError, match="sending a replica's data to worker w1"):
+        run.supervisor.check()
+    assert run.cluster.scattered == [("w0", 2), ("w1", 2)]  # each tried once
+    assert "replica_restarted" not in _kinds(run)
 
 
 def test_among_equally_loaded_survivors_a_worker_without_a_shard_is_preferred():

@@ -9,8 +9,9 @@ worker and decides:
 * a **replica** whose worker died (``KilledWorker``, a cancelled or lost task, its worker gone,
   or a finished task whose result died with its worker) or has not been heard from for
   ``timeout`` seconds, 10 at least (stopped or hung: Dask keeps listing it), is restarted on the
-  least-loaded surviving worker, continuing after the steps it had pushed; a model-parallel
-  replica moves as a whole, its partitions on distinct workers where possible;
+  least-loaded surviving worker, continuing after the steps it had pushed (should that worker
+  stop before the replica has started there, on the next one); a model-parallel replica moves
+  as a whole, its partitions on distinct workers where possible;
 * a replica that raised an error of its own (a data error, a bug) ends the run with it, and so
   does the :data:`MAX_REPLICA_RESTARTS`-th restart of a run.
 """
@@ -164,9 +165,8 @@ class Supervisor:
             )
         self.restarts += 1
         tasks.stop_replica(replica, f"replica {replica} is restarted: {why}")
-        workers = self._placement(replica, alive)
         step = self._steps_pushed(replica)
-        tasks.resume_replica(replica, workers, step)
+        workers = self._resume(replica, alive, step)
         self.recorder.event(
             "replica_restarted",
             f"replica {replica} on {', '.join(workers)}, continuing after step {step}",
@@ -174,6 +174,27 @@ class Supervisor:
             workers=workers,
             step=step,
         )
+
+    def _resume(self, replica: int, alive: list[str], step: int) -> list[str]:
+        """Start ``replica`` again on the best-placed workers of ``alive`` (returned).  A start
+        that times out -- a worker stopped after it was chosen, which Dask still lists -- is
+        recorded as another ``replica_failed`` and tried on the workers not yet tried; the
+        TimeoutError is raised once none is left."""
+        candidates = list(alive)
+        while True:
+            workers = self._placement(replica, candidates)
+            try:
+                self.tasks.resume_replica(replica, workers, step)
+                return workers
+            except TimeoutError as err:
+                candidates = [w for w in candidates if w not in workers]
+                if not candidates:
+                    raise
+                reason = f"its start on {', '.join(workers)} did not finish: {err}"
+                self.recorder.event(
+                    "replica_failed", f"replica {replica}: {reason}", replica=replica,
+                    reason=reason,
+                )  # fmt: skip
 
     def _placement(self, replica: int, alive: list[str]) -> list[str]:
         """Workers for ``replica``'s partitions: those running the fewest other replicas'

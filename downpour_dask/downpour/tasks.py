@@ -246,8 +246,13 @@ class ReplicaTasks:
             )
             for p, worker in enumerate(workers)
         ]
-        for box in boxes:
-            box.result(timeout=self.timeout)
+        try:
+            for box in boxes:
+                box.result(timeout=self.timeout)
+        except BaseException:  # a worker that does not start its mailbox: let the others go
+            for box in boxes:
+                box.cancel()
+            raise
         self.mailboxes[replica], self.mailbox_workers[replica] = boxes, list(workers)
 
     def close_mailboxes(self, replica: int, reason: str) -> None:
