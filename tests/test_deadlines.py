@@ -15,6 +15,7 @@ from distributed import futures_of, wait
 
 from downpour_dask import DownpourSGD, SandblasterLBFGS, datasets, models
 from downpour_dask.runtime.deadlines import waiting_for
+from downpour_dask.runtime.profiler import warn_if_profiler_can_deadlock
 
 HINT = "A worker it needs may be stopped, overloaded or gone"
 
@@ -54,7 +55,10 @@ def _persisted_frame(client):
 def _fit_with_a_worker_stopped(client, victim: str, fit) -> BaseException | None:
     """Run ``fit`` while ``victim``'s process is stopped (SIGSTOP); its error, or None if it
     finished.  The worker is let go on (SIGCONT) whatever happens; a fit still running after
-    60 s fails the test."""
+    60 s fails the test.  The fit's once-per-cluster look at the workers' profiler is taken
+    first, while every worker answers, as a user's earlier fit on the cluster would have: it
+    is advice, and waits 10 s for a stopped worker before going without."""
+    warn_if_profiler_can_deadlock(client)
     outcome = while_stopped(client.run(os.getpid, workers=[victim])[victim], fit, 60)
     assert outcome["finished"], "the fit was still waiting on the stopped worker after 60 s"
     return outcome.get("error")
