@@ -9,6 +9,7 @@ import pytest
 from downpour_dask import DownpourSGD, datasets, models
 from downpour_dask.cli.flags import value_parser
 from downpour_dask.downpour.replica_count import check_replicas, resolve
+from downpour_dask.simulate import calibration
 
 
 @pytest.mark.parametrize(
@@ -53,6 +54,10 @@ def test_a_fit_with_auto_replicas_starts_one_replica_per_worker(client):
     assert start["n_replicas"] == 2 == start["n_workers"]
     assert set(est.experiment_.pushes["replica"]) == {0, 1}
     assert est.get_params()["n_replicas"] == "auto"  # the estimator keeps what it was given
+    config = est.experiment_.config  # the log, the count it started with
+    assert config["n_replicas"] == 2 and config["n_replicas_given"] == "auto"
+    fitted = calibration.calibrate(est.experiment_)  # as `downpour-dask simulate --from` does
+    assert fitted.setup.n_replicas == 2
 
 
 def test_the_train_flag_takes_a_count_or_auto():

@@ -52,14 +52,19 @@ def resolve(n_replicas: int | str, max_replicas: int | None, n_workers: int,
 
 def resolve_settings(settings: FitSettings, client: Any) -> FitSettings:
     """``settings`` with ``n_replicas="auto"`` resolved on ``client``'s workers (see
-    :func:`resolve`); other settings are returned as they are."""
+    :func:`resolve`); other settings are returned as they are.  The experiment's config then
+    records the count the fit started with as ``n_replicas`` (what a reader of the log, and
+    ``downpour-dask simulate``, needs) and ``n_replicas_given="auto"``."""
     if settings.n_replicas != AUTO:
         return settings
     n_workers = len(cluster_workers(client))
     n, limit, follow = resolve(
         settings.n_replicas, settings.max_replicas, n_workers, settings.partitions
     )
-    return dataclasses.replace(settings, n_replicas=n, max_replicas=limit, follow_workers=follow)
+    config = {**settings.config, "n_replicas": n, "n_replicas_given": AUTO}  # the count started
+    return dataclasses.replace(
+        settings, n_replicas=n, max_replicas=limit, follow_workers=follow, config=config
+    )
 
 
 def replica_limit(settings: FitSettings) -> float | None:
