@@ -187,9 +187,11 @@ def test_a_published_sparse_run_is_attached_read_only_and_watched_from_a_second_
             assert view.info["sparse"] and view.info["n_shards"] == 2
             assert view.running and not hasattr(view, "push")
             deadline = time.monotonic() + 60
-            while (status := view.status())["version"].min() < 20:  # both replicas at the gate
+            poll = downpour_dask.attach("sparse-live", other)  # view's rate: since the start
+            while (status := poll.status())["version"].min() < 20:  # both replicas at the gate
                 assert time.monotonic() < deadline, status
                 time.sleep(0.05)
+            status = view.status()
             assert status["version"].tolist() == [20, 20]
             assert status["accepted_by_replica"].tolist() == [{0: 10, 1: 10}] * 2
             assert (status["examples"] == 400).all() and status["examples_per_s"].iloc[0] > 0
