@@ -1,5 +1,5 @@
 """Shared fixtures: one real local Dask cluster (two single-threaded worker processes) per test
-process (pytest-xdist runs two, each with its own cluster).
+process (pytest-xdist runs three, each with its own cluster).
 
 Tests that kill workers or need a different topology start their own cluster (for instance with
 ``three_workers``); they, and tests that run the command as a subprocess or execute notebooks,
@@ -39,6 +39,16 @@ from downpour_dask.runtime.profiler import PROFILE_SETTING, profiler_can_deadloc
 # subprocesses, so the path users take is covered end to end.
 dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 METHOD_VARIABLE = "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"
+
+# Every test process keeps its shared cluster while it runs the tests that start their own, so
+# three idle clusters share the 2 cores with the work.  An idle 2-worker cluster took 10% of a
+# core (its processes' CPU over 10 s), most of it the event loops' 20 ms latency tick and the
+# nannies' 100 ms memory monitor; once a second each, it takes 3%.  Neither is a behaviour a
+# test relies on: the tick only measures how late the loop runs, the monitor enforces memory
+# limits, which no test sets.
+dask.config.set(
+    {"distributed.admin.tick.interval": "1s", "distributed.worker.memory.monitor-interval": "1s"}
+)
 
 # On an interpreter where Dask's worker profiler can deadlock a worker (CPython before 3.11.9,
 # see downpour_dask/runtime/profiler.py), the clusters the tests start themselves -- here, and in
