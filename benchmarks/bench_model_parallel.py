@@ -63,7 +63,6 @@ BEFORE = [
     (MLPPart, "overlap", False, True),
     (ReplicaLoop, "skip_refetched", False, True),
     (ReplicaLoop, "pull_into", False, True),
-    (ReplicaLoop, "plain_if_refetched", False, True),
     (MailboxLink, "direct", False, True),
 ]
 

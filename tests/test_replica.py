@@ -14,7 +14,7 @@ import pytest
 
 from downpour_dask import models, optim
 from downpour_dask.downpour.pushes import Push, PushLedger
-from downpour_dask.downpour.replica import ReplicaConfig, gradient_scale
+from downpour_dask.downpour.replica import ReplicaConfig
 from downpour_dask.downpour.replica_loop import ReplicaLoop
 from downpour_dask.ps.channel import Done
 from downpour_dask.ps.protocol import PullReply, ShardLostError
@@ -260,9 +260,9 @@ class CountingLoop(ReplicaLoop):
         super()._step_locally(g, exchanging)
         self.stepping = False
 
-    def _descend(self, target, accrued, scratch):
+    def _descend(self, target, grad):
         self.descended += target.size if self.stepping else 0
-        super()._descend(target, accrued, scratch)
+        super()._descend(target, grad)
 
 
 @pytest.mark.parametrize(
@@ -271,8 +271,7 @@ class CountingLoop(ReplicaLoop):
 def test_in_process_shards_skip_the_local_step_their_exchange_overwrites(n_fetch, n_push, local):
     """A step whose push exchanges with a shard in the replica's process leaves that shard's
     slice alone (the fetch, copied straight into the slice, overwrites it before the next
-    step): one pass over the vector less, and the same training as serial SGD.  When that is
-    every slice at every step, the gradient is not scaled by alpha (nothing to divide out)."""
+    step): one pass over the vector less, and the same training as serial SGD."""
     batches = data()
     shards = shards_for(INITIAL, 2)
     channels = [FakeChannel(shard) for shard in shards]
@@ -281,7 +280,6 @@ def test_in_process_shards_skip_the_local_step_their_exchange_overwrites(n_fetch
     ranges = [(shard.start, shard.stop) for shard in shards]
     cfg = config(max_steps=len(batches), n_fetch=n_fetch, n_push=n_push)
     loop = CountingLoop(channels, ranges, MODEL, cfg, Sink())
-    assert loop.scale == (1.0 if local == 2 else LR)
     loop.run(Batches(batches))
     expected = serial_sgd(MODEL, INITIAL, batches)
     np.testing.assert_allclose(server_values(shards), expected, rtol=0, atol=2e-6)
@@ -319,7 +317,7 @@ def test_replay_applies_only_the_pushes_a_fetch_lacks():
     # the shard's values contain pushes 0 and 2 (2 overtook 1 on the network), not 1 and 3
     reply = PullReply(np.zeros(2, np.float32), 2, False, 0, (2,))
     local = np.zeros(2, np.float32)
-    replayed = ledger.replay(0, channel, reply, local, (0, 2), 1.0, np.empty(2, np.float32))
+    replayed = ledger.replay(0, channel, reply, local, (0, 2), 1.0)
     assert replayed == 2
     np.testing.assert_array_equal(local, -(10.0 + 1000.0))
     assert [p.needed_by for p in ledger.pending] == [set(), {0}, set(), {0}]
@@ -466,7 +464,7 @@ def test_a_replica_its_driver_let_go_stops_waiting_at_the_warmstart_gate():
 
 
 class NoScaleMLP(models.MLP):
-    """A user's model whose loss_and_grad predates ``scale=``."""
+    """A user's model whose loss_and_grad takes no ``scale=``: the replicas never ask for it."""
 
     def loss_and_grad(self, params, X, y, out=None):
         return super().loss_and_grad(params, X, y, out)
@@ -480,19 +478,3 @@ def test_a_model_without_scale_trains_like_serial_sgd():
     run(model, shards, batches, config(max_epochs=1))
     expected = serial_sgd(model, initial, batches)
     np.testing.assert_allclose(server_values(shards), expected, rtol=0, atol=2e-6)
-
-
-@pytest.mark.parametrize(
-    "model,alpha,expected",
-    [
-        (models.MLP(4, (3,), 2), 0.05, 0.05),  # the model folds alpha into its backward pass
-        (models.SoftmaxRegression(4, 2), 1.5, 1.5),
-        (models.MLP(4, (3,), 2), 0.0, 1.0),  # no local step: nothing to fold in
-        (NoScaleMLP(4, (3,), 2), 0.05, 1.0),  # the replica multiplies by alpha itself
-        (models.MLP(4, (3,), 2), 1e-30, 1.0),  # alpha * g could underflow float32
-        (models.MLP(4, (3,), 2), 1e30, 1.0),  # or overflow it
-    ],
-)
-def test_gradient_scale(model, alpha, expected):
-    assert gradient_scale(model, alpha) == expected
-    assert gradient_scale(model, alpha, refetched=True) == 1.0  # no local step: no scaling

@@ -23,8 +23,7 @@ Required members (:class:`TrainableModel`):
     The objective on the batch -- the **mean** loss over its rows plus any penalty -- and its
     gradient with respect to ``params``, written into ``out`` when given (a contiguous vector of
     ``params``' dtype and length, which must then be returned) or into a new vector.  ``params``
-    must not be modified.  It may take ``scale=`` (multiply the gradient, not the loss) to save
-    replicas a pass; without it they scale the gradient themselves.
+    must not be modified.
 ``predict(params, X) -> ndarray`` and ``score(params, X, y) -> float``
     :func:`score_predictions` computes accuracy or R^2 from predictions as the built-in models do.
 

@@ -74,8 +74,8 @@ class ElasticReplicaLoop(ReplicaLoop):
         diff = np.subtract(self.params, self.centre, dtype=DTYPE)
         diff *= DTYPE(cfg.elastic_alpha)
         self.params -= diff
-        # the push: -d / rate in the accrual's units (the base push divides by ``scale``)
-        diff *= DTYPE(-self.scale / cfg.centre_rate)
+        # the push: the gradient whose step at the centre's rate moves the centre by d
+        diff *= DTYPE(-1.0 / cfg.centre_rate)
         self.accrued[...] = diff
         self.base_versions = list(self.versions)
         super()._push(step, fetch=False)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.optim import axpy
 from ..core.params import DTYPE
 from ..ps.protocol import PullReply, ShardChannel
 
@@ -26,7 +27,7 @@ class Push:
 
     seq: int  # the replica's push number
     step: int  # the replica's step when it pushed
-    grad: np.ndarray  # the full-length gradient pushed (plain, not times any scale)
+    grad: np.ndarray  # the full-length gradient pushed
     calls: list  # one call per shard, until acknowledged
     loss: float  # mean training loss over the accrued steps
     examples: int  # examples accrued
@@ -78,7 +79,6 @@ class PushLedger:
         local: np.ndarray,
         bounds: tuple[int, int],
         alpha: float,
-        scratch: np.ndarray,
     ) -> int:
         """Re-apply to ``local`` (slice ``bounds`` of the replica's copy, just overwritten with
         shard ``s``'s fetched values) ``alpha`` times each own push these values lack; return
@@ -94,7 +94,7 @@ class PushLedger:
                 continue
             included = channel.includes(reply, p.seq)
             if not included:
-                local -= np.multiply(p.grad[lo:hi], alpha, out=scratch)
+                axpy(-alpha, p.grad[lo:hi], local)
                 replayed += 1
             if included or p.acked:
                 p.needed_by.discard(s)

@@ -38,10 +38,10 @@ from .registry import (
     replica_running,
     shard_variable,
 )
-from .replica_loop import ReplicaConfig, ReplicaLoop, gradient_scale
+from .replica_loop import ReplicaConfig, ReplicaLoop
 from .shares import shared_source
 
-__all__ = ["ReplicaConfig", "WorkerSink", "gradient_scale", "run_loop", "run_replica"]
+__all__ = ["ReplicaConfig", "WorkerSink", "run_loop", "run_replica"]
 
 #: The fields of a push row a replica logs on the run's event topic.
 METRIC_FIELDS = ("time", "replica", "step", "loss", "examples", "staleness", "version")

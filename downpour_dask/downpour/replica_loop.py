@@ -37,13 +37,13 @@ import numpy as np
 
 from ..core.compression import TopK
 from ..core.models import Model
+from ..core.optim import axpy
 from ..core.params import DTYPE
 from ..log import PushRow
 from ..ps.protocol import PullReply, PushReply, ShardChannel, ShardLostError
 from ..runtime.cpus import let_helpers_run
 from .config import ReplicaConfig, ReplicaSink
 from .pushes import Push, PushLedger
-from .scaling import gradient_scale
 
 
 class ReplicaLoop:
@@ -69,8 +69,6 @@ class ReplicaLoop:
     skip_refetched: bool = True
     #: Whether such an exchange's fetch is copied straight into the slice (not via a buffer).
     pull_into: bool = True
-    #: Whether gradients stay unscaled when every step's local step is left out (scaling.py).
-    plain_if_refetched: bool = True
 
     def __init__(
         self,
@@ -85,15 +83,8 @@ class ReplicaLoop:
         n, size = len(channels), ranges[-1][1]
         self.params = np.empty(size, dtype=DTYPE)
         self.grad = np.empty(size, dtype=DTYPE)
-        self.scratch = np.empty(size, dtype=DTYPE)
         self.ledger = PushLedger(size)
-        # Gradients are computed times ``scale`` and accrued so until pushed; ``rate`` turns them
-        # into a local step.
-        every = config.n_fetch == config.n_push == 1 and all(c.in_process for c in channels)
-        plain = every and self.skip_refetched and self.plain_if_refetched
-        self.scale = gradient_scale(model, config.local_learning_rate, plain)
-        self.rate = config.local_learning_rate / self.scale
-        self.grad_kw = {"scale": self.scale} if self.scale != 1.0 else {}  # none: any model
+        self.rate = config.local_learning_rate
         self.accrued = self.ledger.buffer()
         self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
         self.base_versions = [0] * n  # versions the accrued gradient started from
@@ -142,7 +133,7 @@ class ReplicaLoop:
                     if first:
                         self.base_versions = list(self.versions)
                     out = self.accrued if first else self.grad
-                    loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=out, **self.grad_kw)
+                    loss, g = self.model.loss_and_grad(self.params, Xb, yb, out=out)
                     if not first:
                         self.accrued += g
                     pushing = (step + 1) % cfg.n_push == 0  # with the next step's fetch, if due
@@ -257,13 +248,13 @@ class ReplicaLoop:
         ):  # an in-process shard's copy would die with it
             self.held[s] = reply.values
         lo, hi = self.ranges[s]
-        local, scratch = self.params[lo:hi], self.scratch[lo:hi]
+        local = self.params[lo:hi]
         if not np.may_share_memory(local, reply.values):  # (fetched into the slice: installed)
             local[...] = reply.values
         alpha = self.cfg.local_learning_rate
-        replayed = self.ledger.replay(s, channel, reply, local, (lo, hi), alpha, scratch)
+        replayed = self.ledger.replay(s, channel, reply, local, (lo, hi), alpha)
         if self.accrual_steps:
-            self._descend(local, self.accrued[lo:hi], scratch)
+            self._descend(local, self.accrued[lo:hi])
         self.versions[s] = reply.version + replayed
         self.stop = self.stop or reply.stop
         self.ledger.release()
@@ -274,20 +265,20 @@ class ReplicaLoop:
         skipping = exchanging and self.skip_refetched
         skipped = [r for r, c in zip(self.ranges, self.channels) if skipping and c.in_process]
         if not skipped:
-            self._descend(self.params, g, self.scratch)
+            self._descend(self.params, g)
             return
         lo = 0
         for start, stop in [*skipped, (self.params.size, self.params.size)]:
             if start > lo:
-                self._descend(self.params[lo:start], g[lo:start], self.scratch[lo:start])
+                self._descend(self.params[lo:start], g[lo:start])
             lo = stop
 
-    def _descend(self, target: np.ndarray, accrued: np.ndarray, scratch: np.ndarray) -> None:
-        """``target -= alpha * gradient`` for a gradient in accrual units (times ``scale``)."""
-        if self.rate == 1.0:
-            target -= accrued
-        elif self.rate:
-            target -= np.multiply(accrued, self.rate, out=scratch)
+    def _descend(self, target: np.ndarray, grad: np.ndarray) -> None:
+        """``target -= alpha * grad``: one pass of BLAS's ``axpy`` over both, as cheap as a plain
+        subtraction, so the model computes the plain gradient (no ``scale=`` asked of it) and a
+        push sends the accrued sum as it stands."""
+        if self.rate:
+            axpy(-self.rate, grad, target)
 
     def _switch(self, s: int, lost_key: str, error: ShardLostError) -> None:
         """Shard ``s`` (actor ``lost_key``) was lost: move its channel to the replacement; the
@@ -306,8 +297,6 @@ class ReplicaLoop:
         while ledger.in_flight() >= self.cfg.max_inflight:
             self._ack(ledger.oldest_in_flight(), wait=True)
         grad, self.accrued = self.accrued, ledger.buffer()
-        if self.scale != 1.0:  # shards take the plain gradient
-            grad *= DTYPE(1.0 / self.scale)
         seq = ledger.take_seq()
         payloads = self._payloads(grad)
         self.sent_bytes[seq] = sum(int(payload.nbytes) for payload in payloads)
