@@ -1,0 +1,176 @@
+"""A Downpour replica's own work per step, in one process: its loop against the serial loop.
+
+On a cluster a replica's step is the gradient plus its bookkeeping (the accrual, the local step,
+the push, installing fetched values and re-applying its own pushes they lack) plus the traffic;
+``bench_downpour.py`` measures all of it at once, and on a 2-core VM its rounds spread by
+tens of points, too much to see a change worth a few percent.  This script runs the library's
+``ReplicaLoop`` alone, on one thread, over two shards of this process whose calls complete as
+they are made, and interleaves it with the serial loop (``bench_downpour.serial_examples_per_s``),
+so what it reports is the loop's own cost against a baseline measured beside it.
+
+Rows (MLP 784-256-10, batch 128, plain SGD at 0.01, mnist5k, as ``bench_downpour.py``), each at
+n_fetch = n_push of 1 and 4:
+
+- *one shard in the process, one as if on another worker*: what a replica of a 2 x 2 fit does
+  on its worker.  The second shard's calls also complete at once, but the loop treats them as
+  remote: their fetch goes through a buffer, is installed and has the replica's missing pushes
+  re-applied, and the local step covers that shard's slice.
+- *both shards in the process*: a fit whose shards all sit beside the replica.
+
+``bench_code_ab.py --script bench_replica_step.py`` runs it with two versions of the library.
+
+    python benchmarks/bench_replica_step.py [--repeats 9] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread, as Dask's nanny gives every worker.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+from bench_downpour import BATCH, serial_examples_per_s  # noqa: E402
+
+from downpour_dask import datasets, models, optim  # noqa: E402
+from downpour_dask.data.stream import ArraySource  # noqa: E402
+from downpour_dask.downpour.replica_loop import ReplicaConfig, ReplicaLoop  # noqa: E402
+from downpour_dask.ps.calls import Done  # noqa: E402
+from downpour_dask.ps.shard import ParameterServerShard  # noqa: E402
+
+LEARNING_RATE = 0.01
+
+
+class InstantChannel:
+    """A ``ShardChannel`` to a shard of this process whose calls complete as they are made;
+    with ``in_process=False`` the loop treats it as a shard on another worker."""
+
+    transport, shared, key, session = "bench", False, "shard", "bench"
+
+    def __init__(self, shard: ParameterServerShard, in_process: bool):
+        self.shard_object, self.shard, self.in_process = shard, shard.shard_id, in_process
+        self.buffers = [np.empty_like(shard.values) for _ in range(2)]  # as a wire's two
+
+    def pull(self, avoid=None, into=None):
+        if into is None or not self.in_process:
+            into = self.buffers[1] if avoid is self.buffers[0] else self.buffers[0]
+        return Done(self.shard_object.snapshot_into(into, 0, self.session))
+
+    def push(self, grad, fetched_version, seq, examples, loss):
+        kw = {"seq": seq, "session": self.session, "examples": examples, "loss": loss}
+        return Done(self.shard_object.apply_push(grad, fetched_version, 0, **kw))
+
+    def exchange(self, grad, fetched_version, seq, examples, loss, avoid=None, into=None):
+        pushed = self.push(grad, fetched_version, seq, examples, loss)
+        return pushed, self.pull(avoid, into)
+
+    def poll_warmstart(self):
+        return Done(self.shard_object.warmstart_state())
+
+    def includes(self, reply, seq):
+        return seq <= reply.applied_through or seq in reply.applied_ahead
+
+    def replaced(self, key, sent):
+        return False
+
+    def wait(self, call, key, sent):
+        return call.result()
+
+    def switch(self, lost_key, error):
+        return False
+
+    def close(self):
+        pass
+
+
+class NoSink:
+    """A ``ReplicaSink`` that keeps nothing: no driver reads it here."""
+
+    def keep_row(self, row):
+        pass
+
+    def keep_fetched(self, shard, key, version, values):
+        return False
+
+    def keep_acked(self, shard, key, version):
+        pass
+
+    def abandoned(self):
+        return False
+
+
+def replica_examples_per_s(model, source, initial, every: int, local: int, steps: int) -> float:
+    """Examples/s of ``steps`` steps of one ``ReplicaLoop`` over two shards, the first ``local``
+    of them in its process (the others as if on another worker)."""
+    bounds = [0, initial.size // 2, initial.size]
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    shards = [
+        ParameterServerShard(i, lo, hi, initial[lo:hi], optim.sgd(LEARNING_RATE))
+        for i, (lo, hi) in enumerate(ranges)
+    ]
+    channels = [InstantChannel(shard, i < local) for i, shard in enumerate(shards)]
+    config = ReplicaConfig(
+        replica=0, batch_size=BATCH, n_fetch=every, n_push=every,
+        local_learning_rate=LEARNING_RATE, seed=0, t0=time.time(), max_steps=steps,
+    )  # fmt: skip
+    loop = ReplicaLoop(channels, ranges, model, config, NoSink())
+    start = time.perf_counter()
+    result = loop.run(source)
+    elapsed = time.perf_counter() - start
+    return result["steps"] * BATCH / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=300, help="steps per replica measurement")
+    args = parser.parse_args()
+    train, _ = datasets.load("mnist5k")
+    model = models.MLP(784, (256,), 10)
+    source = ArraySource(train.X, train.y, BATCH)
+    initial = model.init(np.random.default_rng(0))
+    rows = {
+        (f"replica, {local} of 2 shards in the process", every): (every, local)
+        for local in (1, 2)
+        for every in (1, 4)
+    }
+    serial: list[float] = []
+    rates: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
+    replica_examples_per_s(model, source, initial, 1, 1, 20)  # first calls, workspaces
+    for _ in range(args.repeats):
+        serial.append(serial_examples_per_s(model, source.X, source.y, 1.0, LEARNING_RATE))
+        for key, (every, local) in rows.items():
+            rates[key].append(
+                replica_examples_per_s(model, source, initial, every, local, args.steps)
+            )
+    base, best = statistics.median(serial), max(serial)
+    print(
+        f"{platform.processor() or platform.machine()}, numpy {np.__version__}; "
+        f"{args.repeats} repeats, rows interleaved; load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'row':44s} {'n':>2s} {'examples/s':>11s} {'of serial':>10s} {'range':>12s} "
+        f"{'best':>8s} {'best/best':>10s}"
+    )
+    print(
+        f"{'serial loop (gradient and SGD step only)':44s} {'-':>2s} {base:11,.0f} {1:10.2f} "
+        f"{'':12s} {best:8,.0f} {1:10.2f}"
+    )
+    for (name, every), values in rates.items():
+        shares = [v / s for v, s in zip(values, serial)]
+        low, high = min(shares), max(shares)
+        print(
+            f"{name:44s} {every:2d} {statistics.median(values):11,.0f} "
+            f"{statistics.median(shares):10.2f} {low:5.2f}-{high:.2f} "
+            f"{max(values):8,.0f} {max(values) / best:10.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
