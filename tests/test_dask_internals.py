@@ -36,6 +36,7 @@ from downpour_dask.runtime.dask_client_calls import (
 )
 from downpour_dask.runtime.dask_internals import (
     FUTURES_CANCELLED,
+    CancelWatch,
     actor_handle,
     actor_result,
     as_worker,
@@ -318,6 +319,24 @@ def test_task_cancelled_tells_a_running_task_that_its_client_let_it_go(client):
     assert not Event(seen, client=client).is_set()  # running, not cancelled: no claim
     future.cancel()
     assert Event(seen, client=client).wait(timeout=TIMEOUT)
+
+
+def test_a_cancel_watch_looks_at_most_once_per_interval_and_stays_cancelled(monkeypatch):
+    """A replica asks once a step; the watch reads the worker's task table only once per
+    interval, and a cancellation it saw is not forgotten."""
+    answers = [False, True, False]
+    looks = []
+
+    def fake_task_cancelled():
+        looks.append(1)
+        return answers[len(looks) - 1]
+
+    monkeypatch.setattr(dask_internals, "task_cancelled", fake_task_cancelled)
+    slow = CancelWatch(every=3600.0)
+    assert [slow(), slow(), slow()] == [False, False, False] and len(looks) == 1
+    looks.clear()
+    eager = CancelWatch(every=0.0)
+    assert [eager(), eager(), eager()] == [False, True, True] and len(looks) == 2
 
 
 def _on_the_loop() -> tuple[str, bool]:

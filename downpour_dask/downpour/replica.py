@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ from ..data.stream import StreamSpec, make_source
 from ..log import PushRow, plain
 from ..ps.opening import open_channels
 from ..ps.server import ParameterServer
-from ..runtime.dask_internals import release_hold, task_cancelled
+from ..runtime.dask_internals import CancelWatch, release_hold
 from ..runtime.malloc import tune_malloc
 from ..runtime.xla_threads import size_xla_pools
 from .clocked_loop import ClockedReplicaLoop
@@ -67,7 +66,7 @@ class WorkerSink:
         #: or its driver let it go.
         self.stop_replica: Any = None
         self.retired = False  # whether it stopped because its worker is leaving
-        self._cancelled, self._checked = False, -math.inf
+        self._cancelled = CancelWatch(self.CANCEL_CHECK_EVERY)
 
     def keep_row(self, row: PushRow) -> None:
         if self.run:
@@ -85,11 +84,7 @@ class WorkerSink:
         (it asked its shards to stop too, but a stop that did not arrive would leave the
         replica training, or waiting for a warmstart, on shards nobody reads).  Looked up at
         most every :attr:`CANCEL_CHECK_EVERY` seconds."""
-        now = time.monotonic()
-        if not self._cancelled and now - self._checked >= self.CANCEL_CHECK_EVERY:
-            self._checked = now
-            self._cancelled = task_cancelled()
-        return self._cancelled
+        return self._cancelled()
 
     def keep_fetched(self, shard: int, key: str, version: int, values: np.ndarray) -> bool:
         return bool(self.run) and remember_fetched(self.run, shard, key, version, values)

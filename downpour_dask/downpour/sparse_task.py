@@ -15,7 +15,6 @@ Dask cancelled (its driver let it go or is gone) stops at its next batch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
@@ -30,7 +29,7 @@ from ..ps.protocol import ShardLostError
 from ..ps.refs import ActorRef
 from ..ps.rows import RowsLink, SparseLayout
 from ..ps.rows_wire import RowsWireClient
-from ..runtime.dask_internals import task_cancelled, worker_client
+from ..runtime.dask_internals import CancelWatch, task_cancelled, worker_client
 from .registry import keep_acked, replica_running
 from .sparse_accrual import AccruingReplica
 from .sparse_loop import run_sparse_replica
@@ -58,12 +57,10 @@ def _until_cancelled(batches: Iterator[SparseBatch]) -> Iterator[SparseBatch]:
     """``batches`` until this task is cancelled -- its driver let it go, or died and Dask let
     go of its tasks (a running task cannot be interrupted) --, looked up every
     :data:`CANCEL_CHECK_EVERY` seconds."""
-    checked = time.monotonic()
+    cancelled = CancelWatch(CANCEL_CHECK_EVERY)
     for batch in batches:
-        if time.monotonic() - checked >= CANCEL_CHECK_EVERY:
-            checked = time.monotonic()
-            if task_cancelled():
-                return
+        if cancelled():
+            return
         yield batch
 
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -198,6 +200,22 @@ def task_cancelled() -> bool:
         return worker.state.tasks[worker.get_current_task()].state == "cancelled"
     except (ValueError, KeyError, AttributeError):
         return False
+
+
+class CancelWatch:
+    """:func:`task_cancelled` for a long task that asks once a step: looked up at most every
+    ``every`` seconds (the first call looks), and once cancelled it stays so."""
+
+    def __init__(self, every: float = 0.25):
+        self.every = every
+        self._cancelled, self._checked = False, -math.inf
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if not self._cancelled and now - self._checked >= self.every:
+            self._checked = now
+            self._cancelled = task_cancelled()
+        return self._cancelled
 
 
 #: How often a client is made again after Dask's handshake race (:func:`connect_client`).
