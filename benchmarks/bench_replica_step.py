@@ -6,7 +6,10 @@ the push, installing fetched values and re-applying its own pushes they lack) pl
 tens of points, too much to see a change worth a few percent.  This script runs the library's
 ``ReplicaLoop`` alone, on one thread, over two shards of this process whose calls complete as
 they are made, and interleaves it with the serial loop (``bench_downpour.serial_examples_per_s``),
-so what it reports is the loop's own cost against a baseline measured beside it.
+so what it reports is the loop's own cost against a baseline measured beside it.  Both shards'
+updates run on the replica's thread here, the far one's too: on a 2 x 2 cluster each worker's
+shard takes the other replica's pushes, so a worker does the same work per step, less the
+transfers.
 
 Rows (MLP 784-256-10, batch 128, plain SGD at 0.01, mnist5k, as ``bench_downpour.py``), each at
 n_fetch = n_push of 1 and 4:
