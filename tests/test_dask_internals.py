@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import os
 import pickle
 import signal
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -48,6 +50,7 @@ from downpour_dask.runtime.dask_internals import (
     running_as,
     serve_on_worker,
     task_cancelled,
+    wait_quietly,
     worker_client,
 )
 
@@ -337,6 +340,30 @@ def test_a_cancel_watch_looks_at_most_once_per_interval_and_stays_cancelled(monk
     looks.clear()
     eager = CancelWatch(every=0.0)
     assert [eager(), eager(), eager()] == [False, True, True] and len(looks) == 2
+
+
+def test_wait_quietly_returns_at_the_timeout_and_keeps_no_frame_of_its_caller(client):
+    """A fit's driver waits on its replicas' tasks every tick.  The wait returns when the time
+    is up, and with the cycle collector off the caller's frame (and what it holds: the futures
+    of the fit's data) still goes when the caller returns."""
+
+    class Held:
+        pass
+
+    def caller(future):
+        held = Held()
+        wait_quietly([future], timeout=0.05)  # times out: the task sleeps 1 s
+        return weakref.ref(held)
+
+    future = client.submit(time.sleep, 1.0, pure=False)
+    gc.disable()
+    try:
+        held = caller(future)
+        assert held() is None and not future.done()
+    finally:
+        gc.enable()
+    future.result(timeout=TIMEOUT)
+    wait_quietly([future], timeout=TIMEOUT)  # done: returns at once
 
 
 def _on_the_loop() -> tuple[str, bool]:

@@ -575,8 +575,10 @@ def test_a_fit_long_enough_to_look_for_replacements_releases_its_shards_on_the_w
 ):
     """Replicas look at their shards' variables every second (a replaced shard), which gives
     each worker's client handles of the shards; with the workers' cycle collector off, those
-    must not keep the actors alive once the fit ended either."""
+    must not keep the actors alive once the fit ended either.  Nor, with the driver's off, may
+    the driver's waits of every tick keep the fit's frames, and the data they hold, alive."""
     client.run(_cycle_collector, False)
+    gc.disable()
     try:
         before, keys = sum(client.run(_actors).values()), cluster_keys()
         DownpourSGD(
@@ -585,6 +587,7 @@ def test_a_fit_long_enough_to_look_for_replacements_releases_its_shards_on_the_w
         assert cluster_keys(beyond=keys) == set()
         assert sum(client.run(_actors).values()) <= before
     finally:
+        gc.enable()
         client.run(_cycle_collector, True)
 
 

@@ -15,11 +15,10 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import CancelledError
 from typing import Any
 
 import numpy as np
-from distributed import Client, Future, Variable, wait
+from distributed import Client, Future, Variable
 
 from ..core.optim import UpdateRule
 from ..core.partition import PartitionPlan
@@ -28,6 +27,7 @@ from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.server import ParameterServer
 from ..runtime.cluster import cluster_workers, send_to_workers
 from ..runtime.dask_client_calls import register_worker_plugin, unregister_worker_plugin
+from ..runtime.dask_internals import wait_quietly
 from ..runtime.deadlines import waiting_for
 from .driver_loss import DriverLoss, driver_loss_name
 from .membership import (
@@ -118,8 +118,7 @@ class DaskCluster:
             return list(send_to_workers(self.client, values, [worker], timeout=self.timeout))
 
     def wait(self, tasks: list[Future], timeout: float) -> None:
-        with contextlib.suppress(TimeoutError, CancelledError):  # a lost task: seen by its owner
-            wait(tasks, timeout=timeout)
+        wait_quietly(tasks, timeout)  # a lost task: seen by its owner
 
     def _run_each(self, function: Callable[..., Any], *args: Any, workers: list[str] | None = None):
         """``function(*args)`` on each of ``workers`` (default: all live ones), each answer

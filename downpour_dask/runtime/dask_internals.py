@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from distributed import Actor, Client, Future, get_client, get_worker
+from distributed import Actor, Client, Future, get_client, get_worker, wait
 from distributed import client as _dask_client
 from distributed import worker as _dask_worker
 from distributed.client import FuturesCancelledError
@@ -36,6 +36,22 @@ from distributed.client import FuturesCancelledError
 #: only from its ``client`` module, not from the package (checked: distributed 2024.x to
 #: 2026.8); a move fails at import, loudly.
 FUTURES_CANCELLED = FuturesCancelledError
+
+
+def wait_quietly(futures: list[Future], timeout: float) -> None:
+    """``distributed.wait(futures, timeout=timeout)`` that returns, instead of raising, when the
+    time is up or a future was cancelled (the caller looks at their states).
+
+    ``Client.sync`` keeps the error it raises in a reference cycle with its own frame, and the
+    error's traceback reaches the caller's frames: a driver that waits in a loop, as a fit does
+    every tick, would keep its frames, and the futures of the data they hold (so the cluster
+    keeps the data), until the cycle collector ran.  Dropping the traceback breaks the cycle.
+    Relies on ``sync`` keeping no other reference to the frames (checked: distributed 2026.8).
+    """
+    try:
+        wait(futures, timeout=timeout)
+    except (TimeoutError, concurrent.futures.CancelledError, FUTURES_CANCELLED) as err:
+        err.__traceback__ = None
 
 
 def actor_result(call: Any, timeout: float | None) -> Any:

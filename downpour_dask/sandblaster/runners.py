@@ -22,22 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from distributed import Client, Future, WorkerPlugin, wait
+from distributed import Client, Future, WorkerPlugin
 from distributed.protocol import to_serialize
 
 from ..runtime.dask_client_calls import register_worker_plugin
 from ..runtime.dask_internals import (
-    FUTURES_CANCELLED,
     as_worker,
     call_worker,
     running_as,
     serve_on_worker,
+    wait_quietly,
 )
 from ..runtime.deadlines import TIMEOUTS
 from .tasks import PortionResult, evaluate_task, run_portion
@@ -181,8 +180,7 @@ class Runners:
         pending = list(blocks) if self.usable else []
         deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError, FUTURES_CANCELLED):
-                wait(pending, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            wait_quietly(pending, min(1.0, max(0.0, deadline - time.monotonic())))
             if any(f.status not in ("pending", "finished") for f in pending):
                 return
             pending = [f for f in pending if f.status == "pending"]
