@@ -84,7 +84,6 @@ class ReplicaLoop:
         self.params = np.empty(size, dtype=DTYPE)
         self.grad = np.empty(size, dtype=DTYPE)
         self.ledger = PushLedger(size)
-        self.rate = config.local_learning_rate
         self.accrued = self.ledger.buffer()
         self.accrual_steps, self.accrual_loss, self.accrual_examples = 0, 0.0, 0
         self.base_versions = [0] * n  # versions the accrued gradient started from
@@ -277,8 +276,9 @@ class ReplicaLoop:
         """``target -= alpha * grad``: one pass of BLAS's ``axpy`` over both, as cheap as a plain
         subtraction, so the model computes the plain gradient (no ``scale=`` asked of it) and a
         push sends the accrued sum as it stands."""
-        if self.rate:
-            axpy(-self.rate, grad, target)
+        alpha = self.cfg.local_learning_rate
+        if alpha:
+            axpy(-alpha, grad, target)
 
     def _switch(self, s: int, lost_key: str, error: ShardLostError) -> None:
         """Shard ``s`` (actor ``lost_key``) was lost: move its channel to the replacement; the
