@@ -90,6 +90,41 @@ def test_actor_result_waits_for_a_call_still_on_its_way(server):
     assert actor_result(server.shards[1].current_version(), TIMEOUT) == 0
 
 
+class _StoredTimeout:
+    """A call whose ``result`` raises as Dask's ``sync`` does when its inner wait times out
+    first: a ``TimeoutError`` it stored, whose traceback holds the frame that stores it."""
+
+    def __init__(self):
+        self.held: weakref.ref | None = None
+
+    def done(self) -> bool:
+        return False
+
+    def result(self, timeout: float) -> None:
+        held = _Held()  # what the frame holds: in Dask's case its own frame and the caller's
+        self.held = weakref.ref(held)
+        error = None
+        try:
+            raise TimeoutError(f"timed out after {timeout} s.")
+        except TimeoutError as err:
+            error = err
+        raise error
+
+
+class _Held:
+    pass
+
+
+def test_actor_result_times_out_without_keeping_the_waiting_frames(no_cycle_collector):
+    """Replicas and the driver wait on actor calls in short slices and swallow each slice's
+    ``TimeoutError``; with the cycle collector off, the frames of the wait (and, in Dask's case,
+    the caller's frame and the reply it waits for) still go at once."""
+    call = _StoredTimeout()
+    with pytest.raises(TimeoutError, match="timed out after 0.05 s"):
+        actor_result(call, 0.05)
+    assert call.held is not None and call.held() is None
+
+
 def _local_actor_class(key: str) -> str | None:
     found = local_actor(key)
     return None if found is None else type(found).__name__

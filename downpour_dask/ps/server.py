@@ -20,7 +20,7 @@ from distributed import Client, Future
 from ..core.optim import UpdateRule
 from ..core.params import DTYPE, split_range
 from ..runtime.cluster import cluster_workers, send_to_workers
-from ..runtime.dask_internals import direct_actor, release_hold
+from ..runtime.dask_internals import actor_result, direct_actor, release_hold
 from ..runtime.deadlines import waiting_for
 from .protocol import PushReply, ShardLostError, is_shard_lost
 from .refs import ActorRef, refer
@@ -320,7 +320,7 @@ class ParameterServer:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return call.result(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                return actor_result(call, min(1.0, max(0.01, deadline - time.monotonic())))
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise

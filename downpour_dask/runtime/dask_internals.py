@@ -66,11 +66,20 @@ def actor_result(call: Any, timeout: float | None) -> Any:
     distributed 2024.x to 2026.8).  Falls back to the public ``call.result(timeout)`` for a call
     not finished yet, and for any future without such an attribute (a changed Dask, or a call
     that is not an ``ActorFuture``).
+
+    A ``TimeoutError`` from the fallback is raised afresh from here, without the frames of
+    Dask's ``sync``: when the call's own wait times out before ``sync``'s, ``sync`` raises the
+    error it stored, in a cycle with its frame (see :func:`wait_quietly`), and callers that
+    wait in slices and swallow each slice's error would keep their frames, and the reply they
+    wait for, until the cycle collector ran.
     """
     out = getattr(call, "_out", None) if call.done() else None
     if out is not None and hasattr(out, "unwrap"):
         return out.unwrap()  # raises the call's exception, as result() would
-    return call.result(timeout=timeout)
+    try:
+        return call.result(timeout=timeout)
+    except TimeoutError as err:
+        raise err.with_traceback(None) from None
 
 
 def local_actor(key: str) -> Any | None:

@@ -28,7 +28,7 @@ from ..core import protocol
 from ..core.params import DTYPE
 from ..core.protocol import TrainableModel
 from ..ps.server import ParameterServer
-from ..runtime.dask_internals import local_actor, on_worker_loop
+from ..runtime.dask_internals import actor_result, local_actor, on_worker_loop
 from ..runtime.malloc import tune_malloc
 from ..runtime.xla_threads import size_xla_pools
 from .shard import Finished, SandblasterShard
@@ -79,7 +79,7 @@ def _reply(call: Any, token: str, timeout: float) -> Any:
     while True:
         _check_running(token)
         try:
-            return call.result(timeout=max(0.01, min(0.1, deadline - time.monotonic())))
+            return actor_result(call, max(0.01, min(0.1, deadline - time.monotonic())))
         except TimeoutError:
             if time.monotonic() >= deadline:
                 raise
