@@ -190,7 +190,7 @@ class _RaceNextClients(SchedulerPlugin):
     """Makes Dask's handshake race for the next ``n`` clients to connect: a broadcast to all
     clients (what a client cancelling futures sends) queued behind each one's greeting, so
     the two leave in one batch -- what a cancel arriving in the same turn of the scheduler's
-    loop does by chance (see ``runtime/dask_internals.worker_client``)."""
+    loop does by chance (see ``runtime/dask_connect.worker_client``)."""
 
     def __init__(self, n: int, name: str):
         self.n, self.raced, self.name = n, 0, name

@@ -1,8 +1,8 @@
-"""The guard on Dask's private API: every function of ``runtime/dask_internals.py`` and
-``runtime/dask_client_calls.py`` (and the wording of Dask's lost-actor error) checked on the
-installed ``distributed``.
+"""The guard on Dask's private API: every function of ``runtime/dask_internals.py``,
+``runtime/dask_connect.py`` and ``runtime/dask_client_calls.py`` (and the wording of Dask's
+lost-actor error) checked on the installed ``distributed``.
 
-When one of these fails after a Dask upgrade, those two modules (or ``ps/protocol.py``'s
+When one of these fails after a Dask upgrade, those three modules (or ``ps/protocol.py``'s
 ``LOST_ACTOR``) are the places to fix.
 """
 
@@ -27,7 +27,7 @@ from downpour_dask import optim
 from downpour_dask.ps.protocol import LOST_ACTOR, is_shard_lost
 from downpour_dask.ps.server import ParameterServer
 from downpour_dask.ps.shard import ParameterServerShard
-from downpour_dask.runtime import dask_internals
+from downpour_dask.runtime import dask_connect, dask_internals
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.runtime.dask_client_calls import (
     register_worker_plugin,
@@ -36,6 +36,7 @@ from downpour_dask.runtime.dask_client_calls import (
     scheduler_workers,
     unregister_worker_plugin,
 )
+from downpour_dask.runtime.dask_connect import worker_client
 from downpour_dask.runtime.dask_internals import (
     FUTURES_CANCELLED,
     CancelWatch,
@@ -51,7 +52,6 @@ from downpour_dask.runtime.dask_internals import (
     serve_on_worker,
     task_cancelled,
     wait_quietly,
-    worker_client,
 )
 
 TIMEOUT = 30
@@ -516,7 +516,7 @@ def test_worker_client_on_an_event_loop_never_waits_for_its_lock(client):
     async def on_a_loop() -> Client:
         return worker_client(timeout=TIMEOUT)
 
-    with dask_internals._CLIENT_LOCK:
+    with dask_connect._CLIENT_LOCK:
         assert asyncio.run(on_a_loop()) is client
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from distributed import Client, Security
 from distributed.comm import connect as comm_connect
 
-from ..runtime.dask_internals import connect_client
+from ..runtime.dask_connect import connect_client
 from .errors import Unreachable, UsageError, one_line
 
 #: The --tls-* flags, by the :class:`distributed.Security` argument each one gives.

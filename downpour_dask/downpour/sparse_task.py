@@ -29,7 +29,8 @@ from ..ps.protocol import ShardLostError
 from ..ps.refs import ActorRef
 from ..ps.rows import RowsLink, SparseLayout
 from ..ps.rows_wire import RowsWireClient
-from ..runtime.dask_internals import CancelWatch, task_cancelled, worker_client
+from ..runtime.dask_connect import worker_client
+from ..runtime.dask_internals import CancelWatch, task_cancelled
 from .registry import keep_acked, replica_running
 from .sparse_accrual import AccruingReplica
 from .sparse_loop import run_sparse_replica

@@ -39,13 +39,8 @@ import numpy as np
 from distributed import Variable
 
 from ..core.params import DTYPE
-from ..runtime.dask_internals import (
-    actor_result,
-    local_actor,
-    release_hold,
-    task_cancelled,
-    worker_client,
-)
+from ..runtime.dask_connect import worker_client
+from ..runtime.dask_internals import actor_result, local_actor, release_hold, task_cancelled
 from .calls import Done, Half
 from .protocol import (
     FencedError,

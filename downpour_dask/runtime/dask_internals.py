@@ -1,5 +1,6 @@
 """Every use of Dask's private API in the package but its bounded client calls, which are in
-:mod:`.dask_client_calls`, and a scheduler plugin's changes to the scheduler's state, in
+:mod:`.dask_client_calls`, the making of clients through Dask's handshake race, in
+:mod:`.dask_connect`, and a scheduler plugin's changes to the scheduler's state, in
 :mod:`.dask_scheduler_state`.
 
 Each function below relies on something ``distributed`` does not promise to keep: an attribute
@@ -7,7 +8,7 @@ of an object, the signature of a constructor not meant to be called directly, a 
 method.  Each says what it relies on, the ``distributed`` versions it was checked against, and
 what it falls back to -- or that it fails loudly -- when Dask changes.  ``tests/
 test_dask_internals.py`` runs every one of them on the installed ``distributed``: when that test
-fails after an upgrade (or ``tests/test_driver_loss.py``), this module and its two siblings
+fails after an upgrade (or ``tests/test_driver_loss.py``), this module and its three siblings
 are the only ones to fix.
 
 Outside this module the package also relies on the *wording* of one Dask error, "Worker holding
@@ -26,10 +27,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from distributed import Actor, Client, Future, get_client, get_worker, wait
-from distributed import client as _dask_client
+from distributed import Actor, Client, Future, get_worker, wait
 from distributed import worker as _dask_worker
 from distributed.client import FuturesCancelledError
+
+from .dask_connect import worker_client
 
 #: What waiting on futures raises when one of them was cancelled -- e.g. scattered data that a
 #: dead worker took with it.  ``distributed`` raises it from ``wait``/``gather`` but exports it
@@ -241,80 +243,6 @@ class CancelWatch:
             self._checked = now
             self._cancelled = task_cancelled()
         return self._cancelled
-
-
-#: How often a client is made again after Dask's handshake race (:func:`connect_client`).
-CLIENT_TRIES = 3
-_CLIENT_LOCK = threading.Lock()
-
-
-def _through_handshake_race(connect: Callable[[], Client], timeout: float | None) -> Client:
-    """``connect()`` -- a new client, or the worker's -- made again when Dask's handshake race
-    fails it, up to :data:`CLIENT_TRIES` times.
-
-    A new client sends ``register-client`` and expects the scheduler's greeting alone.  If the
-    scheduler broadcasts to all clients (a cancel, from any client: a driver restarting a
-    replica, a notebook) in the same turn of its event loop, the greeting arrives in a batch of
-    two and the client's constructor fails its ``assert len(msg) == 1``.  The half-made client
-    stays registered as the default client, never connected: the next ``get_client()`` returns
-    it.  So it is forgotten and closed before the next try.
-
-    Relies on ``distributed.client._global_clients`` (the registry of default clients),
-    ``_del_global_client``, a half-made client's ``status`` staying ``"connecting"``, and the
-    ``AssertionError`` itself (checked: distributed 2026.8; the tests make the race on purpose).
-    """
-    with _CLIENT_LOCK:  # one client made at a time, so a half-made one is this call's
-        for attempt in range(CLIENT_TRIES):
-            before = list(_dask_client._global_clients.values())
-            try:
-                return connect()
-            except AssertionError:
-                if attempt == CLIENT_TRIES - 1:
-                    raise
-                for client in list(_dask_client._global_clients.values()):
-                    if client not in before and client.status == "connecting":
-                        _dask_client._del_global_client(client)
-                        with contextlib.suppress(Exception):
-                            client.close(timeout=timeout)
-    raise AssertionError("unreachable")
-
-
-def connect_client(address: str, timeout: float, **kwargs: Any) -> Client:
-    """``distributed.Client(address, timeout=timeout, **kwargs)``, made again when Dask's
-    handshake race fails it (see :func:`_through_handshake_race`): for a command connecting
-    to a cluster where other clients work."""
-    return _through_handshake_race(lambda: Client(address, timeout=timeout, **kwargs), timeout)
-
-
-def worker_client(timeout: float | None = None) -> Client:
-    """The Dask client of the worker running this task, connected to the scheduler.
-
-    What ``distributed.get_client()`` returns inside a task, made again when Dask's handshake
-    race fails it (see :func:`_through_handshake_race`).  A worker makes its client the first
-    time a task asks for one (an actor handle, a ``Variable``): a replica's task on a fresh
-    worker, restarted there while its driver cancels the old tasks, met the race in CI.
-    Outside a worker it is ``get_client()``, and so it is on an event loop, where Dask makes a
-    client that connects only when awaited (and where the lock could wait for a thread that
-    waits for the loop).
-    """
-    made = _made_worker_client()
-    if made is not None:  # every call but a worker's first: no lock, no look-up
-        return made
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return _through_handshake_race(lambda: get_client(timeout=timeout), timeout)
-    return get_client(timeout=timeout)
-
-
-def _made_worker_client() -> Client | None:
-    """The client of the worker running this task if it made one that is connected, else None
-    (relies on ``Worker._client``, where ``get_client`` keeps it)."""
-    try:
-        client = get_worker()._client
-    except (ValueError, AttributeError):
-        return None
-    return client if client is not None and client.status == "running" else None
 
 
 def actor_handle(cls: type, address: str, key: str) -> Actor:
