@@ -1,10 +1,8 @@
 """Dask clients made through Dask's handshake race: for a command connecting to a cluster where
 other clients work (:func:`connect_client`), and for a task on a worker (:func:`worker_client`).
 
-A new client sends ``register-client`` and expects the scheduler's greeting alone; a broadcast
-to all clients in the same turn of the scheduler's loop fails it, and leaves a half-made client
-behind as the default one.  Both functions make the client again, after forgetting the
-half-made one.  Like :mod:`.dask_internals`, this module relies on Dask's private API, and
+Both make the client again when the race fails it (:func:`_through_handshake_race` tells the
+race).  Like :mod:`.dask_internals`, this module relies on Dask's private API, and
 ``tests/test_dask_internals.py`` makes the race on purpose to check it still holds.
 """
 
