@@ -10,18 +10,16 @@ ceiling any data-parallel trainer could reach on this machine, and each row's sh
 
 Further rows per n_fetch = n_push are the least a parameter server must add to that ceiling:
 the same loop on both workers, each also holding half the parameters as a shard, with no library
-at all.  Every n steps a replica applies its half in place and hands the other half's gradient to
-the other worker, whose thread applies it (one ``axpy``) and hands back its half's values; the
-replica takes them between two steps once they arrive (one push in flight).  The *minimal
-parameter server* moves the arrays as Downpour does between workers of one host: through memory
-the two processes share (an anonymous ``memfd`` each, mapped by the other through ``/proc``; a
-1-byte token on a raw TCP connection says a push or a reply is there).  A second row sends them
-over that TCP connection instead, as between hosts.  What separates Downpour from the first row
-is the library; what separates that row from the ceiling is the work any parameter server adds to
-a step (the accrual, the shard's update, the copies into and out of the shared memory), on the
-same two cores that compute the gradients.  With ``--token-bound`` the same server runs once more
-with only the tokens (the shard applies a gradient it holds, the replica installs nothing): what
-is left without moving the arrays at all.
+at all (``minimal_ps.py``).  The *minimal parameter server* moves the far half's arrays as
+Downpour does between workers of one host, through shared memory, a 1-byte token on a raw TCP
+connection waking the other worker's thread; a second row sends them over that TCP connection,
+as between hosts.  What separates Downpour from the first row is the library; what separates
+that row from the ceiling is the work any parameter server of that design adds to a step (the
+accrual, the shard's update, the copies, the wake-ups), on the same two cores that compute the
+gradients.  With ``--token-bound`` the same server runs once more with only the tokens: what is
+left without moving the arrays at all.  With ``--one-sided`` a further row has no thread and no
+message: each replica applies its push to the far shard's shared memory itself, under a lock
+the two processes share, the bound of a design that wakes nothing on the other worker.
 
 With ``--pinned yes`` every row on the cluster runs with each worker process pinned to a CPU of
 its own (:func:`downpour_dask.pin_workers`); ``--pinned both`` runs them both ways in every
@@ -32,7 +30,7 @@ the machine falls on all rows alike; it reports each row's median over the round
 medians against the serial loop, and the range of the row's runs against that median.
 
     python benchmarks/bench_downpour.py [--seconds 4] [--repeats 3] [--token-bound]
-                                        [--pinned {no,yes,both}]
+                                        [--one-sided] [--pinned {no,yes,both}]
 """
 
 from __future__ import annotations
@@ -44,24 +42,17 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import mmap  # noqa: E402
 import platform  # noqa: E402
-import select  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
-import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
 from clusters import local_cluster  # noqa: E402
-from distributed import Client, Variable  # noqa: E402
+from distributed import Client  # noqa: E402
+from minimal_ps import minimal_ps_examples_per_s, set_up_as_a_replica  # noqa: E402
 
 from downpour_dask import DownpourSGD, datasets, models, pin_workers, unpin_workers  # noqa: E402
 from downpour_dask.data.datasets import minibatches  # noqa: E402
-from downpour_dask.ps import frames  # noqa: E402
-from downpour_dask.runtime.malloc import tune_malloc  # noqa: E402
 
 BATCH = 128
 
@@ -84,16 +75,9 @@ def serial_examples_per_s(model, X, y, seconds: float, learning_rate: float = 0.
     return examples / (time.perf_counter() - start)
 
 
-def _set_up_as_a_replica(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """What a replica does first on its worker: the allocator tuned, and the received arrays
-    copied into aligned memory (see ``stream.ArraySource``)."""
-    tune_malloc()
-    return np.require(X, requirements=["C", "A"]), np.require(y, requirements=["C", "A"])
-
-
 def _serial_on_worker(model, X, y, seconds: float) -> float:
     """The serial loop as a Dask task, set up as a replica sets itself up."""
-    return serial_examples_per_s(model, *_set_up_as_a_replica(X, y), seconds)
+    return serial_examples_per_s(model, *set_up_as_a_replica(X, y), seconds)
 
 
 def no_communication_examples_per_s(client, model, X, y, seconds: float) -> float:
@@ -111,139 +95,6 @@ def no_communication_examples_per_s(client, model, X, y, seconds: float) -> floa
     ]
     rate = sum(client.gather(futures))
     client.cancel(data)
-    return rate
-
-
-def _shared_pair(n_own: int, n_far: int, publish, peer) -> tuple[np.ndarray, np.ndarray]:
-    """This worker's shared buffer for the far replica's pushes and replies (``n_own`` values:
-    gradient in, values out, one after the other) and the other worker's (``n_far``), mapped
-    here: an anonymous memory file each, announced as ``(pid, fd)`` through ``publish`` and
-    opened through ``/proc`` from what ``peer()`` returns."""
-    fd = os.memfd_create("bench-minimal-ps")
-    os.ftruncate(fd, 8 * n_own)
-    mine = np.frombuffer(mmap.mmap(fd, 8 * n_own), np.float32)
-    publish((os.getpid(), fd))
-    pid, far_fd = peer()
-    opened = os.open(f"/proc/{pid}/fd/{far_fd}", os.O_RDWR)
-    theirs = np.frombuffer(mmap.mmap(opened, 8 * n_far), np.float32)
-    os.close(opened)
-    return mine, theirs
-
-
-def _minimal_ps_on_worker(
-    model, X, y, seconds, every, me, names, carry="shared", learning_rate=0.01
-) -> float:
-    """One worker's half of the minimal parameter server (see the module docstring): a replica
-    loop and a thread serving this worker's shard to the other worker's replica.  ``carry``:
-    how the arrays travel, ``"shared"`` (shared memory, a 1-byte token on the socket),
-    ``"socket"`` (the arrays on the socket) or ``"tokens"`` (only the token: the shard applies a
-    gradient it already holds and the replica installs nothing)."""
-    X, y = _set_up_as_a_replica(X, y)
-    params = model.init(np.random.default_rng(0))
-    cut = params.size // 2
-    own, far = (slice(0, cut), slice(cut, None)) if me == 0 else (slice(cut, None), slice(0, cut))
-    shard = params[own].copy()
-    server = socket.create_server(("127.0.0.1", 0))
-    Variable(names[me]).set(server.getsockname()[1])
-    out = socket.create_connection(("127.0.0.1", Variable(names[1 - me]).get(timeout=60)))
-    out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    served, _ = server.accept()
-    served.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if carry == "shared":  # [gradient | values] of my shard, and of the far one
-        mine, theirs = _shared_pair(
-            shard.size, params[far].size, Variable(names[me] + "-shm").set,
-            lambda: Variable(names[1 - me] + "-shm").get(timeout=60),
-        )  # fmt: skip
-        grad_in, values_out = mine[: shard.size], mine[shard.size :]
-        far_grad, far_values = theirs[: params[far].size], theirs[params[far].size :]
-
-    lock = threading.Lock()  # a shard applies one push at a time, as Downpour's does
-
-    def receive(sock: socket.socket, into: np.ndarray, shared: np.ndarray | None) -> None:
-        if carry == "socket":
-            frames.recv_into(sock, into)
-            return
-        if not sock.recv(1):
-            raise ConnectionError("closed")
-        if shared is not None and carry == "shared":
-            np.copyto(into, shared)
-
-    def send(sock: socket.socket, values: np.ndarray, shared: np.ndarray | None) -> None:
-        if carry == "socket":
-            sock.sendall(memoryview(values).cast("B"))
-            return
-        if shared is not None and carry == "shared":
-            np.copyto(shared, values)
-        sock.sendall(b"x")
-
-    def serve() -> None:  # the shard: a gradient in, one axpy, its values back
-        grad = np.zeros_like(shard)
-        with contextlib.suppress(ConnectionError):  # the replica's end closed: the run is over
-            while True:
-                receive(served, grad, None)
-                applied = grad_in if carry == "shared" else grad  # (shared: applied in place)
-                with lock:
-                    np.subtract(shard, applied, out=shard)
-                    send(served, shard, values_out if carry == "shared" else None)
-        served.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    step, accrued = np.empty_like(params), np.empty_like(params)
-    rng = np.random.default_rng(me)
-    examples, steps, start, pending = 0, 0, time.perf_counter(), False
-    while time.perf_counter() - start < seconds:
-        for Xb, yb in minibatches(X, y, BATCH, rng):
-            if pending and select.select([out], [], [], 0)[0]:  # the far half's values arrived
-                receive(out, params[far], far_values if carry == "shared" else None)
-                pending = False
-            first = steps % every == 0  # an accrual's first step writes into it, as Downpour's
-            g = accrued if first else step
-            model.loss_and_grad(params, Xb, yb, out=g, scale=learning_rate)
-            params -= g
-            if not first:
-                accrued += g
-            examples, steps = examples + len(yb), steps + 1
-            if steps % every == 0:  # push both halves, fetch both back
-                with lock:  # the own half first: no lock is wanted while a reply is due
-                    shard -= accrued[own]
-                    params[own] = shard
-                if pending:  # one push in flight at a time
-                    receive(out, params[far], far_values if carry == "shared" else None)
-                send(out, accrued[far], far_grad if carry == "shared" else None)
-                pending = True
-            if time.perf_counter() - start >= seconds:
-                break
-    rate = examples / (time.perf_counter() - start)
-    if pending:
-        receive(out, params[far], None)
-    out.shutdown(socket.SHUT_WR)  # the peer's shard thread ends; then wait for ours
-    thread.join(timeout=60)
-    out.close()
-    server.close()
-    return rate
-
-
-def minimal_ps_examples_per_s(
-    client, model, X, y, seconds: float, every: int, carry: str = "shared"
-) -> float:
-    """The minimal parameter server on both workers at once: the sum of their examples/s
-    (``carry``: see ``_minimal_ps_on_worker``)."""
-    workers = sorted(client.scheduler_info()["workers"])
-    data = client.scatter([X, y], broadcast=True, hash=False)
-    names = [f"bench-minimal-ps-{uuid.uuid4().hex}" for _ in workers]
-    futures = [
-        client.submit(
-            _minimal_ps_on_worker, model, *data, seconds, every, me, names, carry,
-            workers=[w], pure=False,
-        )  # fmt: skip
-        for me, w in enumerate(workers)
-    ]
-    rate = sum(client.gather(futures))
-    client.cancel(data)
-    for name in names:
-        for variable in (name, name + "-shm"):
-            Variable(variable, client=client).delete()
     return rate
 
 
@@ -283,7 +134,10 @@ CONFIGURATIONS = [  # (replicas, shards, transport) for each n_fetch = n_push
 ]  # fmt: skip
 
 
-def one_round(client, model, train, seconds: float, token_bound: bool, label: str = ""):
+def one_round(
+    client, model, train, seconds: float, token_bound: bool, label: str = "",
+    one_sided: bool = False,
+):  # fmt: skip
     """Every row on the cluster once (the ceiling, the minimal server and each Downpour
     configuration, for n_fetch = n_push = 1 and 4): ``{(row name + label, every): examples/s}``."""
     X, y = train.X, train.y
@@ -292,9 +146,11 @@ def one_round(client, model, train, seconds: float, token_bound: bool, label: st
         carries = {MINIMAL: "shared", MINIMAL_TCP: "socket"}
         if token_bound:
             carries[TOKENS] = "tokens"
+        if one_sided:
+            carries[ONE_SIDED] = "one-sided"
         for row, carry in carries.items():
             rates[(row + label, str(every))] = minimal_ps_examples_per_s(
-                client, model, X, y, seconds, every, carry
+                client, model, X, y, seconds, every, carry, BATCH
             )
         for replicas, shards, transport in CONFIGURATIONS:
             name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
@@ -311,6 +167,7 @@ CEILING = "serial loop on both workers at once, no communication"
 MINIMAL = "minimal parameter server, shared memory, no library"
 MINIMAL_TCP = "minimal parameter server, arrays over TCP"
 TOKENS = "minimal parameter server, 1-byte tokens, no arrays"
+ONE_SIDED = "minimal parameter server, one-sided: replicas update shared memory"
 PINNED = " (pinned)"
 #: What each ``--pinned`` choice runs: unpinned, pinned, or both in every round.
 PIN_STATES = {"no": [False], "yes": [True], "both": [False, True]}
@@ -323,6 +180,11 @@ def main() -> None:
     parser.add_argument(
         "--token-bound", action="store_true",
         help="also run the minimal server with only 1-byte tokens, no arrays",
+    )  # fmt: skip
+    parser.add_argument(
+        "--one-sided", action="store_true",
+        help="also run the one-sided minimal server: each replica updates the far shard's "
+        "shared memory itself, under a lock, no thread woken",
     )  # fmt: skip
     parser.add_argument(
         "--pinned", choices=["no", "yes", "both"], default="no",
@@ -354,7 +216,7 @@ def main() -> None:
                     pin_workers(client)
                 rates = one_round(
                     client, model, train, args.seconds, args.token_bound,
-                    PINNED if pinned else "",
+                    PINNED if pinned else "", args.one_sided,
                 )  # fmt: skip
                 unpin_workers(client)
                 for key, rate in rates.items():
