@@ -30,7 +30,7 @@ the machine falls on all rows alike; it reports each row's median over the round
 medians against the serial loop, and the range of the row's runs against that median.
 
     python benchmarks/bench_downpour.py [--seconds 4] [--repeats 3] [--token-bound]
-                                        [--one-sided] [--pinned {no,yes,both}]
+                                        [--one-sided] [--no-downpour] [--pinned {no,yes,both}]
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ CONFIGURATIONS = [  # (replicas, shards, transport) for each n_fetch = n_push
 
 def one_round(
     client, model, train, seconds: float, token_bound: bool, label: str = "",
-    one_sided: bool = False,
+    one_sided: bool = False, downpour: bool = True,
 ):  # fmt: skip
     """Every row on the cluster once (the ceiling, the minimal server and each Downpour
     configuration, for n_fetch = n_push = 1 and 4): ``{(row name + label, every): examples/s}``."""
@@ -152,7 +152,7 @@ def one_round(
             rates[(row + label, str(every))] = minimal_ps_examples_per_s(
                 client, model, X, y, seconds, every, carry, BATCH
             )
-        for replicas, shards, transport in CONFIGURATIONS:
+        for replicas, shards, transport in CONFIGURATIONS if downpour else []:
             name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
             name += ", actor messages" if transport == "dask" else ""
             rates[(name + label, str(every))] = downpour_examples_per_s(
@@ -167,7 +167,7 @@ CEILING = "serial loop on both workers at once, no communication"
 MINIMAL = "minimal parameter server, shared memory, no library"
 MINIMAL_TCP = "minimal parameter server, arrays over TCP"
 TOKENS = "minimal parameter server, 1-byte tokens, no arrays"
-ONE_SIDED = "minimal parameter server, one-sided: replicas update shared memory"
+ONE_SIDED = "minimal parameter server, one-sided, no thread woken"
 PINNED = " (pinned)"
 #: What each ``--pinned`` choice runs: unpinned, pinned, or both in every round.
 PIN_STATES = {"no": [False], "yes": [True], "both": [False, True]}
@@ -185,6 +185,10 @@ def main() -> None:
         "--one-sided", action="store_true",
         help="also run the one-sided minimal server: each replica updates the far shard's "
         "shared memory itself, under a lock, no thread woken",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-downpour", action="store_true",
+        help="only the serial loop, the ceiling and the minimal servers (no Downpour rows)",
     )  # fmt: skip
     parser.add_argument(
         "--pinned", choices=["no", "yes", "both"], default="no",
@@ -216,7 +220,7 @@ def main() -> None:
                     pin_workers(client)
                 rates = one_round(
                     client, model, train, args.seconds, args.token_bound,
-                    PINNED if pinned else "", args.one_sided,
+                    PINNED if pinned else "", args.one_sided, not args.no_downpour,
                 )  # fmt: skip
                 unpin_workers(client)
                 for key, rate in rates.items():
