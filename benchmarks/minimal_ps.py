@@ -159,7 +159,6 @@ def _two_sided_on_worker(
     return rate
 
 
-
 def _one_sided_on_worker(
     model, X, y, seconds, every, me, names, batch=128, learning_rate=0.01
 ) -> float:
