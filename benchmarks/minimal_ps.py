@@ -49,6 +49,16 @@ def set_up_as_a_replica(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.require(X, requirements=["C", "A"]), np.require(y, requirements=["C", "A"])
 
 
+def _step(model, params, Xb, yb, first, accrued, scratch, learning_rate) -> None:
+    """A replica's step: the gradient times the rate (into the accrual on an accrual's
+    ``first`` step, as Downpour's replicas do), the local step, and the accrual."""
+    g = accrued if first else scratch
+    model.loss_and_grad(params, Xb, yb, out=g, scale=learning_rate)
+    params -= g
+    if not first:
+        accrued += g
+
+
 def _shared_pair(n_own: int, n_far: int, publish, peer) -> tuple[np.ndarray, np.ndarray]:
     """This worker's shared buffer for the far replica's pushes and replies (``n_own`` values:
     gradient in, values out, one after the other) and the other worker's (``n_far``), mapped
@@ -132,12 +142,7 @@ def _two_sided_on_worker(
             if pending and select.select([out], [], [], 0)[0]:  # the far half's values arrived
                 receive(out, params[far], far_values if carry == "shared" else None)
                 pending = False
-            first = steps % every == 0  # an accrual's first step writes into it, as Downpour's
-            g = accrued if first else step
-            model.loss_and_grad(params, Xb, yb, out=g, scale=learning_rate)
-            params -= g
-            if not first:
-                accrued += g
+            _step(model, params, Xb, yb, steps % every == 0, accrued, step, learning_rate)
             examples, steps = examples + len(yb), steps + 1
             if steps % every == 0:  # push both halves, fetch both back
                 with lock:  # the own half first: no lock is wanted while a reply is due
@@ -183,12 +188,7 @@ def _one_sided_on_worker(
     examples, steps, start = 0, 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         for Xb, yb in minibatches(X, y, batch, rng):
-            first = steps % every == 0  # an accrual's first step writes into it, as Downpour's
-            g = accrued if first else step
-            model.loss_and_grad(params, Xb, yb, out=g, scale=learning_rate)
-            params -= g
-            if not first:
-                accrued += g
+            _step(model, params, Xb, yb, steps % every == 0, accrued, step, learning_rate)
             examples, steps = examples + len(yb), steps + 1
             if steps % every == 0:  # push both halves, fetch both back
                 for half, values, lock in halves:
