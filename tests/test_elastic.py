@@ -49,7 +49,7 @@ class MembershipCluster(FakeCluster):
         self.retired.append(worker)
 
 
-def _elastic(workers, shard_workers, replica_workers, max_replicas=None):
+def _elastic(workers, shard_workers, replica_workers, max_replicas=None, move_replicas=True):
     """``_run``'s collaborators with a membership-aware cluster and an :class:`Elastic`."""
     run = _run(workers, shard_workers, replica_workers)
     cluster = MembershipCluster(run.cluster.alive, run.clock)
@@ -65,6 +65,7 @@ def _elastic(workers, shard_workers, replica_workers, max_replicas=None):
     elastic = Elastic(
         cluster, run.server, run.tasks, run.supervisor.recovery, run.recorder,
         n_replicas=len(replica_workers), max_replicas=max_replicas, add_replica=add_replica,
+        move_replicas=move_replicas,
     )  # fmt: skip
     run.loop.elastic = elastic
     run.cluster, run.elastic, run.added = cluster, elastic, added
@@ -152,6 +153,32 @@ def test_a_leaving_workers_shard_migrates_with_its_exact_state_and_its_replica_m
     run.elastic.retire_due = {w: 0.0 for w in run.elastic.retire_due}
     run.elastic.check()
     assert run.cluster.retired == ["w1"]
+
+
+def test_replicas_not_moved_pause_and_their_worker_is_let_go_once_its_shard_moved():
+    # a sparse fit's replicas: paused on the leaving worker, restarted by the crash path
+    run = _elastic(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w1"], move_replicas=False)
+    run.tasks.results[0] = [{"step": 0}]  # a sparse replica's result is its push records
+    run.server.version = [7, 11]
+    run.cluster.heard.append({"action": "leaving", "worker": "w1", "status": "closing_gracefully"})
+    run.elastic.check()
+    [migrated] = _events(run, "shard_migrated")
+    assert (migrated["shard"], migrated["worker"], migrated["lost_updates"]) == (1, "w2", 0)
+    assert run.cluster.stopped_on == ["w1"]  # its replica pauses before its next batch
+    assert run.elastic.departing == {} and run.elastic.settled()  # not collected here
+    assert run.cluster.released == ["w1"]  # at once: nothing to wait for
+    assert "replica_retired" not in _kinds(run)
+    run.clock.now += 1
+    run.elastic.retire_due = {w: 0.0 for w in run.elastic.retire_due}
+    run.elastic.check()
+    assert run.cluster.retired == ["w1"]  # the retirement Dask aborted, asked again
+
+
+def test_a_leaving_worker_without_replicas_of_the_fit_is_not_told_to_stop_any():
+    run = _elastic(["w0", "w1", "w2"], ["w0", "w1"], ["w0", "w0"], move_replicas=False)
+    run.cluster.heard.append({"action": "leaving", "worker": "w1", "status": "closing"})
+    run.elastic.check()
+    assert run.cluster.stopped_on == [] and run.cluster.released == ["w1"]
 
 
 def test_an_added_replica_whose_worker_left_with_its_result_ends_without_a_restart():

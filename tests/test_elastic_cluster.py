@@ -1,7 +1,7 @@
 """A fit that follows a real local cluster: workers added by ``cluster.scale``, a shard's worker
-retired with ``client.retire_workers``, ``cluster.adapt``.  Each test starts its own cluster of
-worker processes (with nannies) and closes it: all are slow.  ``tests/test_elastic.py`` pins the
-same decisions in-process, with fakes.
+retired with ``client.retire_workers`` (a dense fit's and a sparse fit's), ``cluster.adapt``.
+Each test starts its own cluster of worker processes (with nannies) and closes it: all are
+slow.  ``tests/test_elastic.py`` pins the same decisions in-process, with fakes.
 
 Where things run (``Driver``): replica r starts on worker r and shard i on worker i (sorted
 addresses, round robin), so with three workers worker 1 holds shard 1 and replica 1.
@@ -12,10 +12,14 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
 from downpour_dask import DownpourSGD, datasets, models
+from downpour_dask.core.sparse import SparseBatch
+from downpour_dask.core.sparse_models import SparseLogisticRegression
+from downpour_dask.downpour.sparse_fit import fit_sparse
 from downpour_dask.runtime.cluster import cluster_workers
 
 TIMEOUT = 60
@@ -85,6 +89,73 @@ def test_retiring_a_shards_worker_migrates_the_shard_with_no_lost_update(mnist):
             time.sleep(0.1)
         assert workers[1] not in cluster_workers(client)
         print(f"migrated: {migrated}; retired replicas: {_data(est, 'replica_retired')}")
+
+
+def _clicks(n: int = 2000, n_rows: int = 3000, fields: int = 4) -> SparseBatch:
+    rng = np.random.default_rng(0)
+    effect = rng.normal(0, 1.5, n_rows)
+    ids = rng.integers(0, n_rows, (n, fields))
+    clicked = rng.random(n) < 1 / (1 + np.exp(-effect[ids].sum(axis=1)))
+    return SparseBatch(rng.normal(size=(n, 2)).astype(np.float32), ids, clicked.astype(np.int64))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["retire_workers", "scale_down"])
+def test_a_sparse_shards_worker_that_leaves_hands_over_its_rows_with_no_lost_update(how):
+    """Every worker holds a table shard and a replica.  ``retire_workers`` on worker 1: Dask
+    aborts it (the worker holds an actor), the fit moves the shard -- rows, rule state and
+    counters -- and retires the worker again.  ``cluster.scale(2)``: the nanny closes a worker,
+    whose plugin holds it while its shard moves.  Either way the leaving worker's replica
+    pauses, goes down with it and is restarted after the steps it pushed."""
+    with _cluster(3) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=TIMEOUT)
+        workers = sorted(cluster_workers(client))
+        asked: list[int] = []
+
+        def leave_at_300_pushes(progress) -> None:
+            if not asked and progress.pushes >= 300:  # not from the driver's own thread
+                asked.append(progress.pushes)
+                if how == "retire_workers":
+                    threading.Thread(target=client.retire_workers, args=([workers[1]],)).start()
+                else:
+                    cluster.scale(2)  # returns at once
+
+        fit = fit_sparse(SparseLogisticRegression(3000, 4, n_numeric=2), _clicks(), client=client,
+                         n_replicas=3, n_shards=3, batch_size=16, max_epochs=10_000,
+                         max_steps=1500, timeout=TIMEOUT, callback=leave_at_300_pushes)
+        try:
+            assert asked
+            kinds = list(fit.events["kind"])
+            print(f"{how} at {asked[0]} pushes; events {kinds}")
+            [migrated] = list(fit.events.loc[fit.events["kind"] == "shard_migrated", "data"])
+            gone = workers.index(migrated["from_worker"])
+            assert how == "scale_down" or gone == 1
+            assert migrated["shard"] == gone and migrated["worker"] != workers[gone]
+            assert migrated["lost_updates"] == 0
+            assert "shard_lost" not in kinds and fit.lost_updates == [0, 0, 0]
+            [failed] = list(fit.events.loc[fit.events["kind"] == "replica_failed", "data"])
+            assert failed["replica"] == gone  # restarted elsewhere (crash path), once
+            for shard, counters in enumerate(fit.counters()):
+                accepted = counters["accepted_by_replica"]
+                print(f"shard {shard}: version {counters['version']}, accepted {accepted}")
+                assert counters["version"] == sum(accepted.values())  # one update per push
+                # each replica pushed each step once; a push in flight at the fence is refused
+                # (the migrated shard), as is one the close cut between shards (its replica)
+                moved = [0, 1, 2] if shard == gone else [gone]
+                for r in range(3):
+                    assert accepted[r] in ((1499, 1500) if r in moved else (1500,))
+            pushes = fit.pushes
+            assert pushes.loc[pushes["replica"] != gone, "step"].max() == 1499  # to the end
+            dense, (table,) = fit.state()
+            assert np.isfinite(dense).all() and np.isfinite(table).all()
+        finally:
+            fit.close()
+        deadline = time.monotonic() + 30  # a retirement Dask aborted for the shard completes
+        while workers[gone] in cluster_workers(client) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers[gone] not in cluster_workers(client)
+        print(f"migrated: {migrated}")
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from test_sparse_ps import click_batches, shards_for
 from downpour_dask.base import RunRecorder
 from downpour_dask.core import optim
 from downpour_dask.core.sparse_models import FactorizationMachine
+from downpour_dask.downpour import registry, sparse_task
 from downpour_dask.downpour.sparse_accrual import AccruingReplica
 from downpour_dask.downpour.sparse_checkpoints import write_increment
 from downpour_dask.downpour.sparse_loop import run_sparse_replica
@@ -269,3 +270,33 @@ def test_a_dead_replica_none_of_whose_records_was_collected_is_rebuilt_from_the_
             k: v for k, v in want.items() if k not in ("time", "bytes", "transport")}
     # an earlier incarnation's session (it started elsewhere) is not this one's to rebuild
     assert fill_gap([], remembered, n_push, 0.0, replica=1, first_step=start_step + 1) == []
+
+
+@pytest.mark.parametrize("cancelled_while_paused", [True, False], ids=["worker-went", "stayed"])
+def test_on_a_leaving_worker_a_replica_pauses_before_its_next_batch(
+        monkeypatch, cancelled_while_paused):
+    # its worker is leaving: no batch (so no push) until the task is cancelled, when the worker
+    # goes and the driver restarts the replica elsewhere; a worker still there after the pause
+    # did not leave after all, and the replica trains on
+    run = "test-pause"
+    looks: list[int] = []
+
+    def task_cancelled() -> bool:
+        looks.append(len(taken))
+        return cancelled_while_paused and len(looks) >= 3
+
+    monkeypatch.setattr(sparse_task, "task_cancelled", task_cancelled)
+    monkeypatch.setattr(sparse_task, "CANCEL_CHECK_EVERY", 0.01)
+    taken: list[int] = []
+    batches = sparse_task._until_cancelled(iter(range(5)), run, pause=0.5)
+    try:
+        taken.append(next(batches))
+        taken.append(next(batches))
+        registry.mark_leaving(run)
+        taken.extend(batches)
+    finally:
+        registry.forget_run(run)
+    if cancelled_while_paused:
+        assert taken == [0, 1] and len(looks) >= 3  # nothing after the mark
+    else:
+        assert taken == [0, 1, 2, 3, 4] and set(looks) == {2}  # paused before the third only

@@ -22,6 +22,10 @@ step of the supervision loop:
   path: :mod:`.supervisor` and :mod:`.shard_recovery` -- as does a model-parallel replica, whose
   partitions move together.
 
+A sparse fit (:mod:`.sparse_fit`) uses it too, with ``move_replicas=False``: its shards move
+as above, but its replicas only pause on the leaving worker and the crash path restarts them
+once it is gone, and no replica is added.
+
 It reaches the cluster through :mod:`.protocols` (and the membership calls of
 :class:`~.dask_cluster.DaskCluster`), so its decisions are unit-tested with fakes.
 """
@@ -87,6 +91,12 @@ class Elastic:
         Seconds a task result may take.
     n_push : int
         Steps per push (what an added replica lost with its worker had made).
+    move_replicas : bool
+        Whether a leaving worker's replicas stop after their next push and are moved here
+        (their tasks return a ``retired`` result); False (a sparse fit's replicas): they are
+        told to pause after their next push, the worker is released as soon as its shards have
+        moved, and once it is gone the supervisor's crash path restarts them after the steps
+        they pushed.
     """
 
     def __init__(
@@ -102,12 +112,13 @@ class Elastic:
         collect: Callable[[], None] | None = None,
         timeout: float = 60.0,
         n_push: int = 1,
+        move_replicas: bool = True,
     ):
         self.cluster, self.server, self.tasks = cluster, server, tasks
         self.recovery, self.recorder = recovery, recorder
         self.n_replicas, self.max_replicas = n_replicas, max_replicas
         self.add_replica, self.collect, self.timeout = add_replica, collect, timeout
-        self.n_push = n_push
+        self.n_push, self.move_replicas = n_push, move_replicas
         self.known = set(cluster.workers())
         self.joined: list[str] = []  # workers that joined and host no replica yet
         self.leaving: dict[str, float] = {}  # worker -> when it is released at the latest
@@ -136,17 +147,21 @@ class Elastic:
                 self.known.discard(worker)
                 self.joined = [w for w in self.joined if w != worker]
         self._collect_departing()
-        for i, result in list(self.tasks.results.items()):  # also those the supervisor took
-            if result.get("retired") and id(result) not in self.handled:
+        for i, result in self._returned_results():  # also those the supervisor took
+            if id(result) not in self.handled:
                 self._retire_replica(i, self.tasks.workers[i], result)
         self._grow()
 
     def settled(self) -> bool:
         """Whether no leaving worker's replica is still being collected or moved."""
-        unhandled = any(
-            r.get("retired") and id(r) not in self.handled for r in self.tasks.results.values()
-        )
+        unhandled = any(id(r) not in self.handled for _, r in self._returned_results())
         return not self.departing and not unhandled
+
+    def _returned_results(self) -> list[tuple[int, dict[str, Any]]]:
+        """The slots whose replica returned because its worker was leaving, with its result."""
+        if not self.move_replicas:  # (a sparse replica's result is its push records)
+            return []
+        return [(i, r) for i, r in list(self.tasks.results.items()) if r.get("retired")]
 
     def active(self) -> int:
         """Replicas with a slot still training."""
@@ -198,12 +213,13 @@ class Elastic:
                     self._migrate(shard, worker, staying)
                     if status == "closing_gracefully":  # Dask aborted: an actor's worker
                         self.retire_again.add(worker)
-        for i, slot_worker in enumerate(self.tasks.workers):
+        tasks = self.tasks
+        running = [i for i, w in enumerate(tasks.workers) if w == worker and i not in tasks.results]
+        if self.move_replicas and tasks.plan is None:
             # a split replica (model parallelism) moves as a whole: the supervisor's crash path
-            if slot_worker == worker and i not in self.tasks.results and self.tasks.plan is None:
-                self.departing[i] = worker
-        if any(w == worker for w in self.departing.values()):
-            self.cluster.stop_replicas_on(worker)
+            self.departing.update({i: worker for i in running})
+        if any(w == worker for w in self.departing.values()) or not self.move_replicas and running:
+            self.cluster.stop_replicas_on(worker)  # (replicas not moved here pause until it goes)
         self._collect_departing()
 
     def _migrate(self, shard: int, worker: str, staying: list[str]) -> None:

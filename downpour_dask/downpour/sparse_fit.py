@@ -16,7 +16,10 @@ whose worker leaves the cluster is restored on a surviving worker as its next ge
 the replicas switch to it (:mod:`.sparse_recovery`, the dense path's
 :class:`~.shard_recovery.ShardRecovery`); a replica whose worker dies is restarted on a
 surviving worker after the steps it pushed, with its share of the data (the dense path's
-:class:`~.supervisor.Supervisor` over :class:`~.sparse_replicas.SparseTasks`).
+:class:`~.supervisor.Supervisor` over :class:`~.sparse_replicas.SparseTasks`).  A worker that
+leaves gracefully (retired, scaled down, closed by its nanny) first hands its shards over from
+their exact final state (the dense path's :class:`~.elastic.Elastic`, told not to move
+replicas: those on the worker pause, and the supervisor restarts them once it is gone).
 ``SparseFit.events`` (``shard_lost``, ``shard_restored``, ``replica_failed``,
 ``replica_restarted``...) and ``SparseFit.lost_updates`` say what happened and what was lost.
 """
@@ -45,6 +48,7 @@ from ..ps.table import SparseShard
 from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import release_hold
 from .dask_cluster import DaskCluster
+from .elastic import Elastic
 from .shard_recovery import ShardRecovery
 from .sparse_accrual import check_schedule
 from .sparse_checkpoints import merge_exports, read_sparse, restore_arguments, write_increment
@@ -128,7 +132,8 @@ class SparseFit:
         handle whose methods were called sits in reference cycles of Dask's making and would
         keep its actor alive until Python's cycle collector ran: see ``release_hold``)."""
         server = None if self.recovery is None else self.recovery.server
-        replaced = [] if server is None else [*server.replaced_futures, *server.replaced.values()]
+        replaced = [] if server is None else [*server.replaced_futures.values(),
+                                                  *server.replaced.values()]
         for held in [*self.futures, *self.actors, *replaced]:
             release_hold(held)
         self.futures, self.actors = [], []
@@ -203,7 +208,8 @@ def fit_sparse(
     (default ``learning_rate``; 0: the fetched values as they are); see :mod:`.sparse_accrual`.
     A replica whose worker dies is restarted on a surviving worker after the steps it pushed
     (``replica_failed`` / ``replica_restarted`` in ``events``), as in
-    :class:`~downpour_dask.DownpourSGD`.
+    :class:`~downpour_dask.DownpourSGD`; a shard whose worker leaves gracefully migrates with
+    no update lost (``shard_migrated``).
 
     ``eval_data`` (a :class:`SparseBatch` or ``(paths, spec)``, read in the driver) is scored
     every ``eval_every`` seconds and at the end, pulling only the rows it touches:
@@ -275,14 +281,19 @@ def fit_sparse(
                              key, pure=False, workers=[worker], allow_other_workers=False,
                              key=key)
 
+    cluster.watch_membership()  # workers that leave: their shards move first (.membership)
     replicas = SparseTasks(cluster, start, parts, shares, homes, layout.n_shards,
                            lambda r: server.recent_pushes(r, timeout), n_push, started)
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
+    elastic = Elastic(cluster, server, replicas, recovery, recorder, n_replicas,
+                      collect=lambda: replicas.collect(force=True), timeout=timeout,
+                      n_push=n_push, move_replicas=False)
     try:
         cluster.let_go_if_driver_lost(futures, publish, secret)  # should this process die
         monitor.start()
         supervise(supervisor, replicas, fit, recovery, checkpoint_dir,
-                  checkpoint_every if checkpoint_dir is not None else 1e9, monitor.tick)
+                  checkpoint_every if checkpoint_dir is not None else 1e9, monitor.tick,
+                  elastic)
         records = replicas.records()
         if checkpoint_dir is not None:
             fit.checkpoint(checkpoint_dir)
@@ -295,6 +306,7 @@ def fit_sparse(
         replicas.release()
         monitor.close()
         cluster.forget()
+        elastic.finish()  # retirements Dask aborted for a shard, now that it moved
     fit.pushes = pd.DataFrame(records).drop(columns=["seq", "session"], errors="ignore")
     if recovery.retired:
         recovery.settle()

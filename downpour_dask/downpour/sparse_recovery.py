@@ -38,6 +38,8 @@ from ..ps.calls import Done
 from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.rows import SparseLayout
 from ..ps.table import SparseShard
+from ..runtime.dask_internals import release_hold
+from .elastic import Elastic
 from .registry import shard_variable
 from .shard_recovery import ShardRecovery
 from .sparse_checkpoints import PREFIX, read_sparse, restore_arguments
@@ -55,7 +57,7 @@ class SparseServer:
         self.generations = [0] * fit.layout.n_shards
         #: Actors of replaced incarnations by (shard, generation): to retire them again.
         self.replaced: dict[tuple[int, int], Any] = {}
-        self.replaced_futures: list[Any] = []
+        self.replaced_futures: dict[tuple[int, int], Any] = {}
 
     @property
     def workers(self) -> list[str]:
@@ -73,6 +75,16 @@ class SparseServer:
             return actor.retire(generation + 1, self.secret)
         except Exception as err:  # noqa: BLE001 - a lost actor's handle may raise at once
             return Done(error=err)
+
+    def release_replaced(self, shard: int, generation: int) -> None:
+        """Let go of incarnation ``generation`` of ``shard`` (migrated: fenced, its final state
+        taken), so that its worker holds no actor of the fit and Dask can retire it.  Its handle
+        stays in ``replaced``: a later retire of that generation then fails, as for a lost
+        shard, rather than reach the current incarnation."""
+        for held in (self.replaced_futures.pop((shard, generation), None),
+                     self.replaced.get((shard, generation))):
+            if held is not None:
+                release_hold(held)
 
     def shard_status(self, shard: int, timeout: float) -> dict[str, Any]:
         """Shard ``shard``'s counters (the supervisor reads ``accepted_by_replica``)."""
@@ -127,7 +139,7 @@ class SparseServer:
             allow_other_workers=False, pure=False)
         actor = future.result(timeout=timeout)
         self.replaced[(shard, generation - 1)] = fit.actors[shard]
-        self.replaced_futures.append(fit.futures[shard])
+        self.replaced_futures[(shard, generation - 1)] = fit.futures[shard]
         fit.futures[shard], fit.actors[shard], fit.workers[shard] = future, actor, worker
         self.generations[shard] = generation
         return future
@@ -183,16 +195,22 @@ SUPERVISE_EVERY = 0.25
 
 def supervise(supervisor: Supervisor, replicas: SparseTasks, fit: Any,
               recovery: ShardRecovery, checkpoint_dir: str | Path | None,
-              checkpoint_every: float, tick: Callable[[], None] = lambda: None) -> None:
+              checkpoint_every: float, tick: Callable[[], None] = lambda: None,
+              elastic: Elastic | None = None) -> None:
     """Until every replica's result is in hand: let ``supervisor`` (the dense path's) restore
     every shard whose worker left the cluster on a surviving worker and restart every replica
     whose worker died (``replica_failed`` / ``replica_restarted``), collect the replicas'
     records (:class:`~.sparse_replicas.SparseTasks`), and write an increment every
     ``checkpoint_every`` seconds (with ``checkpoint_dir``), restoring a shard that does not
     answer the checkpoint's call.  ``tick`` is called every round (the fit's progress
-    callback: what it raises ends the fit)."""
+    callback: what it raises ends the fit).  With ``elastic``, a worker that starts leaving
+    (retired, scaled down, closing) first has its shards migrated to staying workers from their
+    exact final state and is then let go; its replicas pause there and take the crash path
+    once it is gone."""
     due = time.monotonic() + checkpoint_every
     while True:
+        if elastic is not None:
+            elastic.check()
         supervisor.check()
         if replicas.all_gathered():
             return

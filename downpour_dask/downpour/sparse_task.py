@@ -10,11 +10,13 @@ every shard (in-process, the direct wire or actor messages:
 lost mid-run is waited for (:func:`~.sparse_recovery.await_replacement`) and the replica goes
 on against its next generation.  Its push records are kept on the worker for the driver as they
 are made (:func:`~.sparse_replicas.keep_records`) and returned whole at the end.  A task
-Dask cancelled (its driver let it go or is gone) stops at its next batch.
+Dask cancelled (its driver let it go or is gone) stops at its next batch; on a worker that is
+leaving the cluster the replica pauses before its next batch, to be restarted elsewhere.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
@@ -31,7 +33,7 @@ from ..ps.rows import RowsLink, SparseLayout
 from ..ps.rows_wire import RowsWireClient
 from ..runtime.dask_connect import worker_client
 from ..runtime.dask_internals import CancelWatch, task_cancelled
-from .registry import keep_acked, replica_running
+from .registry import is_leaving, keep_acked, replica_running
 from .sparse_accrual import AccruingReplica
 from .sparse_loop import run_sparse_replica
 from .sparse_recovery import await_replacement
@@ -54,12 +56,24 @@ def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: 
             yield from read_hashed(list(paths)[replica::n_replicas], spec, batch_size, rng)
 
 
-def _until_cancelled(batches: Iterator[SparseBatch]) -> Iterator[SparseBatch]:
+def _until_cancelled(batches: Iterator[SparseBatch], run: str = "",
+                     pause: float = 0.0) -> Iterator[SparseBatch]:
     """``batches`` until this task is cancelled -- its driver let it go, or died and Dask let
     go of its tasks (a running task cannot be interrupted) --, looked up every
-    :data:`CANCEL_CHECK_EVERY` seconds."""
+    :data:`CANCEL_CHECK_EVERY` seconds.
+
+    On a worker leaving fit ``run`` (:func:`~.registry.is_leaving`) the next batch waits:
+    the driver restarts the replica elsewhere after the steps it pushed once the worker is
+    gone, so none may be pushed here meanwhile.  A worker still there after ``pause``
+    seconds did not leave after all: the replica trains on."""
     cancelled = CancelWatch(CANCEL_CHECK_EVERY)
     for batch in batches:
+        if pause and run and is_leaving(run):
+            deadline, pause = time.monotonic() + pause, 0.0  # (once: the mark stays)
+            while time.monotonic() < deadline:
+                if task_cancelled():
+                    return
+                time.sleep(CANCEL_CHECK_EVERY)
         if cancelled():
             return
         yield batch
@@ -101,7 +115,8 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
         if run and key:
             keep_records(run, key, records)
         batches = _until_cancelled(islice(
-            _batches(data, replica, n_replicas, batch_size, epochs, seed), start_step, None))
+            _batches(data, replica, n_replicas, batch_size, epochs, seed), start_step, None),
+            run, timeout)
         accruing = None
         if (n_fetch, n_push) != (1, 1):
             accruing = AccruingReplica(model, layout, batches, replica, n_fetch, n_push, alpha,
