@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import gc
 import os
 import pickle
@@ -30,6 +31,7 @@ from downpour_dask.ps.shard import ParameterServerShard
 from downpour_dask.runtime import dask_connect, dask_internals
 from downpour_dask.runtime.cluster import cluster_workers
 from downpour_dask.runtime.dask_client_calls import (
+    ask_each_within,
     register_worker_plugin,
     run_within,
     scatter_within,
@@ -238,6 +240,20 @@ def test_run_within_answers_like_client_run_and_gives_up_at_its_timeout(client):
     assert list(nannies.values()) == [os.getpid()] * len(workers)  # a LocalCluster's nannies
     with pytest.raises((TimeoutError, asyncio.TimeoutError)):  # not the answer, 5 s later
         run_within(client, _slow_answer, workers, timeout=0.2)
+
+
+async def _late_on(address: str, dask_worker=None) -> str:
+    if dask_worker.address == address:
+        await asyncio.sleep(8.0)  # on that worker's event loop, which goes on meanwhile
+    return dask_worker.address
+
+
+def test_ask_each_within_keeps_the_answers_that_came_in_time(client):
+    workers = sorted(scheduler_workers(client))
+    late = functools.partial(_late_on, workers[0])
+    answers, nannies = ask_each_within(client, [(late, False), (_pid_of, True)], timeout=3.0)
+    assert answers == {w: w for w in workers[1:]}  # the late worker left out, not the others
+    assert nannies == client.run(_pid_of, nanny=True)  # asked at the same time
 
 
 def test_scatter_within_places_data_as_client_scatter_does(client):

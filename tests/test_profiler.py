@@ -4,6 +4,7 @@ the library starts go without it, and a cluster a user brings with it is warned 
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 
 import dask
@@ -91,6 +92,33 @@ def test_a_cluster_whose_workers_run_the_profiler_where_it_can_deadlock_is_warne
     if said:
         text = str(said[0].message)
         assert PROFILE_SETTING + "=False" in text and "1 of the cluster's 1 workers" in text
+
+
+@pytest.mark.slow  # starts a cluster whose workers run the profiler, and stops one
+@pytest.mark.timeout(180)
+def test_a_stopped_worker_leaves_out_its_own_answer_not_the_advice_about_the_others(
+    monkeypatch,
+):
+    monkeypatch.setattr(profiler, "_checked", set())
+    with dask.config.set({PROFILE_SETTING: True}):
+        cluster = LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        )
+    with cluster, Client(cluster, timeout=60) as client:
+        client.wait_for_workers(2, timeout=60)
+        pids = client.run(_pid)
+        stopped = sorted(pids)[0]
+        os.kill(pids[stopped], signal.SIGSTOP)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                warned = profiler.warn_if_profiler_can_deadlock(client, timeout=3.0)
+        finally:
+            os.kill(pids[stopped], signal.SIGCONT)
+    said = _profile_warnings(caught)
+    assert warned is profiler_can_deadlock() and len(said) == int(warned)
+    if said:  # the worker that answered, counted; the stopped one left out
+        assert "1 of the cluster's 1 workers run Dask's profiler" in str(said[0].message)
 
 
 @pytest.mark.slow  # starts a cluster whose nanny would restart its worker with the profiler

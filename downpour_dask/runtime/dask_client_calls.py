@@ -12,6 +12,7 @@ upgrade, this module and that one are the only ones to fix.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,42 @@ def run_within(
     ``callback_timeout`` (checked: distributed 2024.x to 2026.8; a changed name fails loudly)."""
     run = client._run
     return client.sync(run, function, workers=workers, nanny=nanny, callback_timeout=timeout)
+
+
+def ask_each_within(
+    client: Client, questions: list[tuple[Callable[..., Any], bool]], timeout: float
+) -> list[dict[str, Any]]:
+    """For each ``(function, nanny)`` of ``questions``, what every worker (or its nanny, with
+    ``nanny``) answered ``function()``, all asked at once and awaited at most ``timeout``
+    seconds in all: a worker that does not answer in time, or fails, withholds its own
+    answer only (``client.run`` waits for every worker, or fails for all).
+
+    Relies on ``Client._run(function, workers=, nanny=, on_error=)`` and ``Client.sync``
+    (checked: distributed 2024.x to 2026.8).
+    """
+    addresses = list(scheduler_workers(client))
+
+    async def ask() -> list[dict[str, Any]]:
+        asked = {
+            asyncio.ensure_future(client._run(f, workers=[a], nanny=n, on_error="return")): i
+            for i, (f, n) in enumerate(questions)
+            for a in addresses
+        }
+        answers: list[dict[str, Any]] = [{} for _ in questions]
+        if not asked:
+            return answers
+        done, late = await asyncio.wait(asked, timeout=timeout)
+        for call in late:
+            call.cancel()
+        for call in done:
+            if not call.cancelled() and call.exception() is None:
+                found = call.result() or {}
+                answers[asked[call]].update(
+                    (a, v) for a, v in found.items() if not isinstance(v, BaseException)
+                )
+        return answers
+
+    return client.sync(ask)
 
 
 def register_worker_plugin(client: Client, plugin: Any, name: str, timeout: float) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import dask
 
-from .dask_client_calls import run_within
+from .dask_client_calls import ask_each_within
 
 #: Dask's setting that starts the worker profiler.
 PROFILE_SETTING = "distributed.worker.profile.enabled"
@@ -89,27 +89,23 @@ def _at_risk(answers: dict[str, tuple[tuple[int, ...], str, bool]]) -> list[str]
     )
 
 
-def _answers(client: Any, question: Any, timeout: float, nanny: bool = False) -> dict[str, Any]:
-    """Every worker's (or nanny's) answer to ``question``; none if one is gone or slow: there is
-    nothing to advise on then."""
-    try:
-        return run_within(client, question, None, timeout, nanny=nanny)
-    except Exception:
-        return {}
-
-
 def warn_if_profiler_can_deadlock(client: Any, timeout: float = 10.0) -> bool:
     """Warn (``RuntimeWarning``, once per scheduler) if a worker of ``client``'s cluster runs
     Dask's profiler on an interpreter where it can deadlock (:func:`profiler_can_deadlock`), or
     its nanny would restart it with the profiler after a crash; return whether it warned.
-    Workers and nannies that do not answer within ``timeout`` seconds each are not waited for:
-    this is advice, not a precondition of the fit."""
+    Workers and nannies are asked at once; those that do not answer within ``timeout``
+    seconds in all are left out (a stopped worker, say): this is advice, not a precondition of
+    the fit, and the others' answers still count."""
     address = getattr(getattr(client, "scheduler", None), "address", None) or str(id(client))
     if address in _checked:
         return False
     _checked.add(address)
-    workers = _answers(client, _profile_risk, timeout)
-    nannies = _answers(client, _restart_risk, timeout, nanny=True)
+    try:
+        workers, nannies = ask_each_within(
+            client, [(_profile_risk, False), (_restart_risk, True)], timeout
+        )
+    except Exception:  # noqa: BLE001 - a client that cannot ask: nothing to advise on
+        return False
     running, restarting = _at_risk(workers), _at_risk(nannies)
     if not running and not restarting:
         return False
