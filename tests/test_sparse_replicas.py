@@ -26,6 +26,8 @@ from downpour_dask.downpour.sparse_replicas import (
     records_after,
 )
 from downpour_dask.downpour.supervisor import Supervisor
+from downpour_dask.ps.calls import Done
+from downpour_dask.ps.protocol import ShardLostError
 from downpour_dask.ps.rows import RowsLink
 from downpour_dask.ps.table import SparseShard
 
@@ -300,3 +302,34 @@ def test_on_a_leaving_worker_a_replica_pauses_before_its_next_batch(
         assert taken == [0, 1] and len(looks) >= 3  # nothing after the mark
     else:
         assert taken == [0, 1, 2, 3, 4] and set(looks) == {2}  # paused before the third only
+
+
+@pytest.mark.parametrize(("n_fetch", "n_push"), [(1, 1), (2, 2)])
+def test_a_push_the_other_shards_applied_is_recorded_when_one_shard_is_lost(n_fetch, n_push):
+    # shard 0 is lost at the replica's third push; shard 1 applied it.  Its record must be kept:
+    # the replica task goes on after the last step it recorded, and pushing that step to shard
+    # 1 again (in a fresh push session) would apply it twice
+    model = FactorizationMachine(200, 4, n_factors=2)
+    layout, shards = shards_for(model, 2, optim.adagrad(0.1))
+    links = [RowsLink(s, i, 0, 10.0) for i, s in enumerate(shards)]
+    push, pushes = links[0].push, []
+
+    def lost_at_the_third(*args, **kwargs):
+        pushes.append(args)
+        if len(pushes) == 3:
+            return Done(error=ShardLostError("shard 0's worker left", 0))
+        return push(*args, **kwargs)
+
+    links[0].push = lost_at_the_third
+    batches = click_batches(12, n_rows=200, numeric=0)
+    records: list[dict] = []
+    with pytest.raises(ShardLostError):
+        if (n_fetch, n_push) == (1, 1):
+            run_sparse_replica(model, links, layout, batches, records=records)
+        else:
+            AccruingReplica(model, layout, iter(batches), 0, n_fetch, n_push, 0.1,
+                            records=records).run(links)
+    third = 3 * n_push - 1  # the step the third push ended
+    assert [(r["shard"], r["step"]) for r in records if r["step"] == third] == [(1, third)]
+    assert asyncio.run(shards[1].status())["version"] == 3  # what its records say it applied
+    assert len([r for r in records if r["shard"] == 1]) == 3

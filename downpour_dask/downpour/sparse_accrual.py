@@ -45,6 +45,7 @@ from ..base import check_int, check_positive
 from ..core.params import DTYPE
 from ..core.sparse import SparseBatch, positions, scatter_sum, unique_rows
 from ..ps.rows import RowsLink, SparseLayout
+from .sparse_loop import push_replies
 
 
 def check_schedule(n_fetch: Any, n_push: Any, local_learning_rate: Any) -> None:
@@ -243,8 +244,8 @@ class AccruingReplica:
     def _finish_push(self, links: Sequence[RowsLink], pushed: tuple) -> None:
         """Wait for a push's replies and record it."""
         sent, step, loss, examples, seq = pushed
-        for s, (link, (call, pushes, moved)) in enumerate(zip(links, sent)):
-            reply = link.wait(call)
+        for s, reply in push_replies(links, [call for call, _, _ in sent]):
+            link, (_, pushes, moved) = links[s], sent[s]
             self.stop = self.stop or bool(reply.stop)
             self.records.append({
                 "time": time.time() - self.started, "replica": self.replica, "step": step,

@@ -22,14 +22,35 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..core.params import DTYPE
 from ..core.sparse import SparseBatch
+from ..ps.protocol import ShardLostError
 from ..ps.rows import RowsLink, SparseLayout
+
+
+def push_replies(links: Sequence[RowsLink], calls: Sequence[Any]) -> Iterator[tuple[int, Any]]:
+    """``(shard, reply)`` for each answered call of one push (one call per link, in order),
+    then the first :class:`~downpour_dask.ps.protocol.ShardLostError` if a shard was lost.
+
+    Every shard's reply is awaited before a loss is raised: the shards that applied the push
+    are recorded as having done so, and the replica, which goes on after the last step it
+    recorded, does not push that step to them again (it would be applied twice: the new
+    links after a loss start fresh push sessions, which a shard cannot match to the old)."""
+    lost: ShardLostError | None = None
+    for s, (link, call) in enumerate(zip(links, calls)):
+        try:
+            reply = link.wait(call)
+        except ShardLostError as err:
+            lost = lost or err
+            continue
+        yield s, reply
+    if lost is not None:
+        raise lost
 
 
 def _pull_bytes(parts: Sequence[np.ndarray], reply: Any) -> int:
@@ -103,8 +124,8 @@ def run_sparse_replica(
             if pipelined:
                 pulls = [link.pull(p) for link, p in zip(links, parts)]
         stop = False
-        for s, (link, (call, pushes)) in enumerate(zip(links, sent)):
-            reply = link.wait(call)
+        for s, reply in push_replies(links, [call for call, _ in sent]):
+            link, pushes = links[s], sent[s][1]
             stop = stop or reply.stop
             lo, hi = layout.dense[s]
             moved = 4 * (hi - lo) + sum(8 * len(i) + g.nbytes for i, g in pushes)
