@@ -111,12 +111,12 @@ def warn_if_profiler_can_deadlock(client: Any, timeout: float = 10.0) -> bool:
         return False
     first = workers[running[0]] if running else nannies[restarting[0]]
     version = ".".join(map(str, first[0]))
-    what = [f"{len(running)} of the cluster's {len(workers)} workers run Dask's profiler"]
+    what = [f"{len(running)} of the {len(workers)} workers that answered run Dask's profiler"]
     if restarting:
         what.append(
-            f"{len(restarting)} of their {len(nannies)} nannies would restart a crashed worker "
-            f"with it (a nanny made inside a dask.config.set block takes the settings current "
-            f"at the restart)"
+            f"{len(restarting)} of the {len(nannies)} nannies that answered would restart a "
+            f"crashed worker with it (a nanny made inside a dask.config.set block takes the "
+            f"settings current at the restart)"
         )
     warnings.warn(
         f"{'; '.join(what)}, on Python {version}, where it can deadlock a worker that starts "
