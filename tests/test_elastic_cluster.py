@@ -9,8 +9,10 @@ addresses, round robin), so with three workers worker 1 holds shard 1 and replic
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -43,6 +45,24 @@ def _estimator(**kw) -> DownpourSGD:
     return DownpourSGD(models.MLP(784, (64,), 10), **settings)
 
 
+def _once_at(pushes: int, action: Callable[[], None], asked: list[int]) -> Callable:
+    """A fit's progress callback that runs ``action`` once the fit has made ``pushes`` pushes,
+    noting when in ``asked``."""
+
+    def callback(progress) -> None:
+        if not asked and progress.pushes >= pushes:
+            asked.append(progress.pushes)
+            action()
+
+    return callback
+
+
+def _retire_in_the_background(client: Client, worker: str) -> Callable[[], None]:
+    """``client.retire_workers([worker])``, started on a thread of its own: not from the
+    driver's thread, which must go on supervising the fit meanwhile."""
+    return threading.Thread(target=client.retire_workers, args=([worker],)).start
+
+
 def _data(est: DownpourSGD, kind: str) -> list[dict]:
     events = est.experiment_.events
     return list(events.loc[events["kind"] == kind, "data"])
@@ -56,14 +76,9 @@ def test_retiring_a_shards_worker_migrates_the_shard_with_no_lost_update(mnist):
         client.wait_for_workers(3, timeout=TIMEOUT)
         workers = sorted(cluster_workers(client))
         asked: list[int] = []
-
-        def retire_at_50_pushes(progress) -> None:
-            if not asked and progress.pushes >= 50:  # not from the driver's own thread
-                asked.append(progress.pushes)
-                threading.Thread(target=client.retire_workers, args=([workers[1]],)).start()
-
+        retire = _once_at(50, _retire_in_the_background(client, workers[1]), asked)
         est = _estimator(n_replicas=3, max_epochs=15).fit(
-            train, eval_data=test, client=client, callback=retire_at_50_pushes
+            train, eval_data=test, client=client, callback=retire
         )
         assert asked
         kinds = list(est.experiment_.events["kind"])
@@ -112,18 +127,13 @@ def test_a_sparse_shards_worker_that_leaves_hands_over_its_rows_with_no_lost_upd
         client.wait_for_workers(3, timeout=TIMEOUT)
         workers = sorted(cluster_workers(client))
         asked: list[int] = []
-
-        def leave_at_200_pushes(progress) -> None:
-            if not asked and progress.pushes >= 200:  # not from the driver's own thread
-                asked.append(progress.pushes)
-                if how == "retire_workers":
-                    threading.Thread(target=client.retire_workers, args=([workers[1]],)).start()
-                else:
-                    cluster.scale(2)  # returns at once
-
+        if how == "retire_workers":
+            leave = _retire_in_the_background(client, workers[1])
+        else:
+            leave = functools.partial(cluster.scale, 2)  # returns at once
         fit = fit_sparse(SparseLogisticRegression(3000, 4, n_numeric=2), _clicks(), client=client,
                          n_replicas=3, n_shards=3, batch_size=16, max_epochs=10_000,
-                         max_steps=900, timeout=TIMEOUT, callback=leave_at_200_pushes)
+                         max_steps=900, timeout=TIMEOUT, callback=_once_at(200, leave, asked))
         try:
             assert asked
             kinds = list(fit.events["kind"])
@@ -167,14 +177,10 @@ def test_scaling_down_closes_a_shards_worker_only_after_its_shard_and_replica_mo
     with _cluster(3) as cluster, Client(cluster) as client:
         client.wait_for_workers(3, timeout=TIMEOUT)
         asked: list[int] = []
-
-        def scale_down_at_50_pushes(progress) -> None:
-            if not asked and progress.pushes >= 50:
-                asked.append(progress.pushes)
-                cluster.scale(2)  # returns at once: every worker holds a shard and a replica
-
+        # cluster.scale returns at once: every worker holds a shard and a replica
+        scale_down = _once_at(50, functools.partial(cluster.scale, 2), asked)
         est = _estimator(n_replicas=3, n_shards=3, max_epochs=15).fit(
-            train, eval_data=test, client=client, callback=scale_down_at_50_pushes
+            train, eval_data=test, client=client, callback=scale_down
         )
         kinds = list(est.experiment_.events["kind"])
         print(f"scaled down at {asked[0]} pushes; events {kinds}")

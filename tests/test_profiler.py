@@ -55,6 +55,15 @@ def _profiling(dask_worker=None) -> bool:
     return "profile" in dask_worker.periodic_callbacks
 
 
+def _profiling_cluster(n_workers: int) -> LocalCluster:
+    """A local cluster whose workers run Dask's profiler (Dask's default; the suite turned it
+    off), made outside the block that turns it on."""
+    with dask.config.set({PROFILE_SETTING: True}):
+        return LocalCluster(
+            n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0"
+        )
+
+
 def _profile_warnings(caught) -> list:
     return [w for w in caught if w.category is RuntimeWarning and "gh-106883" in str(w.message)]
 
@@ -77,11 +86,7 @@ def test_a_cluster_whose_workers_run_the_profiler_where_it_can_deadlock_is_warne
     monkeypatch,
 ):
     monkeypatch.setattr(profiler, "_checked", set())
-    with dask.config.set({PROFILE_SETTING: True}):
-        cluster = LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0"
-        )
-    with cluster, Client(cluster, timeout=60) as client:
+    with _profiling_cluster(1) as cluster, Client(cluster, timeout=60) as client:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
@@ -100,11 +105,7 @@ def test_a_stopped_worker_leaves_out_its_own_answer_not_the_advice_about_the_oth
     monkeypatch,
 ):
     monkeypatch.setattr(profiler, "_checked", set())
-    with dask.config.set({PROFILE_SETTING: True}):
-        cluster = LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        )
-    with cluster, Client(cluster, timeout=60) as client:
+    with _profiling_cluster(2) as cluster, Client(cluster, timeout=60) as client:
         client.wait_for_workers(2, timeout=60)
         pids = client.run(_pid)
         stopped = sorted(pids)[0]
