@@ -72,7 +72,8 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
     model_ : the trained model object; ``dense_`` and ``tables_`` its parameters
     pushes_, events_ : DataFrame
         The fit's push log and its events (``shard_lost`` / ``shard_restored``,
-        ``replica_failed`` / ``replica_restarted`` ...).
+        ``shard_migrated`` for a worker that left gracefully, ``replica_failed`` /
+        ``replica_restarted`` ...).
     lost_updates_ : list of int
         Updates lost per shard to lost shards.
     evaluations_ : DataFrame
