@@ -218,8 +218,9 @@ class Elastic:
         if self.move_replicas and tasks.plan is None:
             # a split replica (model parallelism) moves as a whole: the supervisor's crash path
             self.departing.update({i: worker for i in running})
-        if any(w == worker for w in self.departing.values()) or not self.move_replicas and running:
-            self.cluster.stop_replicas_on(worker)  # (replicas not moved here pause until it goes)
+        pausing = running and not self.move_replicas  # (they pause until the worker goes)
+        if pausing or any(w == worker for w in self.departing.values()):
+            self.cluster.stop_replicas_on(worker)
         self._collect_departing()
 
     def _migrate(self, shard: int, worker: str, staying: list[str]) -> None:
