@@ -170,6 +170,45 @@ def test_a_sparse_shards_worker_that_leaves_hands_over_its_rows_with_no_lost_upd
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_a_sparse_fit_adds_a_replica_on_a_worker_that_joins_and_each_row_is_read_once_an_epoch():
+    """Two workers, two replicas of 1,000 rows each, ``max_replicas=3``; ``cluster.scale(3)``
+    as the fit starts.  The worker that joins gets replica 2 with a third of each share (666
+    rows); the two others read their 667 rows from their next epoch on."""
+    with _cluster(2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=TIMEOUT)
+        before = set(cluster_workers(client))
+        epochs, asked = 30, []
+        fit = fit_sparse(SparseLogisticRegression(3000, 4, n_numeric=2), _clicks(), client=client,
+                         n_replicas=2, n_shards=2, batch_size=16, max_epochs=epochs,
+                         max_replicas=3, timeout=TIMEOUT,
+                         callback=_once_at(1, functools.partial(cluster.scale, 3), asked))
+        try:
+            kinds = list(fit.events["kind"])
+            print(f"events {kinds}")
+            added = list(fit.events.loc[fit.events["kind"] == "replica_added", "data"])
+            assert added, "the fit ended before the third worker joined"
+            [new] = added
+            assert new["replica"] == 2 and new["worker"] not in before and new["rows"] == 666
+            assert "replica_failed" not in kinds and fit.lost_updates == [0, 0]
+            for counters in fit.counters():
+                accepted = counters["accepted_by_replica"]
+                assert counters["version"] == sum(accepted.values()) and accepted[2] > 0
+            pushes = fit.pushes
+            assert not pushes.duplicated(["replica", "step", "shard"]).any()
+            examples = pushes[pushes["shard"] == 0].groupby("replica")["examples"].sum()
+            print(f"examples read by each replica: {dict(examples)}")
+            # the newcomer read its 666 rows in each of its epochs; the others 1,000 rows an
+            # epoch until the join, 667 from the epoch after it
+            assert examples[2] % 666 == 0 and examples[2] > 0
+            for r in (0, 1):
+                full = (examples[r] - epochs * 667) / 333
+                assert full == int(full) and 0 <= full < epochs
+        finally:
+            fit.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_scaling_down_closes_a_shards_worker_only_after_its_shard_and_replica_moved(mnist):
     """``cluster.scale`` down closes a worker through its nanny, which cancels its tasks: the
     worker plugin holds it while the shard migrates and the replica's result is read back."""

@@ -69,6 +69,11 @@ class SparseBatch(NamedTuple):
         """The rows ``index`` (a slice or an index array) of each part."""
         return SparseBatch(self.numeric[index], self.ids[index], self.y[index])
 
+    @staticmethod
+    def concat(parts: Sequence[SparseBatch]) -> SparseBatch:
+        """The rows of ``parts``, one after the other."""
+        return SparseBatch(*(np.concatenate(a) for a in zip(*parts)))
+
 
 @runtime_checkable
 class SparseModel(Protocol):

@@ -19,7 +19,7 @@ files as hashed minibatches (chunks read in a random order, rows shuffled within
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,11 +184,16 @@ def read_hashed(
     batch_size: int,
     rng: np.random.Generator,
     chunk_rows: int = 65536,
+    keeps: Callable[[int], bool] | None = None,
 ) -> Iterator[SparseBatch]:
     """One epoch of hashed minibatches of ``batch_size`` rows from parquet/CSV files: files in a
     random order, each read in chunks of ``chunk_rows`` rows shuffled within the chunk (the
-    last batch of a chunk may be smaller)."""
+    last batch of a chunk may be smaller).  ``keeps(i)``, asked just before file ``i`` (its
+    position in ``paths``) is opened, may skip it: a replica whose share of the files shrank
+    while the epoch ran."""
     for index in rng.permutation(len(files := _paths(paths))):
+        if keeps is not None and not keeps(int(index)):
+            continue
         for table in _tables(files[index], spec, chunk_rows):
             batch = hash_frame(table, spec)
             order = rng.permutation(len(batch.y))
@@ -196,10 +201,23 @@ def read_hashed(
                 yield batch.take(order[lo : lo + batch_size])
 
 
+def count_rows(paths: str | Path | Sequence[str | Path], spec: HashSpec) -> int:
+    """The rows of the files: parquet's from its footer, CSV's by reading its label column."""
+    rows = 0
+    for path in _paths(paths):
+        if path.suffix == ".parquet":
+            rows += pq.ParquetFile(path).metadata.num_rows
+        else:
+            label = pacsv.ConvertOptions(include_columns=[spec.label])
+            with pacsv.open_csv(path, convert_options=label) as reader:
+                rows += sum(record.num_rows for record in reader)
+    return rows
+
+
 def load_hashed(paths: str | Path | Sequence[str | Path], spec: HashSpec) -> SparseBatch:
     """Every row of the files, hashed, in file order."""
     parts = [hash_frame(t, spec) for p in _paths(paths) for t in _tables(p, spec, 1 << 20)]
-    return SparseBatch(*(np.concatenate(a) for a in zip(*parts)))
+    return SparseBatch.concat(parts)
 
 
 def minibatches(

@@ -1,11 +1,13 @@
 """Which rows (or files) each replica reads, re-split when a replica joins a running fit.
 
 Every replica of a fit starts with its own subset: in-memory ``(X, y)`` arrays, or the files
-(shards) of a streamed dataset it reads.  When :mod:`.elastic` adds a replica on a worker that
-joined, :class:`DataShares` takes ``1/k`` of what each of the ``k - 1`` training replicas reads
-now (a reproducible random pick) and gives it to the new replica: the union of the replicas'
-shares stays every row (every file) exactly once.  The replicas that gave some away hear of their
-smaller share through :func:`~.registry.assign_share` on their worker:
+(shards) of a streamed dataset it reads -- for a sparse fit (:mod:`.sparse_growth`), a
+:class:`~downpour_dask.core.sparse.SparseBatch` or ``(paths, HashSpec)``.  When :mod:`.elastic`
+adds a replica on a worker that joined, :class:`DataShares` takes ``1/k`` of what each of the
+``k - 1`` training replicas reads now (a reproducible random pick) and gives it to the new
+replica: the union of the replicas' shares stays every row (every file) exactly once.  The
+replicas that gave some away hear of their smaller share through
+:func:`~.registry.assign_share` on their worker:
 
 - in memory, at their next epoch boundary (their epoch so far may have read rows the new replica
   reads too; from the boundary on, each row is read once per epoch across the replicas);
@@ -25,8 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from ..core.sparse import SparseBatch
+from ..data.hashing import HashSpec, count_rows
 from ..data.stream import ArraySource, ShardStream, StreamSpec
 from .registry import assigned_share
+
+
+def _is_files(data: Any) -> bool:
+    """Whether ``data`` is a sparse replica's ``(paths, HashSpec)``."""
+    return isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], HashSpec)
 
 
 def split_off(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -62,7 +71,9 @@ class DataShares:
 
     @staticmethod
     def _size(data: Any) -> int:
-        return len(data.shards) if isinstance(data, StreamSpec) else len(data[0])
+        if isinstance(data, StreamSpec):
+            return len(data.shards)
+        return len(data.y) if isinstance(data, SparseBatch) else len(data[0])
 
     def positions(self, replica: int) -> np.ndarray | None:
         """What ``replica`` reads of its data (positions), None if all of it -- as a replica
@@ -102,6 +113,10 @@ class DataShares:
         if isinstance(first, StreamSpec):
             shards = tuple(self.data[r].shards[i] for r, taken in pieces for i in taken)
             return dataclasses.replace(first, shards=shards)
+        if isinstance(first, SparseBatch):
+            return SparseBatch.concat([self.data[r].take(taken) for r, taken in pieces])
+        if _is_files(first):
+            return [self.data[r][0][i] for r, taken in pieces for i in taken], first[1]
         X = np.concatenate([self.data[r][0][taken] for r, taken in pieces])
         y = np.concatenate([self.data[r][1][taken] for r, taken in pieces])
         return X, y
@@ -111,6 +126,8 @@ class DataShares:
         data, keep = self.data[replica], self.keep[replica]
         if isinstance(data, StreamSpec):
             return sum(data.shards[i].rows for i in keep)
+        if _is_files(data):
+            return count_rows([data[0][i] for i in keep], data[1])
         return len(keep)
 
     def rows_read(self) -> dict[str, int]:

@@ -19,7 +19,9 @@ surviving worker after the steps it pushed, with its share of the data (the dens
 :class:`~.supervisor.Supervisor` over :class:`~.sparse_replicas.SparseTasks`).  A worker that
 leaves gracefully (retired, scaled down, closed by its nanny) first hands its shards over from
 their exact final state (the dense path's :class:`~.elastic.Elastic`, told not to move
-replicas: those on the worker pause, and the supervisor restarts them once it is gone).
+replicas: those on the worker pause, and the supervisor restarts them once it is gone).  With
+``max_replicas``, a worker that joins gets a new replica with a share of the others' data
+(:mod:`.sparse_growth`).
 ``SparseFit.events`` (``shard_lost``, ``shard_restored``, ``replica_failed``,
 ``replica_restarted``...) and ``SparseFit.lost_updates`` say what happened and what was lost.
 """
@@ -36,7 +38,7 @@ import numpy as np
 import pandas as pd
 from distributed import Client
 
-from ..base import RunRecorder
+from ..base import RunRecorder, check_int
 from ..core import optimizer_spec
 from ..core.rows import row_state_shapes
 from ..core.sparse import SparseBatch, check_batch, check_sparse_model, table_rows
@@ -53,6 +55,7 @@ from .shard_recovery import ShardRecovery
 from .sparse_accrual import check_schedule
 from .sparse_checkpoints import merge_exports, read_sparse, restore_arguments, write_increment
 from .sparse_eval import evaluation_frame
+from .sparse_growth import SparseGrowth
 from .sparse_monitor import SparseMonitor
 from .sparse_recovery import (
     SparseSaved,
@@ -190,6 +193,7 @@ def fit_sparse(
     eval_every: float = 5.0,
     publish: str | None = None,
     callback: Callable[[Progress], Any] | None = None,
+    max_replicas: int | None = None,
 ) -> SparseFit:
     """Train ``model`` (a :class:`~downpour_dask.core.sparse.SparseModel`) with ``n_replicas``
     asynchronous replicas against ``n_shards`` table shards; see the module docstring.
@@ -209,7 +213,9 @@ def fit_sparse(
     A replica whose worker dies is restarted on a surviving worker after the steps it pushed
     (``replica_failed`` / ``replica_restarted`` in ``events``), as in
     :class:`~downpour_dask.DownpourSGD`; a shard whose worker leaves gracefully migrates with
-    no update lost (``shard_migrated``).
+    no update lost (``shard_migrated``).  With ``max_replicas`` a worker that joins gets a new
+    replica while fewer than that many train (``replica_added``), with ``1/n`` of what each of
+    the others reads (:mod:`.sparse_growth`).
 
     ``eval_data`` (a :class:`SparseBatch` or ``(paths, spec)``, read in the driver) is scored
     every ``eval_every`` seconds and at the end, pulling only the rows it touches:
@@ -221,6 +227,7 @@ def fit_sparse(
     it raises stops the replicas and propagates, as in ``DownpourSGD.fit``.
     """
     check_schedule(n_fetch, n_push, local_learning_rate)
+    check_int("max_replicas", max_replicas, n_replicas, allow_none=True)
     check_sparse_model(model)
     if isinstance(data, SparseBatch):
         data = check_batch(model, data)
@@ -265,27 +272,34 @@ def fit_sparse(
     fit.recovery = recovery
     alpha = learning_rate if local_learning_rate is None else local_learning_rate
     homes = [workers[r % len(workers)] for r in range(n_replicas)]
-    shares = None
+    shares, n_rows = None, 0
     if isinstance(data, SparseBatch):
         shares = [data.take(slice(r, None, n_replicas)) for r in range(n_replicas)]
         parts = [cluster.scatter([p], w)[0] for p, w in zip(shares, homes)]  # one object each
+        own, n_rows = list(shares), len(data.y)
     else:
-        parts = [data] * n_replicas
+        paths, spec = data
+        parts = own = [(list(paths)[r::n_replicas], spec) for r in range(n_replicas)]
+    growth: SparseGrowth | None = None
 
     def start(r: int, part: Any, step: int, worker: str, key: str) -> Any:
         # the shards as they are now: a restarted replica opens those that replaced lost ones
         refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, fit.workers)]
-        return client.submit(replica_task, model, refs, layout, part, r, n_replicas, batch_size,
-                             max_epochs, max_steps, seed, timeout, started,
-                             secret if direct else None, run, n_fetch, n_push, alpha, step,
-                             key, pure=False, workers=[worker], allow_other_workers=False,
-                             key=key)
+        epochs, steps = (max_epochs, max_steps) if growth is None else growth.limits_of(r)
+        return client.submit(replica_task, model, refs, layout, part, r, batch_size, epochs,
+                             steps, seed, timeout, started, secret if direct else None, run,
+                             n_fetch, n_push, alpha, step, key, pure=False, workers=[worker],
+                             allow_other_workers=False, key=key)
 
-    cluster.watch_membership()  # workers that leave: their shards move first (.membership)
+    cluster.watch_membership()  # workers that join or leave (.membership)
     replicas = SparseTasks(cluster, start, parts, shares, homes, layout.n_shards,
                            lambda r: server.recent_pushes(r, timeout), n_push, started)
+    if max_replicas is not None:
+        growth = SparseGrowth(cluster, server, replicas, own, seed, n_rows, max_epochs,
+                              max_steps, n_push, timeout)
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
-    elastic = Elastic(cluster, server, replicas, recovery, recorder, n_replicas,
+    elastic = Elastic(cluster, server, replicas, recovery, recorder, n_replicas, max_replicas,
+                      None if growth is None else growth.add,
                       collect=lambda: replicas.collect(force=True), timeout=timeout,
                       n_push=n_push, move_replicas=False)
     try:

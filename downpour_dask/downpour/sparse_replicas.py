@@ -159,6 +159,8 @@ class SparseTasks:
         self.taken: dict[str, int] = {}  # per task key: how many records its worker handed over
         self.starts: dict[str, int] = {}  # per task key: the step its replica started from
         self.collected_at = time.monotonic()
+        #: Set by the driver: the positions of its data a replica reads since one joined.
+        self.share_of: Callable[[int], Any] | None = None
         self.tasks = [self._submit(r, 0) for r in range(len(workers))]
 
     def _submit(self, replica: int, step: int) -> Any:
@@ -185,12 +187,30 @@ class SparseTasks:
                                       self.started, replica, self.starts[key])
 
     def resume_replica(self, replica: int, workers: list[str], start_step: int) -> None:
-        """Start ``replica`` again on ``workers[0]`` after ``start_step`` steps."""
+        """Start ``replica`` again on ``workers[0]`` after ``start_step`` steps, with the part
+        of its data it reads since a replica joined (``share_of``)."""
         self.generation += 1
         self.workers[replica] = workers[0]
+        share = None if self.share_of is None else self.share_of(replica)
+        if share is not None:
+            self.cluster.assign_share(workers[0], replica, share)
         if self.shares is not None:
             self.data[replica] = self.cluster.scatter([self.shares[replica]], workers[0])[0]
         self.tasks[replica] = self._submit(replica, start_step)
+
+    def add_replica(self, data: Any, worker: str) -> int:
+        """Start a new replica on ``worker`` (which joined) reading ``data`` (a SparseBatch,
+        scattered to it here, or ``(paths, spec)``); its number."""
+        replica = len(self.tasks)
+        if self.shares is not None:
+            self.shares.append(data)
+            data = self.cluster.scatter([data], worker)[0]
+        self.data.append(data)
+        self.workers.append(worker)
+        self.slots.append((replica, 0))
+        self.dead[replica] = []
+        self.tasks.append(self._submit(replica, 0))
+        return replica
 
     def collect(self, force: bool = False) -> None:
         """Take the records the replicas' workers hold, every :data:`COLLECT_EVERY` s."""

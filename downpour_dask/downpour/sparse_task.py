@@ -1,9 +1,10 @@
 """A sparse fit's replica task: what runs on a worker for one replica of
 :func:`~.sparse_fit.fit_sparse`.
 
-:func:`replica_task` draws the replica's minibatches (rows ``replica::n_replicas`` of an
-in-memory batch, or its files of ``(paths, HashSpec)``, in an order fixed by the seed, so a
-restarted replica skips the steps it pushed and goes on with the same batches), opens a line to
+:func:`replica_task` draws the replica's minibatches (of its share of an in-memory batch, or of
+its files of ``(paths, HashSpec)``, in an order fixed by the seed, so a restarted replica skips
+the steps it pushed and goes on with the same batches; a replica that gave part of its share to
+one that joined reads less from its next epoch, or file: :mod:`.shares`), opens a line to
 every shard (in-process, the direct wire or actor messages:
 :class:`~downpour_dask.ps.rows.RowsLink`) and runs :func:`~.sparse_loop.run_sparse_replica`
 (:class:`~.sparse_accrual.AccruingReplica` for ``n_fetch``/``n_push`` other than 1).  A shard
@@ -17,7 +18,7 @@ leaving the cluster the replica pauses before its next batch, to be restarted el
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
@@ -33,7 +34,7 @@ from ..ps.rows import RowsLink, SparseLayout
 from ..ps.rows_wire import RowsWireClient
 from ..runtime.dask_connect import worker_client
 from ..runtime.dask_internals import CancelWatch, task_cancelled
-from .registry import is_leaving, keep_acked, replica_running
+from .registry import assigned_share, is_leaving, keep_acked, replica_running
 from .sparse_accrual import AccruingReplica
 from .sparse_loop import run_sparse_replica
 from .sparse_recovery import await_replacement
@@ -43,17 +44,26 @@ from .sparse_replicas import keep_records
 CANCEL_CHECK_EVERY = 0.25
 
 
-def _batches(data: Any, replica: int, n_replicas: int, batch_size: int, epochs: int,
-             seed: int) -> Iterator[SparseBatch]:
-    """Replica ``replica``'s minibatches: rows ``replica::n_replicas`` of an in-memory batch,
-    or files ``replica::n_replicas`` of ``(paths, HashSpec)``, for ``epochs`` epochs."""
+def _batches(data: Any, replica: int, batch_size: int, epochs: int, seed: int,
+             share: Callable[[], np.ndarray | None] = lambda: None) -> Iterator[SparseBatch]:
+    """Replica ``replica``'s minibatches of its data -- an in-memory :class:`SparseBatch`, or
+    ``(paths, HashSpec)`` --, for ``epochs`` epochs.  ``share()``: the positions (rows, or
+    files) of its data it reads since a replica joined the fit (:mod:`.shares`), None while it
+    reads all of it; asked at each epoch's start, and for files also before each file."""
     rng = np.random.default_rng([seed, replica])
     for _ in range(epochs):
+        positions = share()
         if isinstance(data, SparseBatch):
-            yield from minibatches(data, batch_size, rng)
+            yield from minibatches(data if positions is None else data.take(positions),
+                                   batch_size, rng)
         else:
             paths, spec = data
-            yield from read_hashed(list(paths)[replica::n_replicas], spec, batch_size, rng)
+
+            def keeps(i: int) -> bool:
+                positions = share()
+                return positions is None or bool(np.isin(i, positions))
+
+            yield from read_hashed(list(paths), spec, batch_size, rng, keeps=keeps)
 
 
 def _until_cancelled(batches: Iterator[SparseBatch], run: str = "",
@@ -98,7 +108,7 @@ def _link(ref: ActorRef, s: int, replica: int, timeout: float, n_tables: int,
 
 
 def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
-                 replica: int, n_replicas: int, batch_size: int, epochs: int,
+                 replica: int, batch_size: int, epochs: int,
                  max_steps: int | None, seed: int, timeout: float,
                  started: float, secret: bytes | None = None,
                  run: str = "", n_fetch: int = 1, n_push: int = 1, alpha: float = 0.0,
@@ -115,7 +125,8 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
         if run and key:
             keep_records(run, key, records)
         batches = _until_cancelled(islice(
-            _batches(data, replica, n_replicas, batch_size, epochs, seed), start_step, None),
+            _batches(data, replica, batch_size, epochs, seed,
+                     lambda: assigned_share(run, replica)), start_step, None),
             run, timeout)
         accruing = None
         if (n_fetch, n_push) != (1, 1):
