@@ -39,6 +39,7 @@ BAD = [
     (["--label", "clicked"], "has no column(s) ['clicked']"),
     (["--replicas", "4"], "--replicas=4 but --data has 3 file(s)"),
     (["--shards", "0"], "--shards must be an integer >= 1, got 0"),
+    (["--max-replicas", "1"], "--max-replicas must be an integer >= 2, got 1"),
     (["--n-rows", "0"], "--n-rows must be an integer >= 1"),
     (["--optimizer", "adamw"], "optimizer name must be one of"),
     (["--optimizer", "adam"], "it cannot update table rows; use sgd, momentum, adagrad"),
@@ -84,7 +85,7 @@ def test_train_sparse_on_a_cluster_writes_a_run_directory(clicks, tmp_path, clie
     status = cli(args(clicks, run_dir, "--eval-data", held, "--model", "fm",
                       "--factors", "4", "--n-rows", "4096", "--shards", "2", "--replicas", "2",
                       "--transform", "log1p", "--batch-size", "100", "--epochs", "2",
-                      "--scheduler", client.scheduler.address))
+                      "--max-replicas", "3", "--scheduler", client.scheduler.address))
     out, err = capsys.readouterr()
     assert status == 0 and f"run directory: {run_dir}" in out
     said, *bar = err.strip().splitlines()  # where it connects, then the progress bar's lines
@@ -95,6 +96,7 @@ def test_train_sparse_on_a_cluster_writes_a_run_directory(clicks, tmp_path, clie
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model_config"]["type"] == "factorization_machine" and config["n_shards"] == 2
     assert config["categorical"] == CATS.split(",") and len(config["data_files"]) == 3
+    assert config["max_replicas"] == 3  # (no worker joined: no replica was added)
     evals = pd.read_parquet(run_dir / "evals.parquet")
     assert list(evals.columns) == ["time", "version", "examples_seen", "loss", "accuracy", "auc"]
     assert evals["examples_seen"].iloc[-1] == 2 * 3000

@@ -70,6 +70,8 @@ def test_params_clone_and_refusals_before_any_work(client):
         clone(clf).set_params(model="tree").fit(X, y, client=client)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['beta2'\] for optimizer"):
         clone(clf).set_params(optimizer="momentum:beta2=0.9").fit(X, y, client=client)
+    with pytest.raises(ValueError, match="max_replicas must be >= 2, got 1"):
+        clone(clf).set_params(n_replicas=2, max_replicas=1).fit(X, y)  # (no cluster started)
     assert not hasattr(clf, "dense_")
 
 

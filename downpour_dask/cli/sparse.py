@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--replicas", dest="n_replicas", type=int, metavar="R",
                      help="replicas; each streams whole files, so at most one per file "
                      "(default 2)")
+    fit.add_argument("--max-replicas", type=int, metavar="N",
+                     help="a worker that joins the cluster gets a new replica while fewer than "
+                     "N train, with a share of the others' files (default: none added)")
     fit.add_argument("--optimizer", help="sgd, momentum, adagrad or staleness_aware_<rule>, "
                      "options after a colon: momentum:momentum=0.5 (default adagrad)")
     fit.add_argument("--learning-rate", type=float, metavar="LR", help="(default 0.05)")

@@ -24,6 +24,7 @@ from distributed import Client
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_is_fitted
 
+from ..base import check_int
 from ..core.sparse import SparseBatch
 from ..core.sparse_models import EmbeddingMLP, FactorizationMachine, SparseLogisticRegression
 from ..data.hashing import HashSpec, hash_frame
@@ -65,6 +66,10 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         The replica's rate between fetches; default ``learning_rate``.
     eval_every : float, default 5.0
         Seconds between evaluations of ``fit``'s ``eval_data`` while training.
+    max_replicas : int, optional
+        A worker that joins the cluster during the fit gets a new replica while fewer than this
+        many train (``replica_added``), with ``1/n`` of what each of the others reads; None:
+        no replica is added (see :func:`~.sparse_fit.fit_sparse`).
 
     Attributes
     ----------
@@ -73,7 +78,7 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
     pushes_, events_ : DataFrame
         The fit's push log and its events (``shard_lost`` / ``shard_restored``,
         ``shard_migrated`` for a worker that left gracefully, ``replica_failed`` /
-        ``replica_restarted`` ...).
+        ``replica_restarted``, ``replica_added`` for a worker that joined ...).
     lost_updates_ : list of int
         Updates lost per shard to lost shards.
     evaluations_ : DataFrame
@@ -102,6 +107,7 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         n_push: int = 1,
         local_learning_rate: float | None = None,
         eval_every: float = 5.0,
+        max_replicas: int | None = None,
     ):
         self.categorical, self.numeric, self.model = categorical, numeric, model
         self.n_rows = n_rows
@@ -110,7 +116,7 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         self.max_epochs, self.seed, self.timeout = max_epochs, seed, timeout
         self.hash_seed, self.transform, self.eval_every = hash_seed, transform, eval_every
         self.n_fetch, self.n_push = n_fetch, n_push
-        self.local_learning_rate = local_learning_rate
+        self.local_learning_rate, self.max_replicas = local_learning_rate, max_replicas
 
     def _spec(self) -> HashSpec:
         return HashSpec(tuple(self.numeric), tuple(self.categorical), _LABEL, self.n_rows,
@@ -138,6 +144,7 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
         check_schedule(self.n_fetch, self.n_push, self.local_learning_rate)
+        check_int("max_replicas", self.max_replicas, self.n_replicas, allow_none=True)
         y = np.asarray(y)
         if y.ndim != 1 or len(y) != len(X) or not np.isin(y, (0, 1)).all():
             raise ValueError(f"y must be {len(X)} labels of 0 and 1 only")
@@ -157,7 +164,7 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
                              n_fetch=self.n_fetch, n_push=self.n_push,
                              local_learning_rate=self.local_learning_rate,
                              eval_data=held_out, eval_every=self.eval_every, publish=publish,
-                             callback=callback)
+                             callback=callback, max_replicas=self.max_replicas)
             try:
                 self.dense_, self.tables_ = fit.state()
             finally:

@@ -48,7 +48,7 @@ SPARSE_DEFAULTS: dict[str, Any] = {
     "n_shards": 2, "n_replicas": 2, "optimizer": "adagrad", "learning_rate": 0.05,
     "batch_size": 256, "max_epochs": 1, "max_steps": None, "seed": 0, "hash_seed": 0,
     "transform": "none", "eval_every": 5.0, "run_dir": None, "overwrite": False,
-    "publish": None, "timeout": 120.0,
+    "publish": None, "timeout": 120.0, "max_replicas": None,
 }  # fmt: skip
 
 #: Model options by model name (the rest of a model's arguments come from the data).
@@ -156,8 +156,9 @@ def prepare_sparse(settings: dict[str, Any]) -> SparseJob:
     counts = {k: _count(s, k, low) for k, low in (
         ("n_rows", 1), ("n_shards", 1), ("n_replicas", 1), ("batch_size", 1), ("max_epochs", 1),
         ("seed", 0), ("hash_seed", 0))}
-    if s["max_steps"] is not None:
-        counts["max_steps"] = _count(s, "max_steps", 1)
+    for key, low in (("max_steps", 1), ("max_replicas", counts["n_replicas"])):
+        if s[key] is not None:
+            counts[key] = _count(s, key, low)
     row_state_shapes(optimizer_spec.build(s["optimizer"], s["learning_rate"]))  # names the fault
     for key in ("eval_every", "timeout"):
         if isinstance(s[key], bool) or not isinstance(s[key], (int, float)) or not s[key] > 0:
@@ -190,6 +191,7 @@ def prepare_sparse(settings: dict[str, Any]) -> SparseJob:
         "batch_size": counts["batch_size"], "max_epochs": counts["max_epochs"],
         "max_steps": counts.get("max_steps"), "seed": counts["seed"], "timeout": s["timeout"],
         "eval_every": s["eval_every"], "publish": s["publish"],
+        "max_replicas": counts.get("max_replicas"),
     }  # fmt: skip
     recorded = {**s, "categorical": list(categorical), "numeric": list(numeric),
                 "data_files": [str(p) for p in files], "model_config": model.get_config()}
