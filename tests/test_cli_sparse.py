@@ -40,6 +40,7 @@ BAD = [
     (["--replicas", "4"], "--replicas=4 but --data has 3 file(s)"),
     (["--shards", "0"], "--shards must be an integer >= 1, got 0"),
     (["--max-replicas", "1"], "--max-replicas must be an integer >= 2, got 1"),
+    (["--replicas", "all"], "argument --replicas: invalid replicas value: 'all'"),
     (["--n-rows", "0"], "--n-rows must be an integer >= 1"),
     (["--optimizer", "adamw"], "optimizer name must be one of"),
     (["--optimizer", "adam"], "it cannot update table rows; use sgd, momentum, adagrad"),
@@ -83,7 +84,7 @@ def test_train_sparse_on_a_cluster_writes_a_run_directory(clicks, tmp_path, clie
     run_dir = tmp_path / "fm"
     held = str(clicks / "part-00003.parquet")
     status = cli(args(clicks, run_dir, "--eval-data", held, "--model", "fm",
-                      "--factors", "4", "--n-rows", "4096", "--shards", "2", "--replicas", "2",
+                      "--factors", "4", "--n-rows", "4096", "--shards", "2", "--replicas", "auto",
                       "--transform", "log1p", "--batch-size", "100", "--epochs", "2",
                       "--max-replicas", "3", "--scheduler", client.scheduler.address))
     out, err = capsys.readouterr()
@@ -97,6 +98,7 @@ def test_train_sparse_on_a_cluster_writes_a_run_directory(clicks, tmp_path, clie
     assert config["model_config"]["type"] == "factorization_machine" and config["n_shards"] == 2
     assert config["categorical"] == CATS.split(",") and len(config["data_files"]) == 3
     assert config["max_replicas"] == 3  # (no worker joined: no replica was added)
+    assert config["n_replicas"] == 2 and config["n_replicas_given"] == "auto"  # 2 workers
     evals = pd.read_parquet(run_dir / "evals.parquet")
     assert list(evals.columns) == ["time", "version", "examples_seen", "loss", "accuracy", "auc"]
     assert evals["examples_seen"].iloc[-1] == 2 * 3000

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from downpour_dask.core.sparse import SparseBatch
+from downpour_dask.core.sparse_models import SparseLogisticRegression
 from downpour_dask.data.hashing import HashSpec, count_rows
 from downpour_dask.downpour import registry
 from downpour_dask.downpour.sparse_fit import fit_sparse
@@ -176,3 +177,25 @@ def test_a_streaming_newcomer_gets_files_and_the_steps_the_others_have_left(tmp_
 def test_max_replicas_below_n_replicas_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="max_replicas must be >= 3, got 2"):
         fit_sparse(object(), _rows(0, 4), client=None, n_replicas=3, max_replicas=2)
+
+
+def test_auto_starts_a_replica_per_worker_and_at_most_one_per_file(client, tmp_path):
+    """The shared cluster has two workers: ``"auto"`` starts two replicas on in-memory data,
+    one on a single file."""
+    model = SparseLogisticRegression(64, 1)
+    fit = fit_sparse(model, _rows(0, 64), client=client, n_replicas="auto", batch_size=16,
+                     timeout=60)
+    fit.close()
+    assert fit.n_replicas == 2 and set(fit.pushes["replica"]) == {0, 1}
+    spec = HashSpec(numeric=[], categorical=["c"], n_rows=64, label="label")
+    path = str(tmp_path / "one.parquet")
+    pd.DataFrame({"c": [str(j) for j in range(40)], "label": [0, 1] * 20}).to_parquet(path)
+    fit = fit_sparse(model, ([path], spec), client=client, n_replicas="auto", batch_size=16,
+                     timeout=60)
+    fit.close()
+    assert fit.n_replicas == 1 and set(fit.pushes["replica"]) == {0}
+
+
+def test_n_replicas_is_a_count_or_auto():
+    with pytest.raises(ValueError, match="n_replicas must be an integer >= 1 or 'auto'"):
+        fit_sparse(object(), _rows(0, 4), client=None, n_replicas="all")

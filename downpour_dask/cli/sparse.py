@@ -33,6 +33,11 @@ def flag_of(setting: str) -> str:
     return FLAGS.get(setting, "--" + setting.replace("_", "-"))
 
 
+def replicas(text: str) -> int | str:
+    """``--replicas``: a count, or ``auto``."""
+    return text if text == "auto" else int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``train-sparse`` flags (defaults: :data:`~downpour_dask.runs.sparse_job.
     SPARSE_DEFAULTS`)."""
@@ -61,9 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit = parser.add_argument_group("training")
     fit.add_argument("--shards", dest="n_shards", type=int, metavar="K",
                      help="parameter-server shards (default 2)")
-    fit.add_argument("--replicas", dest="n_replicas", type=int, metavar="R",
+    fit.add_argument("--replicas", dest="n_replicas", type=replicas, metavar="R",
                      help="replicas; each streams whole files, so at most one per file "
-                     "(default 2)")
+                     "(default 2); auto: one per worker, and one on each worker that joins "
+                     "(up to --max-replicas)")
     fit.add_argument("--max-replicas", type=int, metavar="N",
                      help="a worker that joins the cluster gets a new replica while fewer than "
                      "N train, with a share of the others' files (default: none added)")

@@ -24,12 +24,12 @@ from distributed import Client
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_is_fitted
 
-from ..base import check_int
 from ..core.sparse import SparseBatch
 from ..core.sparse_models import EmbeddingMLP, FactorizationMachine, SparseLogisticRegression
 from ..data.hashing import HashSpec, hash_frame
 from ..log import Progress
 from ..runtime.cluster import cluster_client
+from .replica_count import check_replicas
 from .sparse_accrual import check_schedule
 from .sparse_fit import fit_sparse
 
@@ -69,7 +69,8 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
     max_replicas : int, optional
         A worker that joins the cluster during the fit gets a new replica while fewer than this
         many train (``replica_added``), with ``1/n`` of what each of the others reads; None:
-        no replica is added (see :func:`~.sparse_fit.fit_sparse`).
+        no replica is added, unless ``n_replicas="auto"`` (a replica per worker, and one on
+        each worker that joins; see :func:`~.sparse_fit.fit_sparse`).
 
     Attributes
     ----------
@@ -93,7 +94,7 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         model: str = "logistic",
         n_rows: int = 2**18,
         model_options: dict[str, Any] | None = None,
-        n_replicas: int = 1,
+        n_replicas: int | str = 1,
         n_shards: int = 1,
         optimizer: str = "adagrad",
         learning_rate: float = 0.05,
@@ -144,7 +145,7 @@ class SparseDownpourClassifier(ClassifierMixin, BaseEstimator):
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
         check_schedule(self.n_fetch, self.n_push, self.local_learning_rate)
-        check_int("max_replicas", self.max_replicas, self.n_replicas, allow_none=True)
+        check_replicas(self.n_replicas, self.max_replicas)
         y = np.asarray(y)
         if y.ndim != 1 or len(y) != len(X) or not np.isin(y, (0, 1)).all():
             raise ValueError(f"y must be {len(X)} labels of 0 and 1 only")

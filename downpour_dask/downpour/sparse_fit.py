@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 from distributed import Client
 
-from ..base import RunRecorder, check_int
+from ..base import RunRecorder
 from ..core import optimizer_spec
 from ..core.rows import row_state_shapes
 from ..core.sparse import SparseBatch, check_batch, check_sparse_model, table_rows
@@ -51,6 +51,7 @@ from ..runtime.cluster import cluster_workers
 from ..runtime.dask_internals import release_hold
 from .dask_cluster import DaskCluster
 from .elastic import Elastic
+from .replica_count import AUTO, check_replicas, resolve
 from .shard_recovery import ShardRecovery
 from .sparse_accrual import check_schedule
 from .sparse_checkpoints import merge_exports, read_sparse, restore_arguments, write_increment
@@ -78,6 +79,8 @@ class SparseFit:
         with client.as_current():  # the handles use this client, not the newest one made
             self.actors = [f.result(timeout=timeout) for f in futures]
         self.pushes = pd.DataFrame()
+        #: The replicas the fit started with (``n_replicas="auto"`` resolved).
+        self.n_replicas = 0
         self.checkpoints: list[Path] = []
         self._pending: dict[int, dict[str, Any]] = {}  # exports of a checkpoint that failed
         #: ``shard_lost`` / ``shard_restored`` / ``shard_fenced`` events (time, kind, detail...).
@@ -173,7 +176,7 @@ def fit_sparse(
     data: SparseBatch | tuple[list[str | Path], HashSpec],
     *,
     client: Client,
-    n_replicas: int = 1,
+    n_replicas: int | str = 1,
     n_shards: int = 1,
     optimizer: str = "adagrad",
     learning_rate: float = 0.05,
@@ -215,7 +218,10 @@ def fit_sparse(
     :class:`~downpour_dask.DownpourSGD`; a shard whose worker leaves gracefully migrates with
     no update lost (``shard_migrated``).  With ``max_replicas`` a worker that joins gets a new
     replica while fewer than that many train (``replica_added``), with ``1/n`` of what each of
-    the others reads (:mod:`.sparse_growth`).
+    the others reads (:mod:`.sparse_growth`).  ``n_replicas="auto"``: a replica per worker the
+    cluster has when the fit starts (and at most one per file), and one on each worker that
+    joins, up to ``max_replicas`` if given (``SparseFit.n_replicas``: the count it started
+    with).
 
     ``eval_data`` (a :class:`SparseBatch` or ``(paths, spec)``, read in the driver) is scored
     every ``eval_every`` seconds and at the end, pulling only the rows it touches:
@@ -227,12 +233,12 @@ def fit_sparse(
     it raises stops the replicas and propagates, as in ``DownpourSGD.fit``.
     """
     check_schedule(n_fetch, n_push, local_learning_rate)
-    check_int("max_replicas", max_replicas, n_replicas, allow_none=True)
+    check_replicas(n_replicas, max_replicas)
     check_sparse_model(model)
     if isinstance(data, SparseBatch):
         data = check_batch(model, data)
     else:
-        _check_files(model, data, n_replicas)
+        _check_files(model, data, 1 if n_replicas == AUTO else n_replicas)
     rule = optimizer_spec.build(optimizer, learning_rate)
     row_state_shapes(rule)  # refuses Adam here, before a shard starts, not in a shard's start
     monitor = SparseMonitor(client, model, eval_data, eval_every, publish, callback)  # checks
@@ -240,6 +246,9 @@ def fit_sparse(
     workers = sorted(cluster_workers(client))
     if not workers:
         raise RuntimeError("the Dask cluster has no workers to hold parameter-server shards")
+    n_replicas, max_replicas, follow = resolve(n_replicas, max_replicas, len(workers))
+    if not isinstance(data, SparseBatch):  # "auto": at most a replica per file
+        n_replicas = min(n_replicas, len(list(data[0])))
     dense = model.init_dense(np.random.default_rng(seed))
     restored = None
     if restore is not None:
@@ -262,6 +271,7 @@ def fit_sparse(
         initial.append({"values": np.array(values), "rule_state": {}, "version": 0,
                         **extra.get("restore", {})})
     fit = SparseFit(client, model, layout, futures, placed, seed, timeout)
+    fit.n_replicas = n_replicas
     run = uuid.uuid4().hex[:12]
     cluster, recorder = DaskCluster(client, run, timeout), RunRecorder("accuracy")
     server = SparseServer(fit, rule, secret)
@@ -294,11 +304,12 @@ def fit_sparse(
     cluster.watch_membership()  # workers that join or leave (.membership)
     replicas = SparseTasks(cluster, start, parts, shares, homes, layout.n_shards,
                            lambda r: server.recent_pushes(r, timeout), n_push, started)
-    if max_replicas is not None:
+    limit = float("inf") if follow else max_replicas  # "auto" alone: a replica per join
+    if limit is not None:
         growth = SparseGrowth(cluster, server, replicas, own, seed, n_rows, max_epochs,
                               max_steps, n_push, timeout)
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
-    elastic = Elastic(cluster, server, replicas, recovery, recorder, n_replicas, max_replicas,
+    elastic = Elastic(cluster, server, replicas, recovery, recorder, n_replicas, limit,
                       None if growth is None else growth.add,
                       collect=lambda: replicas.collect(force=True), timeout=timeout,
                       n_push=n_push, move_replicas=False)

@@ -35,6 +35,7 @@ from distributed import Client
 from ..core import optimizer_spec
 from ..core.rows import row_state_shapes
 from ..data.hashing import TRANSFORMS, HashSpec
+from ..downpour.replica_count import AUTO
 from ..downpour.sparse_estimator import MODELS
 from ..downpour.sparse_fit import SparseFit, fit_sparse
 from ..log import Experiment, Progress, check_replaceable
@@ -153,10 +154,11 @@ def prepare_sparse(settings: dict[str, Any]) -> SparseJob:
     if both or s["label"] in (*categorical, *numeric):
         raise ValueError(f"a column is named twice among categorical, numeric and label: "
                          f"{both or [s['label']]}")
+    auto = s["n_replicas"] == AUTO  # a replica per worker (and per joining worker)
     counts = {k: _count(s, k, low) for k, low in (
         ("n_rows", 1), ("n_shards", 1), ("n_replicas", 1), ("batch_size", 1), ("max_epochs", 1),
-        ("seed", 0), ("hash_seed", 0))}
-    for key, low in (("max_steps", 1), ("max_replicas", counts["n_replicas"])):
+        ("seed", 0), ("hash_seed", 0)) if not (auto and k == "n_replicas")}
+    for key, low in (("max_steps", 1), ("max_replicas", 1 if auto else counts["n_replicas"])):
         if s[key] is not None:
             counts[key] = _count(s, key, low)
     row_state_shapes(optimizer_spec.build(s["optimizer"], s["learning_rate"]))  # names the fault
@@ -175,7 +177,7 @@ def prepare_sparse(settings: dict[str, Any]) -> SparseJob:
     spec = HashSpec(numeric, categorical, str(s["label"]), counts["n_rows"], counts["hash_seed"],
                     s["transform"])
     files = data_files(s["data"], "data")
-    if len(files) < counts["n_replicas"]:
+    if not auto and len(files) < counts["n_replicas"]:
         raise ValueError(f"n_replicas={counts['n_replicas']} but data has {len(files)} file(s): "
                          f"each replica streams whole files, so give at least one per replica")
     _check_columns(files, spec, "data")
@@ -186,7 +188,7 @@ def prepare_sparse(settings: dict[str, Any]) -> SparseJob:
     target = Path(s["run_dir"])
     check_replaceable(target, bool(s["overwrite"]))
     fit_args = {
-        "n_replicas": counts["n_replicas"], "n_shards": counts["n_shards"],
+        "n_replicas": AUTO if auto else counts["n_replicas"], "n_shards": counts["n_shards"],
         "optimizer": s["optimizer"], "learning_rate": s["learning_rate"],
         "batch_size": counts["batch_size"], "max_epochs": counts["max_epochs"],
         "max_steps": counts.get("max_steps"), "seed": counts["seed"], "timeout": s["timeout"],
@@ -211,8 +213,10 @@ def run_sparse(job: SparseJob, client: Client | None = None,
             exports = [call.result(timeout=fit.timeout) for call in calls]
         finally:
             fit.close()
-    experiment = Experiment({**job.settings, "kind": "sparse"}, fit.pushes, fit.evaluations,
-                            fit.events)
+    config = {**job.settings, "kind": "sparse"}
+    if config["n_replicas"] == AUTO:  # the count it started with, as a dense run records it
+        config.update(n_replicas=fit.n_replicas, n_replicas_given=AUTO)
+    experiment = Experiment(config, fit.pushes, fit.evaluations, fit.events)
     path = save_sparse_run(job.target, experiment, exports, bool(job.settings["overwrite"]))
     return SparseResult(path, summarize(fit))
 
