@@ -5,6 +5,7 @@ the same on a real cluster that grows."""
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from typing import Any
 
@@ -179,14 +180,19 @@ def test_max_replicas_below_n_replicas_is_refused_before_anything_starts():
         fit_sparse(object(), _rows(0, 4), client=None, n_replicas=3, max_replicas=2)
 
 
-def test_auto_starts_a_replica_per_worker_and_at_most_one_per_file(client, tmp_path):
+def test_auto_starts_a_replica_per_worker_and_at_most_one_per_file(
+    client, tmp_path, no_cycle_collector
+):
     """The shared cluster has two workers: ``"auto"`` starts two replicas on in-memory data,
-    one on a single file."""
+    one on a single file.  The replicas' tasks and data go when the fit returns, not only
+    when the cycle collector runs (a fit that can grow once held them in a reference cycle,
+    and with them the data on the workers)."""
     model = SparseLogisticRegression(64, 1)
     fit = fit_sparse(model, _rows(0, 64), client=client, n_replicas="auto", batch_size=16,
                      timeout=60)
     fit.close()
     assert fit.n_replicas == 2 and set(fit.pushes["replica"]) == {0, 1}
+    assert not [o for o in gc.get_objects() if isinstance(o, (SparseTasks, SparseGrowth))]
     spec = HashSpec(numeric=[], categorical=["c"], n_rows=64, label="label")
     path = str(tmp_path / "one.parquet")
     pd.DataFrame({"c": [str(j) for j in range(40)], "label": [0, 1] * 20}).to_parquet(path)

@@ -290,12 +290,12 @@ def fit_sparse(
     else:
         paths, spec = data
         parts = own = [(list(paths)[r::n_replicas], spec) for r in range(n_replicas)]
-    growth: SparseGrowth | None = None
+    limits: dict[int, tuple[int | None, int | None]] = {}  # those of the replicas added
 
     def start(r: int, part: Any, step: int, worker: str, key: str) -> Any:
         # the shards as they are now: a restarted replica opens those that replaced lost ones
         refs = [refer(a, SparseShard, w) for a, w in zip(fit.actors, fit.workers)]
-        epochs, steps = (max_epochs, max_steps) if growth is None else growth.limits_of(r)
+        epochs, steps = limits.get(r, (max_epochs, max_steps))
         return client.submit(replica_task, model, refs, layout, part, r, batch_size, epochs,
                              steps, seed, timeout, started, secret if direct else None, run,
                              n_fetch, n_push, alpha, step, key, pure=False, workers=[worker],
@@ -305,9 +305,9 @@ def fit_sparse(
     replicas = SparseTasks(cluster, start, parts, shares, homes, layout.n_shards,
                            lambda r: server.recent_pushes(r, timeout), n_push, started)
     limit = float("inf") if follow else max_replicas  # "auto" alone: a replica per join
-    if limit is not None:
-        growth = SparseGrowth(cluster, server, replicas, own, seed, n_rows, max_epochs,
-                              max_steps, n_push, timeout)
+    growth = None if limit is None else SparseGrowth(
+        cluster, server, replicas, own, seed, n_rows, max_epochs, max_steps, n_push, timeout,
+        limits)
     supervisor = Supervisor(cluster, server, replicas, recovery, recorder, n_push, timeout)
     elastic = Elastic(cluster, server, replicas, recovery, recorder, n_replicas, limit,
                       None if growth is None else growth.add,

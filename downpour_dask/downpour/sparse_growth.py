@@ -46,17 +46,23 @@ class SparseGrowth:
         Steps per push.
     timeout : float
         Seconds a shard's answer may take.
+    limits : dict, optional
+        Filled in here: per added replica, its own ``(max_epochs, max_steps)`` (what the others
+        had left), for the function that starts replica tasks to read.  (Given, not made here:
+        that function would otherwise refer to this object, which refers to ``replicas``, which
+        refers to it -- a reference cycle that would keep the replicas' data on the workers
+        until Python's cycle collector ran.)
     """
 
     def __init__(self, cluster: Any, server: Any, replicas: SparseTasks, data: list[Any],
                  seed: int, n_rows: int, max_epochs: int | None, max_steps: int | None,
-                 n_push: int, timeout: float):
+                 n_push: int, timeout: float,
+                 limits: dict[int, tuple[int | None, int | None]] | None = None):
         self.cluster, self.server, self.replicas = cluster, server, replicas
         self.shares = DataShares(list(data), seed)
         self.n_rows, self.max_epochs, self.max_steps = n_rows, max_epochs, max_steps
         self.n_push, self.timeout = n_push, timeout
-        #: Per added replica, its own ``(max_epochs, max_steps)``: what the others had left.
-        self.limits: dict[int, tuple[int | None, int | None]] = {}
+        self.limits = {} if limits is None else limits
         replicas.share_of = self.shares.positions
 
     def limits_of(self, replica: int) -> tuple[int | None, int | None]:
