@@ -138,10 +138,7 @@ class DaskCluster:
                 )  # fmt: skip
             except (TimeoutError, OSError) as err:
                 self._skip[worker] = time.monotonic() + SKIP_FOR
-                # without its traceback: that holds this frame, whose ``found`` holds the error
-                # -- a cycle that would keep every caller's frame (a whole fit: its tasks, its
-                # data on the workers) alive until the cycle collector ran
-                found[worker] = err.with_traceback(None)
+                found[worker] = err.with_traceback(None)  # its traceback pins the callers
         return found
 
     def collect(self, function: Callable[..., Any], *args: Any) -> dict[str, Any]:
