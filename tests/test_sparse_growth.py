@@ -112,6 +112,17 @@ def test_a_replica_restarted_elsewhere_takes_its_smaller_share_along():
     registry.forget_run(RUN)
 
 
+def test_an_added_replica_whose_worker_died_restarts_elsewhere_with_its_own_rows():
+    growth, replicas, cluster, submitted = _growth([_rows(0, 30), _rows(30, 30)], True,
+                                                   n_rows=60)
+    growth.add(2, "w2", 3)
+    given = submitted[-1][1]
+    replicas.resume_replica(2, ["w0"], 7)  # the supervisor's crash path
+    replica, part, step, worker = submitted[-1]
+    assert (replica, step, worker) == (2, 7, "w0") and cluster.scattered[-1] == "w0"
+    assert list(part.ids[:, 0]) == list(given.ids[:, 0])  # its 20 rows, sent again
+
+
 def test_the_others_read_their_smaller_share_from_their_next_epoch():
     registry.forget_run(RUN)
     batches = _batches(_rows(0, 20), 0, 5, 2, 0, lambda: registry.assigned_share(RUN, 0))
