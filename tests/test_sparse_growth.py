@@ -1,7 +1,7 @@
 """A sparse fit that adds a replica on a worker that joins (``downpour/sparse_growth.py``), in
 process: the new replica's share of the data, the smaller shares of the others and the epochs
-they read, with fakes for the cluster and the shards.  ``tests/test_elastic_cluster.py`` runs
-the same on a real cluster that grows."""
+they read, with fakes for the cluster and the shards; ``n_replicas="auto"`` on the shared
+cluster.  ``tests/test_elastic_cluster.py`` runs a join on a real cluster that grows."""
 
 from __future__ import annotations
 
