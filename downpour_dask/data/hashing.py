@@ -22,6 +22,7 @@ import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -199,6 +200,11 @@ def read_hashed(
             order = rng.permutation(len(batch.y))
             for lo in range(0, len(order), batch_size):
                 yield batch.take(order[lo : lo + batch_size])
+
+
+def is_hashed_files(data: Any) -> bool:
+    """Whether ``data`` is ``(paths, HashSpec)``: files to read hashed (not a batch in memory)."""
+    return isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], HashSpec)
 
 
 def count_rows(paths: str | Path | Sequence[str | Path], spec: HashSpec) -> int:

@@ -37,7 +37,7 @@ from ..runtime.placement import place_replicas
 from .checkpoints import Checkpoints, initial_states, restore_args, steps_pushed
 from .dask_cluster import DaskCluster, DaskServer
 from .divergence import check_finite
-from .elastic import Elastic, remaining
+from .elastic import Elastic, newcomer_limits, training_replicas
 from .model_parallel import partition_workers
 from .publication import Publication
 from .replica import ReplicaConfig
@@ -302,8 +302,7 @@ class Driver:
         training replica reads (:mod:`.shares`), for what is left of the others' epochs or
         steps; its rows per epoch, None if there was nothing to share (one file each)."""
         fit = self.fit
-        sharing = sorted({r for i, (r, _) in enumerate(tasks.slots) if i not in tasks.results})
-        split = shares.add(replica, sharing)
+        split = shares.add(replica, training_replicas(tasks))
         if split is None:
             return None
         new, changed = split
@@ -313,13 +312,10 @@ class Driver:
         if isinstance(self.data, list):  # in memory: to the new worker
             self.data.append(new)  # (ReplicaTasks.arrays)
             data = tuple(self.cluster.scatter(list(new), worker))
-        status = view.shard_status(0, fit.timeout)
-        n_rows = placed.n_rows or 0
-        done_steps = int(status["accepted"]) * fit.n_push / max(1, n_active - 1)
+        epochs, steps = newcomer_limits(view.shard_status(0, fit.timeout), placed.n_rows or 0,
+                                        fit.n_push, n_active, fit.max_epochs, fit.max_steps)
         config = dataclasses.replace(
-            self._replica_config(replica, 0, t0, seed, 0, 0),
-            max_epochs=remaining(fit.max_epochs, int(status["examples"]) / max(1, n_rows)),
-            max_steps=remaining(fit.max_steps, done_steps),
+            self._replica_config(replica, 0, t0, seed, 0, 0), max_epochs=epochs, max_steps=steps
         )
         tasks.start_replica(replica, [worker], data, (), [config])
         return shares.rows(replica)

@@ -56,6 +56,21 @@ def remaining(limit: int | None, done: float) -> int | None:
     return max(1, math.ceil(limit - done))
 
 
+def training_replicas(tasks: Any) -> list[int]:
+    """The replicas with a slot still training (its result not in), in order."""
+    return sorted({r for i, (r, _) in enumerate(tasks.slots) if i not in tasks.results})
+
+
+def newcomer_limits(status: dict[str, Any], n_rows: int, n_push: int, n_active: int,
+                    max_epochs: int | None, max_steps: int | None) -> tuple[int | None, int | None]:
+    """``(max_epochs, max_steps)`` for a replica added as the ``n_active``-th: what the others
+    have left, by shard 0's counters ``status`` (its examples over the ``n_rows`` of an epoch, 0
+    if unknown; its pushes, ``n_push`` steps each, shared by the ``n_active - 1`` others)."""
+    epochs_done = int(status["examples"]) / max(1, n_rows)
+    steps_done = int(status["accepted"]) * n_push / max(1, n_active - 1)
+    return remaining(max_epochs, epochs_done), remaining(max_steps, steps_done)
+
+
 def least_loaded(candidates: list[str], load: dict[str, int]) -> str:
     """The candidate worker with the lowest ``load`` (ties: the first by address)."""
     return min(candidates, key=lambda w: (load.get(w, 0), w))
@@ -165,8 +180,7 @@ class Elastic:
 
     def active(self) -> int:
         """Replicas with a slot still training."""
-        tasks = self.tasks
-        return len({r for i, (r, _) in enumerate(tasks.slots) if i not in tasks.results})
+        return len(training_replicas(self.tasks))
 
     # -- joins -----------------------------------------------------------------------------------
     def _grow(self) -> None:

@@ -28,14 +28,9 @@ from typing import Any
 import numpy as np
 
 from ..core.sparse import SparseBatch
-from ..data.hashing import HashSpec, count_rows
+from ..data.hashing import count_rows, is_hashed_files
 from ..data.stream import ArraySource, ShardStream, StreamSpec
 from .registry import assigned_share
-
-
-def _is_files(data: Any) -> bool:
-    """Whether ``data`` is a sparse replica's ``(paths, HashSpec)``."""
-    return isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], HashSpec)
 
 
 def split_off(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -115,7 +110,7 @@ class DataShares:
             return dataclasses.replace(first, shards=shards)
         if isinstance(first, SparseBatch):
             return SparseBatch.concat([self.data[r].take(taken) for r, taken in pieces])
-        if _is_files(first):
+        if is_hashed_files(first):
             return [self.data[r][0][i] for r, taken in pieces for i in taken], first[1]
         X = np.concatenate([self.data[r][0][taken] for r, taken in pieces])
         y = np.concatenate([self.data[r][1][taken] for r, taken in pieces])
@@ -126,7 +121,7 @@ class DataShares:
         data, keep = self.data[replica], self.keep[replica]
         if isinstance(data, StreamSpec):
             return sum(data.shards[i].rows for i in keep)
-        if _is_files(data):
+        if is_hashed_files(data):
             return count_rows([data[0][i] for i in keep], data[1])
         return len(keep)
 

@@ -27,7 +27,7 @@ from sklearn.metrics import log_loss, roc_auc_score
 
 from ..core.params import DTYPE
 from ..core.sparse import SparseBatch, check_batch
-from ..data.hashing import HashSpec, load_hashed
+from ..data.hashing import HashSpec, is_hashed_files, load_hashed
 from ..log import EVAL_COLUMNS
 from ..ps.rows import SparseLayout
 
@@ -53,7 +53,7 @@ def evaluation_batch(model: Any, data: Any) -> SparseBatch:
     """``eval_data`` as one checked :class:`SparseBatch`: a batch as it is, or ``(paths, spec)``
     of parquet/CSV files read and hashed (in this process).  TypeError/ValueError for data that
     does not fit ``model`` or holds no example."""
-    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], HashSpec):
+    if is_hashed_files(data):
         paths, spec = data
         check_spec(model, spec, "eval_data")
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)

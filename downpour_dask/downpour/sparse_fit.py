@@ -42,7 +42,7 @@ from ..base import RunRecorder
 from ..core import optimizer_spec
 from ..core.rows import row_state_shapes
 from ..core.sparse import SparseBatch, check_batch, check_sparse_model, table_rows
-from ..data.hashing import HashSpec
+from ..data.hashing import HashSpec, is_hashed_files
 from ..log import Progress, events_frame
 from ..ps.refs import refer
 from ..ps.rows import SparseLayout
@@ -151,7 +151,7 @@ class SparseFit:
 def _check_files(model: Any, data: Any, n_replicas: int) -> None:
     """ValueError unless ``data`` is ``(paths, HashSpec)`` that fits ``model``, with a file
     for each replica."""
-    if not (isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], HashSpec)):
+    if not is_hashed_files(data):
         raise TypeError("data must be a SparseBatch or (paths, HashSpec)")
     paths, spec = data
     if len(list(paths)) < n_replicas:

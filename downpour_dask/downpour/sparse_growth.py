@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .elastic import remaining
+from .elastic import newcomer_limits, training_replicas
 from .shares import DataShares
 from .sparse_replicas import SparseTasks
 
@@ -76,17 +76,14 @@ class SparseGrowth:
         tasks = self.replicas
         if replica != len(tasks.tasks):
             raise ValueError(f"replica {replica} cannot be added: the next is {len(tasks.tasks)}")
-        sharing = sorted({r for i, (r, _) in enumerate(tasks.slots) if i not in tasks.results})
-        split = self.shares.add(replica, sharing)
+        split = self.shares.add(replica, training_replicas(tasks))
         if split is None:
             return None
         new, changed = split
         for r, positions in changed.items():  # they read less from their next epoch (or file)
             self.cluster.assign_share(tasks.workers[r], r, positions)
-        status = self.server.shard_status(0, self.timeout)
-        epochs_done = int(status["examples"]) / max(1, self.n_rows)
-        steps_done = int(status["accepted"]) * self.n_push / max(1, n_active - 1)
-        self.limits[replica] = (remaining(self.max_epochs, epochs_done),
-                                remaining(self.max_steps, steps_done))
+        self.limits[replica] = newcomer_limits(
+            self.server.shard_status(0, self.timeout), self.n_rows, self.n_push, n_active,
+            self.max_epochs, self.max_steps)
         tasks.add_replica(new, worker)
         return self.shares.rows(replica)

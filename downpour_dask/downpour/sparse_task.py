@@ -52,8 +52,8 @@ def _batches(data: Any, replica: int, batch_size: int, epochs: int, seed: int,
     reads all of it; asked at each epoch's start, and for files also before each file."""
     rng = np.random.default_rng([seed, replica])
     for _ in range(epochs):
-        positions = share()
         if isinstance(data, SparseBatch):
+            positions = share()
             yield from minibatches(data if positions is None else data.take(positions),
                                    batch_size, rng)
         else:
