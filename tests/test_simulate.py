@@ -294,10 +294,17 @@ def _fit(client, n_replicas):
     return est.experiment_
 
 
+#: How many times a calibration run the machine stalled is fitted again (once was not enough in
+#: a CI run of 2026-11-29 on a loaded 2-vCPU VM: both runs stalled, and the prediction was 0.31x).
+STALLED_RUNS_REFITTED = 3
+
+
 def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, tmp_path):
     # Calibrated on a run with replicas on both workers: one reaches the shard over the wire.
     two, four = _fit(client, 2), _fit(client, 4)
-    if calibration.measured(two)["step_cv"] >= calibration.STEP_CV_CAP:
+    for _ in range(STALLED_RUNS_REFITTED):
+        if calibration.measured(two)["step_cv"] < calibration.STEP_CV_CAP:
+            break
         # Intervals between pushes spread this wide mean the machine stalled the run (the other
         # test process starting a cluster, say): not a run to calibrate from, so fit again.
         two, four = _fit(client, 2), _fit(client, 4)
