@@ -2,7 +2,8 @@
 
 Model: MLP 784-256-10 (relu, softmax), batch 128, plain SGD, on the shipped mnist5k training set
 (4,000 rows, cycled).  Downpour runs on a local cluster of 2 single-threaded worker processes with
-2 shards, for 1, 2 and 4 replicas and n_fetch = n_push in {1, 4}, and with 1 shard for 2 replicas
+2 shards, for 1, 2 and 4 replicas and n_fetch = n_push in {1, 4}, for 2 and 4 replicas pushing to
+the other worker's shard one-sided (``transport="one-sided"``), and with 1 shard for 2 replicas
 (on 2 workers one shard halves the messages: one replica calls it in-process), the last over
 Dask actor messages too (``transport="dask"``) to show what the direct connections are worth.  A
 further row runs the serial loop on both workers at once with no communication at all: the
@@ -130,7 +131,8 @@ def downpour_fit(
 
 
 CONFIGURATIONS = [  # (replicas, shards, transport) for each n_fetch = n_push
-    (1, 2, "auto"), (2, 2, "auto"), (4, 2, "auto"), (2, 1, "auto"), (2, 1, "dask")
+    (1, 2, "auto"), (2, 2, "auto"), (4, 2, "auto"), (2, 2, "one-sided"), (4, 2, "one-sided"),
+    (2, 1, "auto"), (2, 1, "dask"),
 ]  # fmt: skip
 
 
@@ -154,7 +156,7 @@ def one_round(
             )
         for replicas, shards, transport in CONFIGURATIONS if downpour else []:
             name = f"Downpour, {replicas} replica(s), {shards} shard(s)"
-            name += ", actor messages" if transport == "dask" else ""
+            name += {"dask": ", actor messages", "one-sided": ", one-sided"}.get(transport, "")
             rates[(name + label, str(every))] = downpour_examples_per_s(
                 client, model, train, replicas, every, seconds, shards,
                 transport=transport,

@@ -127,15 +127,23 @@ def _assert_restarts_only_on_the_killed_worker(est: DownpourSGD, kill: _KillAt, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(three_workers, mnist):
+@pytest.mark.parametrize("transport", ["auto", "one-sided"])
+def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(
+    three_workers, mnist, transport
+):
+    """One-sided, replica 2 updates both shards itself: killed in a push, its worker leaves
+    that push counted once (a ``torn_push``), and the restarted replica does not push it again."""
     client = three_workers
     train, test = mnist
     clean = _estimator(max_epochs=KILL_EPOCHS).fit(train, eval_data=test, client=client)
     workers = sorted(cluster_workers(client))
     kill = _KillAt(client, workers[2], pushes=150)  # worker 2 holds replica 2 only
-    est = _estimator(max_epochs=KILL_EPOCHS).fit(
+    est = _estimator(max_epochs=KILL_EPOCHS, transport=transport).fit(
         train, eval_data=test, client=client, callback=kill
     )
+    if transport == "one-sided":
+        routes = est.experiment_.config["replica_transports"].values()
+        assert all("one-sided" in kinds for kinds in routes), routes
     assert kill.killed_at is not None
     kinds = _kinds(est)
     assert "shard_lost" not in kinds
@@ -150,11 +158,14 @@ def test_killing_a_replicas_worker_restarts_it_and_the_run_finishes(three_worker
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", ["auto", "one-sided"])
 def test_a_replica_whose_worker_is_stopped_moves_and_the_run_finishes_while_it_stays_stopped(
-    three_workers, mnist
+    three_workers, mnist, transport
 ):
     """SIGSTOP, never undone during the fit: Dask keeps the worker listed and its task running,
-    so only the worker's silence says it; the replica moves after ``timeout`` seconds of it."""
+    so only the worker's silence says it; the replica moves after ``timeout`` seconds of it.
+    One-sided, the stopped replica may hold a shard's lock: the shard takes its state back
+    after the lease, and the fit finishes all the same."""
     client = three_workers
     train, test = mnist
     workers = sorted(cluster_workers(client))
@@ -166,7 +177,7 @@ def test_a_replica_whose_worker_is_stopped_moves_and_the_run_finishes_while_it_s
             os.kill(pid, signal.SIGSTOP)
             stopped.append(progress.pushes)
 
-    est = _estimator(max_epochs=KILL_EPOCHS, timeout=5)
+    est = _estimator(max_epochs=KILL_EPOCHS, timeout=5, transport=transport)
     fit = lambda: est.fit(train, eval_data=test, client=client, callback=stop_at_150_pushes)  # noqa: E731
     outcome = while_stopped(pid, fit, 150, stop_first=False)
     assert stopped and outcome["finished"], "the fit waited for the stopped worker"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import socket
 import threading
 import time
@@ -211,16 +213,28 @@ def _served_shards(dask_worker) -> int:
     return 0 if service._SERVICE is None else service._SERVICE.served()
 
 
+def _shard_files() -> int:
+    """Shared shard bodies (ps/shard_body.py) this process holds open or mapped."""
+    gc.collect()
+    held = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
+            held += "downpour-dask-shard" in os.readlink(f"/proc/self/fd/{name}")
+    with open("/proc/self/maps") as maps:
+        return held + sum("downpour-dask-shard" in line for line in maps)
+
+
 @pytest.mark.timeout(120)
 def test_replicas_reach_remote_shards_directly_and_train_as_with_actor_messages(client):
     """One replica, plain SGD: Downpour equals serial SGD whatever the timing, so the direct
     path (through shared memory: the workers share this host) and Dask's actor messages must
     end with the same parameters (2 shards: one of them is
     on the other worker).  The run records how each replica reached each shard, and the
-    shards are released afterwards."""
+    shards are released afterwards, one-sided shards' shared memory too.  One-sided, the replica
+    applies its pushes to the other worker's shard itself: the same parameters again."""
     train, _ = datasets.load("digits")
     fitted = {}
-    for transport in ("auto", "dask"):
+    for transport in ("auto", "one-sided", "dask"):
         est = DownpourSGD(
             models.MLP(64, (16,), 10),
             n_replicas=1,
@@ -236,20 +250,26 @@ def test_replicas_reach_remote_shards_directly_and_train_as_with_actor_messages(
     routes = {t: e.experiment_.config["replica_transports"] for t, e in fitted.items()}
     assert sorted(routes["auto"]["0"]) == ["local", "wire"]
     assert sorted(routes["dask"]["0"]) == ["actor", "local"]
+    assert sorted(routes["one-sided"]["0"]) == ["local", "one-sided"]
     # the other worker is on this host: the direct connection's arrays went through shared
     # memory (ps/shared_slots.py), and the result is the same as over actor messages
     shared = {t: e.experiment_.config["replica_shared_memory"]["0"] for t, e in fitted.items()}
     wire_at = routes["auto"]["0"].index("wire")
     assert shared["auto"][wire_at] is shared_slots.available() and not any(shared["dask"])
     np.testing.assert_allclose(fitted["auto"].params_, fitted["dask"].params_, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(fitted["one-sided"].params_, fitted["dask"].params_, atol=1e-5)
     deadline = time.monotonic() + 20
-    while sum(client.run(_served_shards).values()) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (
+        sum(client.run(_served_shards).values()) or sum(client.run(_shard_files).values())
+    ):
         gc.collect()  # see test_finished_fits_release_their_shards_on_the_workers for why
         time.sleep(0.1)
     assert sum(client.run(_served_shards).values()) == 0
+    assert sum(client.run(_shard_files).values()) == 0, "a shared shard body outlived its fit"
 
 
-def test_transport_must_be_auto_or_dask():
+def test_transport_must_be_auto_one_sided_or_dask():
     est = DownpourSGD(models.SoftmaxRegression(4, 3), n_replicas=1, n_shards=1, transport="tcp")
-    with pytest.raises(ValueError, match="transport must be one of 'auto', 'dask', got 'tcp'"):
+    allowed = "'auto', 'one-sided', 'dask'"
+    with pytest.raises(ValueError, match=f"transport must be one of {allowed}, got 'tcp'"):
         est.fit(np.zeros((10, 4), np.float32), np.zeros(10, int), client="never used")

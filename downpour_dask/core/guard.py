@@ -89,7 +89,13 @@ class GuardedUpdate:
     #: Updates checked in full before the bounds are measured again, after they were too high.
     REMEASURE_AFTER = 64
 
-    def __init__(self, rule: UpdateRule, params: np.ndarray, state: dict[str, np.ndarray]):
+    def __init__(
+        self,
+        rule: UpdateRule,
+        params: np.ndarray,
+        state: dict[str, np.ndarray],
+        bounds: np.ndarray | None = None,
+    ):
         self.rule = rule
         # An averaged rule's update is guarded without its average, folded in once accepted:
         # the average of finite values is finite (core/averaging.py)
@@ -102,7 +108,9 @@ class GuardedUpdate:
         self._limits = {
             n: _LIMIT.get(a.dtype, 0.0) for n, a in arrays.items() if a.dtype.kind not in "iub"
         }
-        self._bounds: dict[str, float] | None = None  # of each array's largest magnitude
+        self._names = sorted(self._limits)
+        self.store = bounds  # where the bounds live: an array another process may share
+        self._own: dict[str, float] | None = None  # of each array's largest magnitude
         self._skip_measuring = 0
         self.unchecked = 0  # updates applied on the bounds alone (diagnostics, tests)
 
@@ -136,6 +144,26 @@ class GuardedUpdate:
         for name, array in arrays.items():
             np.copyto(array, self._undo[name])
         return bad or "parameters"
+
+    @property
+    def _bounds(self) -> dict[str, float] | None:
+        """Each float array's bound, or None while not measured: kept in :attr:`store` when
+        given (float64, NaN: not measured), so that every process updating the same shared
+        arrays grows the same bounds (:mod:`downpour_dask.ps.shard_body`)."""
+        if self.store is None:
+            return self._own
+        if math.isnan(self.store[0]):
+            return None
+        return dict(zip(self._names, self.store[: len(self._names)].tolist()))
+
+    @_bounds.setter
+    def _bounds(self, bounds: dict[str, float] | None) -> None:
+        if self.store is None:
+            self._own = bounds
+        elif bounds is None:
+            self.store[0] = math.nan
+        else:
+            self.store[: len(self._names)] = [bounds[name] for name in self._names]
 
     def _checked(self, params: np.ndarray, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The arrays an update may make non-finite, by name (``""``: the parameters): all of

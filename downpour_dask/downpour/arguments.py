@@ -22,7 +22,7 @@ from .easgd_loop import check_elastic
 from .replica_count import check_replicas
 
 #: Values of ``DownpourSGD(transport=...)``.
-TRANSPORTS = ("auto", "dask")
+TRANSPORTS = ("auto", "one-sided", "dask")
 
 
 class DownpourArguments:

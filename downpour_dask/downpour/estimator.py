@@ -99,12 +99,16 @@ class DownpourSGD(DownpourArguments, ParamServerEstimator):
         own parameters, from shards that hold nothing else (``n_shards >= partitions``); only
         activations and their gradients that cross partitions travel.  Needs an MLP, at most as
         many partitions as the narrowest hidden layer has units, and as many workers.
-    transport : {"auto", "dask"}, default "auto"
+    transport : {"auto", "one-sided", "dask"}, default "auto"
         How a replica reaches shards on other workers.  ``"auto"``: a direct TCP connection per
         shard (:mod:`downpour_dask.ps.wire`) where the cluster's comm is plain TCP, else Dask
         actor messages; it costs far less CPU per push and pull than an actor call, CPU that
-        goes to the gradients instead.  ``"dask"``: actor messages only.  Shards on the
-        replica's own worker are called in-process either way.
+        goes to the gradients instead.  ``"one-sided"``: as ``"auto"``, but a shard on another
+        worker of the replica's own host is updated by the replica itself, in shared memory
+        under a lock both processes take, waking nothing in the shard's process
+        (:mod:`downpour_dask.ps.one_sided`; Linux; the shards of a delay-compensated
+        ``"dc_"`` rule stay on the wire).  ``"dask"``: actor messages only.  Shards on the
+        replica's own worker are called in-process in every case.
     verbose : int, default 0
         0 is silent.  1 or more: a progress bar while ``fit`` runs (unless it is given a
         ``callback``), and the dashboard link of an embedded cluster it starts, on stderr.

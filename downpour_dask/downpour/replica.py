@@ -125,8 +125,9 @@ def run_loop(
             config.replica,
             config.timeout,
             replacements,
-            direct=config.transport == "auto",
+            direct=config.transport in ("auto", "one-sided"),
             secret=config.wire_secret,
+            one_sided=config.transport == "one-sided",
         )
         try:
             sink = WorkerSink(config.run, config.topic)

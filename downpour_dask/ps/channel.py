@@ -13,6 +13,8 @@ is cheapest:
   directly (no message at all) and every call is complete when it returns;
 - ``"wire"``: a direct connection (:mod:`~downpour_dask.ps.wire`) where the comm is plain TCP,
   its arrays through shared memory when the shard is on the replica's host (:attr:`shared`);
+- ``"one-sided"`` (when asked for): a shard on the replica's host whose body the replica maps
+  and updates itself (:mod:`~downpour_dask.ps.one_sided`), over the wire for what it cannot;
 - ``"actor"``: Dask actor messages, whose finished replies are read without a round trip
   through the event loop (:func:`~downpour_dask.runtime.dask_internals.actor_result`).
 
@@ -42,6 +44,7 @@ from ..core.params import DTYPE
 from ..runtime.dask_connect import worker_client
 from ..runtime.dask_internals import actor_result, local_actor, release_hold, task_cancelled
 from .calls import Done, Half
+from .one_sided import OneSidedShard
 from .protocol import (
     FencedError,
     PullReply,
@@ -80,6 +83,8 @@ class DaskShardChannel:
         The run's wire secret, sent in a direct connection's hello (:mod:`~.service`).
     generation : int
         The generation of ``actor`` (replies from an older incarnation are refused).
+    one_sided : bool
+        Whether to push one-sided to a shard on another worker of this host that can take it.
     """
 
     #: Seconds a call may be outstanding before the channel asks whether its shard was replaced,
@@ -99,8 +104,10 @@ class DaskShardChannel:
         direct: bool = True,
         secret: bytes = b"",
         generation: int = 0,
+        one_sided: bool = False,
     ):
-        self.secret = secret
+        self.secret, self.one_sided_wanted = secret, one_sided
+        self.one_sided: OneSidedShard | None = None
         self.shard, self.size, self.replica, self.timeout = shard, size, replica, timeout
         self.replacements, self.direct = replacements, direct
         self.wire: WireClient | None = None
@@ -121,6 +128,8 @@ class DaskShardChannel:
 
     @property
     def transport(self) -> str:
+        if self.one_sided is not None and self.one_sided.usable:
+            return "one-sided"
         return "local" if self.local is not None else "wire" if self.wire is not None else "actor"
 
     @property
@@ -149,6 +158,10 @@ class DaskShardChannel:
             endpoint = self.wait(asked, self.key, sent)
             if endpoint is not None:
                 self.wire = WireClient(endpoint, min(10.0, self.timeout), self.secret)
+            if self.one_sided_wanted and self.shared:  # the shard is on this host
+                asked_offer = self.actor.open_one_sided(self.replica, self.session)
+                offer = self.wait(asked_offer, self.key, sent)
+                self.one_sided = OneSidedShard.open(offer, self.wire)
         except (ShardLostError, WireError, OSError):
             self.wire = None
 
@@ -181,6 +194,8 @@ class DaskShardChannel:
             out = self._buffer(None) if into is None else into
             return self._here(self.local.snapshot_into, out, self.replica, self.session)
         try:
+            if self.one_sided is not None:
+                return self.one_sided.pull(self.replica, self.session, self._buffer(avoid))
             if self.wire is not None:
                 return self.wire.pull(self.replica, self.session, out=self._buffer(avoid))
             return self.actor.pull(self.replica, self.session)
@@ -195,7 +210,8 @@ class DaskShardChannel:
         if self.local is not None:  # same process: no message at all
             return self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
         try:
-            return (self.wire or self.actor).push(grad, fetched_version, self.replica, **kw)
+            line = self.one_sided or self.wire or self.actor
+            return line.push(grad, fetched_version, self.replica, **kw)
         except Exception as err:
             return self._failed(err)
 
@@ -215,8 +231,8 @@ class DaskShardChannel:
             pushed = self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
             return pushed, self.pull(into=into)
         try:
-            if self.wire is not None:
-                call = self.wire.exchange(
+            if self.one_sided is not None or self.wire is not None:
+                call = (self.one_sided or self.wire).exchange(
                     grad, fetched_version, self.replica, out=self._buffer(avoid), **kw
                 )
             else:
@@ -230,7 +246,7 @@ class DaskShardChannel:
         if self.local is not None:
             return self._here(self.local.warmstart_state)
         try:
-            return (self.wire or self.actor).poll_warmstart()
+            return (self.one_sided or self.wire or self.actor).poll_warmstart()
         except Exception as err:
             return self._failed(err)
 
@@ -374,6 +390,9 @@ class DaskShardChannel:
         """Close the direct connection and let go of the handle's hold on the actor (a called
         handle sits in reference cycles: it would keep the actor alive after the fit, until
         this worker's cycle collector happened to run)."""
+        if self.one_sided is not None:
+            self.one_sided.close()
+            self.one_sided = None
         if self.wire is not None:
             self.wire.close()
             self.wire = None

@@ -17,12 +17,14 @@ def open_channels(
     replacements: list[str] | None = None,
     direct: bool = True,
     secret: bytes = b"",
+    one_sided: bool = False,
 ) -> list[DaskShardChannel]:
     """One channel per shard of ``server`` (a view made by ``portable()`` or the driver's),
     with the direct connections to shards on other workers opened all at once.
 
     ``replacements`` names, per shard, the variable where the driver publishes replacements;
-    ``secret`` is the run's wire secret.
+    ``secret`` is the run's wire secret; ``one_sided``: push to shards on other workers of this
+    host one-sided where they can take it (:mod:`~downpour_dask.ps.one_sided`).
     """
     server = server.opened()
     channels = [
@@ -36,6 +38,7 @@ def open_channels(
             direct,
             secret,
             server.generations[s],
+            one_sided,
         )
         for s, (actor, (lo, hi)) in enumerate(zip(server.shards, server.ranges))
     ]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,13 +39,14 @@ from ..core.params import DTYPE
 from ..runtime.cluster import worker_tcp_host
 from ..runtime.malloc import tune_malloc
 from .fencing import Incarnation
+from .one_sided_host import OneSidedHost
 from .ordering import InOrder, SeqTracker
 from .protocol import PullReply, PushReply
 from .saved_state import SavedState
 from .service import serve
 
 
-class ParameterServerShard(SavedState, InOrder, Incarnation):
+class ParameterServerShard(OneSidedHost, SavedState, InOrder, Incarnation):
     """A Dask actor owning parameters ``[start, stop)``, their update-rule state and a version.
 
     Parameters
@@ -92,21 +92,16 @@ class ParameterServerShard(SavedState, InOrder, Incarnation):
             )
         tune_malloc()  # this runs on the shard's worker: see runtime/malloc.py for why
         self.shard_id, self.start, self.stop = shard_id, start, stop
-        self.values = np.array(values, dtype=DTYPE, copy=True)
         self.rule = rule
-        self.state = rule.init(stop - start)
-        self.version = 0
-        self.stopped = False
-        self.released = False  # the driver let replicas waiting for the warmstart go
+        # values, rule state, version and flags: see one_sided_host.py
+        self._open_body(np.array(values, dtype=DTYPE, copy=True), rule.init(stop - start))
         self.accepted_by_replica: Counter[int] = Counter()
         self.refused = 0
         self.duplicates = 0
         self.examples = 0
-        self.recent_loss = math.nan
         self.staleness_sum = 0
         self.staleness_max = 0
         self.generation = int(generation)
-        self.retired_by: int | None = None  # the generation that replaced this incarnation
         self.started_at = 0  # the version this incarnation started from
         self.fenced_calls = 0  # calls refused after retirement
         self.clipped = 0
@@ -114,7 +109,7 @@ class ParameterServerShard(SavedState, InOrder, Incarnation):
         if restore is not None:
             self._restore(restore)
         self.started_at = self.version
-        self._guard = GuardedUpdate(rule, self.values, self.state)
+        self._guard = GuardedUpdate(rule, self.values, self.state, self._body.bounds)
         compensated = isinstance(innermost(rule), DelayCompensated)
         self._fetched = FetchedCopies() if compensated else None  # DC-ASGD
         self._seqs: dict[tuple[int, str], SeqTracker] = {}
@@ -123,8 +118,7 @@ class ParameterServerShard(SavedState, InOrder, Incarnation):
         self._arrived: asyncio.Condition | None = None
         # Replicas on this worker call snapshot/apply_push directly from their own threads
         # (see ps/channel.py), and replicas on other workers through wire.py's threads, concurrently
-        # with the event loop serving actor calls.
-        self._lock = threading.Lock()
+        # with the event loop serving actor calls; one-sided ones take self._lock's file lock.
         self._host = worker_tcp_host()
         self._endpoint: tuple[str, int, str] | None = None
         self._wire_secret = wire_secret  # a direct connection's hello must carry it
@@ -281,10 +275,7 @@ class ParameterServerShard(SavedState, InOrder, Incarnation):
         self.version += 1
         self.accepted_by_replica[replica] += 1
         self.examples += int(examples)
-        if math.isfinite(loss):  # exponential moving average over recent pushes, for progress
-            self.recent_loss = (
-                loss if math.isnan(self.recent_loss) else (0.9 * self.recent_loss + 0.1 * loss)
-            )
+        self._average_loss(loss)  # a moving average over recent pushes, for progress displays
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
         return self._reply(staleness, True)

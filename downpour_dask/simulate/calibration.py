@@ -116,6 +116,11 @@ def setup_of(experiment: Experiment, model: Model | None = None) -> Setup:
     model = model or models.from_config(config["model"])
     steps = config.get("replica_steps") or [int(experiment.pushes["step"].max()) + 1]
     transports = list((config.get("replica_transports") or {}).values())
+    if any("one-sided" in kinds for kinds in transports):
+        raise ValueError(
+            "cannot calibrate a run with transport='one-sided': the simulator models shards "
+            "called in-process, over the wire or by actor messages; calibrate an 'auto' run"
+        )
     # in-process shards of the replicas that reached some shard over the wire
     mixed = [kinds.count("local") for kinds in transports if "wire" in kinds]
     return Setup(

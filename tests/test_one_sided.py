@@ -1,0 +1,255 @@
+"""One-sided pushes (ps/one_sided.py, ps/one_sided_host.py, ps/shard_body.py), in process.
+
+The replica's side maps the shard's body through ``/proc/self/fd`` here: its own open file, so
+its ``flock`` excludes the shard's as another process's would.  The wire it falls back on is a
+fake that calls the shard directly and records what went by it.  A child process holds the lock
+where a stopped or killed holder matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from downpour_dask import optim
+from downpour_dask.core.compensation import DelayCompensated
+from downpour_dask.ps.calls import Done
+from downpour_dask.ps.one_sided import OneSidedShard
+from downpour_dask.ps.protocol import FencedError
+from downpour_dask.ps.shard import ParameterServerShard
+from downpour_dask.ps.shard_body import DIRTY, IN_PROGRESS, REVOKED, ShardLock
+
+SIZE = 1000
+
+
+class FakeWire:
+    """The shard over "the wire": its methods called directly, each call recorded."""
+
+    _broken = None
+
+    def __init__(self, shard: ParameterServerShard):
+        self.shard, self.calls = shard, []
+
+    def push(self, grad, fetched_version, replica, **kw):
+        self.calls.append(("push", kw.get("seq")))
+        return Done(self.shard.apply_push(grad, fetched_version, replica, **kw))
+
+    def pull(self, replica, session, out):
+        self.calls.append(("pull", None))
+        return Done(self.shard.snapshot_into(out, replica, session))
+
+    def poll_warmstart(self):
+        self.calls.append(("poll", None))
+        return Done(self.shard.warmstart_state())
+
+
+def _shard(rule: str = "adagrad", **kw) -> ParameterServerShard:
+    values = np.linspace(-1, 1, SIZE, dtype=np.float32)
+    built = DelayCompensated(optim.make("sgd", 0.1)) if rule == "dc-sgd" else optim.make(rule, 0.1)
+    return ParameterServerShard(0, 0, SIZE, values, built, **kw)
+
+
+def _line(shard: ParameterServerShard, replica: int = 1) -> tuple[OneSidedShard, FakeWire, str]:
+    session = uuid.uuid4().hex
+    offer = asyncio.run(shard.open_one_sided(replica, session))
+    wire = FakeWire(shard)
+    line = OneSidedShard.open(offer, wire)
+    assert line is not None
+    return line, wire, session
+
+
+def _grads(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(SIZE).astype(np.float32) for _ in range(n)]
+
+
+def _push(line, grad, seq, session, fetched=0, replica=1, examples=32, loss=1.0):
+    call = line.push(grad, fetched, replica, seq=seq, session=session, examples=examples, loss=loss)
+    return call.result(5)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad", "adam"])
+def test_one_sided_pushes_leave_the_shard_as_the_same_pushes_applied_by_the_shard(rule):
+    reference, shard = _shard(rule), _shard(rule)
+    line, wire, session = _line(shard)
+    for seq, grad in enumerate(_grads(20)):
+        reference.apply_push(grad, seq // 2, 1, seq=seq, session=session, examples=32, loss=1.0)
+        reply = _push(line, grad, seq, session, fetched=seq // 2)
+        assert reply.accepted and reply.version == seq + 1
+    assert not wire.calls, "every push was one-sided"
+    np.testing.assert_array_equal(shard.values, reference.values)
+    for name in reference.state:
+        np.testing.assert_array_equal(shard.state[name], reference.state[name])
+    mine, theirs = shard.counters(), reference.counters()
+    for key in ("version", "accepted", "examples", "staleness_mean", "staleness_max",
+                "accepted_by_replica", "sessions", "recent_loss"):  # fmt: skip
+        assert mine[key] == theirs[key], key
+
+
+def test_the_shard_counts_one_sided_pushes_in_its_checkpoints_clocks_and_duplicates():
+    shard = _shard()
+    line, _, session = _line(shard, replica=3)
+    for seq, grad in enumerate(_grads(5)):
+        _push(line, grad, seq, session)
+    saved = asyncio.run(shard.export_state())
+    assert saved["version"] == 5
+    assert saved["counters"]["accepted_by_replica"] == {"3": 5}
+    assert saved["counters"]["clock_pushes"] == {"3": 5}
+    assert shard.clock_state(3, 4)[0] == 5
+    # the same push again over the wire (a retry) is a duplicate: the shard knows it was applied
+    again = shard.apply_push(_grads(1)[0], 0, 3, seq=4, session=session)
+    assert not again.accepted and shard.counters()["duplicates"] == 1
+    pulled = shard.snapshot(3, session)
+    assert pulled.applied_through == 4
+
+
+def test_a_non_finite_push_goes_to_the_shard_which_refuses_it_and_later_pushes_keep_their_order():
+    shard = _shard()
+    line, wire, session = _line(shard)
+    good = _grads(3)
+    _push(line, good[0], 0, session)
+    bad = good[1].copy()
+    bad[7] = np.nan
+    refused = _push(line, bad, 1, session)
+    assert not refused.accepted
+    assert wire.calls == [("push", 1)]
+    assert _push(line, good[2], 2, session).accepted
+    assert wire.calls == [("push", 1)], "back to one-sided once the wire's push was answered"
+    counters = shard.counters()
+    assert (counters["version"], counters["refused"]) == (2, 1)
+    (event,) = asyncio.run(shard.events())
+    assert event[1] == "gradient_refused"
+    assert line.pull(1, session, np.empty(SIZE, np.float32)).result(5).applied_through == 2
+
+
+def test_a_push_that_would_overflow_the_rule_state_is_refused_by_the_shard_with_shared_bounds():
+    shard = _shard("adagrad")
+    line, wire, session = _line(shard)
+    _push(line, _grads(1)[0], 0, session)
+    huge = np.full(SIZE, 3e19, np.float32)  # its square overflows Adagrad's sums of squares
+    assert not _push(line, huge, 1, session).accepted
+    assert wire.calls == [("push", 1)]
+    assert np.isfinite(shard.state["sum_sq"]).all() and shard.version == 1
+
+
+def test_a_retired_shard_fences_one_sided_calls_and_the_stop_flag_reaches_the_replica():
+    shard = _shard()
+    line, _, session = _line(shard)
+    asyncio.run(shard.request_stop())
+    assert _push(line, _grads(1)[0], 0, session).stop
+    asyncio.run(shard.retire(1))
+    with pytest.raises(FencedError):
+        _push(line, _grads(1)[0], 1, session)
+    with pytest.raises(FencedError):
+        line.pull(1, session, np.empty(SIZE, np.float32)).result(5)
+    assert shard.version == 1
+
+
+def test_pushes_from_the_shard_and_a_one_sided_replica_at_once_are_each_applied_once():
+    shard = _shard("sgd")
+    line, wire, session = _line(shard)
+    grads, start = _grads(400), shard.values.copy()
+
+    def local() -> None:
+        for seq, grad in enumerate(grads[:200]):
+            shard.apply_push(grad, 0, 0, seq=seq, session="local")
+
+    thread = threading.Thread(target=local)
+    thread.start()
+    for seq, grad in enumerate(grads[200:]):
+        _push(line, grad, seq, session)
+    thread.join(30)
+    assert not wire.calls
+    counters = shard.counters()
+    assert counters["version"] == 400
+    assert counters["accepted_by_replica"] == {0: 200, 1: 200}
+    expected = start - np.float32(0.1) * np.sum(grads, axis=0, dtype=np.float64)
+    np.testing.assert_allclose(shard.values, expected, atol=1e-3)
+
+
+def test_a_push_cut_short_by_a_dead_process_counts_once_and_is_reported():
+    shard = _shard()
+    line, wire, session = _line(shard, replica=2)
+    _push(line, _grads(1)[0], 0, session, replica=2)
+    line.row[IN_PROGRESS], line.body.head[DIRTY] = 1, line.ledger  # as a killed process leaves it
+    assert _push(line, _grads(1)[0], 2, session, replica=2).accepted  # the shard settles it first
+    assert wire.calls == [("push", 2)]
+    assert shard.version == 3 and shard.counters()["accepted_by_replica"] == {2: 3}
+    kinds = [event[1] for event in asyncio.run(shard.events())]
+    assert kinds == ["torn_push"]
+
+
+_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(line: OneSidedShard) -> subprocess.Popen:
+    """A child process holding the shard's lock, as a replica's process in a push would."""
+    path = f"/proc/{os.getpid()}/fd/{line.body.fd}"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, path], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+@pytest.mark.timeout(60)
+def test_a_holder_stopped_with_the_lock_makes_the_shard_take_its_state_back(monkeypatch):
+    monkeypatch.setattr(ShardLock, "lease", 0.3)
+    shard = _shard()
+    line, wire, session = _line(shard)
+    _push(line, _grads(1)[0], 0, session)
+    before = shard.values.copy()
+    child = _holder(line)
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        reply = _push(line, _grads(1)[0], 1, session)  # waits WAIT, then the wire: the lease
+        assert reply.accepted and wire.calls == [("push", 1)]
+        assert [event[1] for event in asyncio.run(shard.events())] == ["one_sided_revoked"]
+        assert shard.version == 2 and not np.array_equal(shard.values, before)
+        _push(line, _grads(1)[0], 2, session)
+        assert wire.calls[-1] == ("push", 2) and not line.usable
+        assert asyncio.run(shard.open_one_sided(1, uuid.uuid4().hex)) is None
+    finally:
+        child.kill()
+        os.kill(child.pid, signal.SIGCONT)
+        child.wait(10)
+    assert line.body.head[REVOKED] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_holder_killed_with_the_lock_lets_go_of_it_at_once():
+    shard = _shard()
+    line, wire, session = _line(shard)
+    child = _holder(line)
+    child.kill()
+    child.wait(10)
+    assert _push(line, _grads(1)[0], 0, session).accepted
+    assert not wire.calls and line.usable
+    assert asyncio.run(shard.events()) == []
+
+
+def test_a_shard_that_cannot_take_one_sided_pushes_offers_none(monkeypatch):
+    assert asyncio.run(_shard("dc-sgd").open_one_sided(0, "s")) is None
+    monkeypatch.setenv("DOWNPOUR_DASK_ONE_SIDED", "0")
+    assert asyncio.run(_shard().open_one_sided(0, "s")) is None
+
+
+def test_an_offer_that_does_not_hold_its_token_is_not_mapped():
+    shard = _shard()
+    offer = asyncio.run(shard.open_one_sided(0, "s"))
+    assert OneSidedShard.open({**offer, "token": b"x" * 16}, None) is None
+    assert OneSidedShard.open({**offer, "pid": 2**22 + 17}, None) is None
