@@ -15,7 +15,7 @@ fit, over all the examples it trained on, start-up included), against the ceilin
 by other processes does not count in it, CPU spent on anything but gradients does.
 
     python benchmarks/bench_code_ab.py [--base HEAD] [--new REV] [--rounds 4] [--seconds 4]
-                                       [--replicas 2] [--shards 2] [--pinned]
+                                       [--replicas 2] [--shards 2] [--pinned] [--transport one-sided]
     python benchmarks/bench_code_ab.py --base REV --rounds 2 --script bench_sandblaster.py \
         -- --repeats 1 --skip-dask-ml
 
@@ -64,10 +64,13 @@ def _cpu_and_switches(client) -> tuple[float, int]:
     return _cpu(client), sum(client.run(_switches).values())
 
 
-def measure(seconds: float, replicas: int, shards: int, pinned: bool = False) -> dict[str, float]:
+def measure(
+    seconds: float, replicas: int, shards: int, pinned: bool = False, transport: str = "auto"
+) -> dict[str, float]:
     """One run on a fresh cluster with whatever ``downpour_dask`` this process imports: examples/s
     and the workers' CPU microseconds per example, of the ceiling and of Downpour at n = 1, 4;
-    with ``pinned``, the workers pinned to a CPU each first (both versions need ``pin_workers``)."""
+    with ``pinned``, the workers pinned to a CPU each first (both versions need ``pin_workers``);
+    ``transport`` is Downpour's (both versions need it)."""
     from bench_downpour import _serial_on_worker, downpour_fit
     from clusters import local_cluster
     from distributed import Client
@@ -89,7 +92,8 @@ def measure(seconds: float, replicas: int, shards: int, pinned: bool = False) ->
             pin_workers(client)
         workers = sorted(client.scheduler_info()["workers"])
         data = client.scatter([train.X, train.y], broadcast=True, hash=False)
-        downpour_fit(client, model, train, replicas, 1, 2.0, shards)  # imports, first calls
+        chosen = {} if transport == "auto" else {"transport": transport}
+        downpour_fit(client, model, train, replicas, 1, 2.0, shards, **chosen)  # first calls
         cpu = _cpu(client)
         futures = [
             client.submit(_serial_on_worker, model, *data, seconds, workers=[w], pure=False)
@@ -101,7 +105,7 @@ def measure(seconds: float, replicas: int, shards: int, pinned: bool = False) ->
         client.cancel(data)
         for every in (1, 4):
             cpu, switches = _cpu_and_switches(client)
-            pushes = downpour_fit(client, model, train, replicas, every, seconds, shards)
+            pushes = downpour_fit(client, model, train, replicas, every, seconds, shards, **chosen)
             cpu_after, switches_after = _cpu_and_switches(client)
             cpu = cpu_after - cpu
             rates[f"n={every} switches"] = (switches_after - switches) / pushes["examples"].sum()
@@ -117,7 +121,7 @@ def run_one(code: Path, args: argparse.Namespace) -> dict[str, float]:
     command = [
         sys.executable, str(Path(__file__).resolve()), "--child", "--seconds", str(args.seconds),
         "--replicas", str(args.replicas), "--shards", str(args.shards),
-        *(["--pinned"] if args.pinned else []),
+        *(["--pinned"] if args.pinned else []), "--transport", args.transport,
     ]  # fmt: skip
     done = subprocess.run(
         command, env=env, cwd=code, capture_output=True, text=True, timeout=600, check=True
@@ -156,13 +160,14 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--script", default=None, help="another benchmark script to alternate")
     parser.add_argument("--pinned", action="store_true", help="pin the workers to a CPU each")
+    parser.add_argument("--transport", default="auto", help="Downpour's transport")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, script_args = parser.parse_known_args()
     script_args = [a for a in script_args if a != "--"]
     if script_args and not args.script:
         parser.error(f"unrecognized arguments: {' '.join(script_args)} (only with --script)")
     if args.child:
-        print(json.dumps(measure(args.seconds, args.replicas, args.shards, args.pinned)))
+        print(json.dumps(measure(args.seconds, args.replicas, args.shards, args.pinned, args.transport)))
         return
     with tempfile.TemporaryDirectory(prefix="bench-code-ab-") as tmp:
         versions = {f"base {args.base}": export(args.base, Path(tmp, "base"))}

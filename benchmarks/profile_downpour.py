@@ -10,6 +10,7 @@ look-ups (``Variable.get`` on the replica thread) -- and prints each one's share
 py-spy needs ptrace rights (root, or ``kernel.yama.ptrace_scope = 0``).
 
     python benchmarks/profile_downpour.py [--every 1] [--duration 10] [--out DIR] [--pinned]
+                                          [--transport {auto,one-sided}]
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ ITEMS = [
     ("_poll", "_poll (downpour_dask"),
     ("fencing look-ups (Variable.get)", "get (distributed/variable.py"),
     ("install of fetched values (_install)", "_install (downpour_dask"),
+    ("one-sided calls (ps/one_sided.py)", "(downpour_dask/ps/one_sided.py"),
+    ("  waits for a shard's file lock", "take_file_lock"),
+    ("  the update rule, one-sided", "_apply (downpour_dask/ps/one_sided.py"),
+    ("  pulls' copies, one-sided", "_pull (downpour_dask/ps/one_sided.py"),
+    ("the shard folding ledgers in (_fold)", "_fold (downpour_dask"),
 ]
 
 
@@ -63,6 +69,7 @@ def main() -> None:
     parser.add_argument(
         "--pinned", action="store_true", help="pin each worker to a CPU of its own first"
     )
+    parser.add_argument("--transport", choices=["auto", "one-sided"], default="auto")
     args = parser.parse_args()
     from bench_downpour import downpour_fit
     from clusters import local_cluster
@@ -82,11 +89,13 @@ def main() -> None:
     ):
         if args.pinned:
             pin_workers(client)
-        downpour_fit(client, model, train, 2, args.every, 2.0, 2)  # imports, first calls
+        chosen = {"transport": args.transport}
+        downpour_fit(client, model, train, 2, args.every, 2.0, 2, **chosen)  # imports, first calls
         pids = sorted(client.run(os.getpid).values())
         seconds = args.duration + 6.0
         fit = threading.Thread(
-            target=downpour_fit, args=(client, model, train, 2, args.every, seconds, 2)
+            target=downpour_fit, args=(client, model, train, 2, args.every, seconds, 2),
+            kwargs=chosen,
         )
         fit.start()
         time.sleep(3.0)
@@ -101,7 +110,7 @@ def main() -> None:
         for spy in spies:
             spy.wait(timeout=args.duration + 60)
         fit.join(timeout=seconds + 60)
-    pinned = ", pinned" if args.pinned else ""
+    pinned = (", pinned" if args.pinned else "") + f", transport {args.transport}"
     print(f"replica threads, n_fetch = n_push = {args.every}{pinned}, {args.duration:.0f} s at "
           f"200 Hz "
           f"(raw profiles in {out}); load: {os.getloadavg()}")  # fmt: skip

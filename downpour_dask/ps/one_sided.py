@@ -13,10 +13,11 @@ values out under the same lock.  Every call is complete when it returns (a
 What a replica cannot do alone goes over the wire it keeps open, which the shard serves as
 before: a push the shard must refuse (non-finite, or one whose update would overflow: the
 shard records the event), every call while such a push is on its way (so pushes stay in
-order), and, for good, every call once the shard took its state back (``REVOKED``), once its
-process is stopped or gone (looked at every :attr:`OneSidedShard.LOOK_EVERY` seconds; the
-wire's timeouts and the channel's replacement logic then apply), or while another process
-holds the lock longer than :attr:`OneSidedShard.WAIT` seconds.  A retired shard's head says so:
+order), every call while the shard's process is stopped (SIGSTOP), for good every call once
+the shard took its state back (``REVOKED``) or its process is gone (both looked at every
+:attr:`OneSidedShard.LOOK_EVERY` seconds; the wire's timeouts and the channel's replacement
+logic then apply), and a call for which another process holds the lock longer than
+:attr:`OneSidedShard.WAIT` seconds.  A retired shard's head says so:
 the call fails with :class:`~downpour_dask.ps.protocol.FencedError`, as it would over the wire.
 
 Linux only.  This module does not import Dask.
@@ -41,6 +42,7 @@ from .shard_body import (
     DIRTY,
     EXAMPLES,
     IN_PROGRESS,
+    LEDGERED,
     RECENT_LOSS,
     RELEASED,
     RETIRED_BY,
@@ -55,8 +57,8 @@ from .shard_body import (
     take_file_lock,
 )
 
-#: A process state in ``/proc/<pid>/stat`` that means the shard will not answer soon.
-_NOT_RUNNING = frozenset("TtZXx")
+#: Process states in ``/proc/<pid>/stat`` of a shard's process that is gone ("": no process).
+_GONE = ("", "Z", "X", "x")
 
 
 class OneSidedShard:
@@ -84,6 +86,7 @@ class OneSidedShard:
         self._pending_seq = -1
         self._through = -1  # this session's pushes all processed up to here
         self._looked = time.monotonic()
+        self._paused = False  # the shard's process was stopped when last looked at
         self._lock = threading.Lock()
 
     @classmethod
@@ -158,12 +161,14 @@ class OneSidedShard:
         if head[RETIRED_BY] >= 0:
             return Done(error=self._fenced())
         staleness = max(0, int(head[VERSION]) - fetched)
-        row[IN_PROGRESS], head[DIRTY] = seq, self.ledger  # a torn push is found by these
+        head[DIRTY] = self.ledger  # a torn push is found by these two (in this order)
+        row[IN_PROGRESS] = seq
         overflow = self.guard.apply(
             self.body.values, grad, self.body.state, staleness=staleness, grad_sq=grad_sq
         )
         if overflow is not None:
-            row[IN_PROGRESS], head[DIRTY] = -1, -1
+            row[IN_PROGRESS] = -1
+            head[DIRTY] = -1
             return None
         row[THROUGH] = seq  # the commit: from here the push counts as applied
         row[ACCEPTED] += 1
@@ -176,7 +181,9 @@ class OneSidedShard:
         if math.isfinite(loss):  # the shard's moving average (one_sided_host._average_loss)
             average = loss if math.isnan(recent) else 0.9 * recent + 0.1 * loss
             self.body.float_head[RECENT_LOSS] = average
-        row[IN_PROGRESS], head[DIRTY] = -1, -1
+        head[LEDGERED] += 1
+        row[IN_PROGRESS] = -1
+        head[DIRTY] = -1
         self._through = seq
         reply = PushReply(int(head[VERSION]), staleness, True, bool(head[STOPPED]), self.generation)
         return Done(reply)
@@ -209,9 +216,11 @@ class OneSidedShard:
         now = time.monotonic()
         if now - self._looked >= self.LOOK_EVERY:
             self._looked = now
-            if self.body.head[REVOKED] or not _running(self.pid) or self.wire._broken:
+            state = _state(self.pid)
+            if self.body.head[REVOKED] or state in _GONE or self.wire._broken:
                 self.usable = False
-        return self.usable
+            self._paused = state == "T"  # SIGSTOP: over the wire until it runs again
+        return self.usable and not self._paused
 
     def _enter(self) -> bool:
         """Take the shard's lock, unless it cannot be had within :attr:`WAIT` seconds or the
@@ -254,12 +263,13 @@ class _Both:
         return self.pushed.result(timeout), self.pulled.result(timeout)
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not stopped (nor a zombie)."""
+def _state(pid: int) -> str:
+    """Process ``pid``'s state letter in ``/proc/<pid>/stat`` ("" if there is no such process).
+    A profiler's samples (ptrace) show as "t": that process runs on."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             text = stat.read()
     except OSError:
-        return False
-    state = text[text.rfind(b")") + 2 : text.rfind(b")") + 3].decode()
-    return state not in _NOT_RUNNING
+        return ""
+    end = text.rfind(b")")
+    return text[end + 2 : end + 3].decode()

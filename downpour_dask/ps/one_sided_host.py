@@ -38,6 +38,7 @@ from .shard_body import (
     DIRTY,
     EXAMPLES,
     IN_PROGRESS,
+    LEDGERED,
     RECENT_LOSS,
     RELEASED,
     REPLICA,
@@ -91,6 +92,7 @@ class OneSidedHost:
         self._lock = ShardLock()
         self._folded: dict[int, np.ndarray] = {}  # ledger: its row when last folded
         self._ledger_sessions: dict[int, str] = {}
+        self._ledgered = 0  # the body's LEDGERED when last folded
 
     # -- the body's parts, as attributes ---------------------------------------------------------
     @property
@@ -183,8 +185,12 @@ class OneSidedHost:
     # -- folding the ledgers in (under the lock) ---------------------------------------------------
     def _fold(self) -> None:
         body = self._body
-        if int(body.head[DIRTY]) >= 0 or (body.ledgers[:, IN_PROGRESS] >= 0).any():  # (free: -1)
+        if body.head[DIRTY] >= 0:  # held by no live process, as the shard holds the lock
             self._settle_torn("its process died in the middle of it")
+        ledgered = int(body.head[LEDGERED])
+        if ledgered == self._ledgered:
+            return
+        self._ledgered = ledgered
         for i in np.flatnonzero(body.ledgers[:, REPLICA] >= 0).tolist():
             row, before = body.ledgers[i], self._folded.get(i)
             if before is None or (row[_FOLDED,] == before[_FOLDED,]).all():
@@ -219,6 +225,7 @@ class OneSidedHost:
                 row[ACCEPTED] += 1
                 body.head[VERSION] += 1
             row[IN_PROGRESS] = -1
+            body.head[LEDGERED] += 1  # folded next, whether its process got to count it or not
             replica = int(row[REPLICA])
             self._events.append((
                 time.time(), "torn_push",

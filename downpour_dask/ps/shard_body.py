@@ -40,7 +40,8 @@ import numpy as np
 from ..core.params import DTYPE
 
 # -- the int64 head: a shard's version and flags ---------------------------------------------------
-VERSION, STOPPED, RELEASED, RETIRED_BY, REVOKED, DIRTY = range(6)
+# DIRTY: the ledger of the push under way (-1: none); LEDGERED: pushes ledgers recorded so far.
+VERSION, STOPPED, RELEASED, RETIRED_BY, REVOKED, DIRTY, LEDGERED = range(7)
 HEAD = 8
 #: The float64 head: the shard's recent training loss (a moving average, for progress).
 RECENT_LOSS = 0
