@@ -15,7 +15,8 @@ fit, over all the examples it trained on, start-up included), against the ceilin
 by other processes does not count in it, CPU spent on anything but gradients does.
 
     python benchmarks/bench_code_ab.py [--base HEAD] [--new REV] [--rounds 4] [--seconds 4]
-                                       [--replicas 2] [--shards 2] [--pinned] [--transport one-sided]
+                                       [--replicas 2] [--shards 2] [--pinned]
+                                       [--transport one-sided]
     python benchmarks/bench_code_ab.py --base REV --rounds 2 --script bench_sandblaster.py \
         -- --repeats 1 --skip-dask-ml
 
@@ -167,7 +168,8 @@ def main() -> None:
     if script_args and not args.script:
         parser.error(f"unrecognized arguments: {' '.join(script_args)} (only with --script)")
     if args.child:
-        print(json.dumps(measure(args.seconds, args.replicas, args.shards, args.pinned, args.transport)))
+        rates = measure(args.seconds, args.replicas, args.shards, args.pinned, args.transport)
+        print(json.dumps(rates))
         return
     with tempfile.TemporaryDirectory(prefix="bench-code-ab-") as tmp:
         versions = {f"base {args.base}": export(args.base, Path(tmp, "base"))}
