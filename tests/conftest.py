@@ -24,7 +24,7 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from downpour_dask import optim
+from downpour_dask import DownpourSGD, optim
 from downpour_dask.ps import frames
 from downpour_dask.ps.service import ShardService
 from downpour_dask.ps.shard import ParameterServerShard
@@ -319,3 +319,27 @@ def newcomer_after_sigkill(client: Client, pids: dict[str, int], victim: str) ->
         workers = set(scheduler_workers(client))
     (newcomer,) = workers - set(pids)
     return newcomer
+
+
+def assert_no_split_brain_and_exact_accounting(est: DownpourSGD) -> None:
+    """No split brain and exact accounting of a fit that lost shards (test_chaos.py's
+    module docstring): every acknowledged push is in the final state or counted as lost."""
+    status = est.server_status_
+    config = est.experiment_.config
+    records = config["shard_incarnations"]
+    lost = [0] * len(status)
+    for record in records:
+        assert record["lost_updates"] == max(0, record["acknowledged"] - record["restored_from"])
+        if record["fenced"] and record["final_version"] is not None:
+            assert record["final_version"] == record["acknowledged"], record  # did not move on
+        lost[record["shard"]] += record["lost_updates"]
+    assert status["lost_updates"].tolist() == lost
+    for shard, row in status.iterrows():
+        generations = [r for r in records if r["shard"] == shard]
+        assert row["generation"] == len(generations)  # one replacement per retired incarnation
+        if generations:
+            assert row["started_at"] == generations[-1]["restored_from"]
+        # every acknowledged push is in the final state or counted as lost
+        acknowledged = config["acknowledged_pushes"].get(str(shard), 0)
+        assert acknowledged <= row["version"] + lost[shard], (shard, acknowledged, row, lost)
+    assert "stop" in list(est.experiment_.events["kind"])

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import while_stopped
+from conftest import assert_no_split_brain_and_exact_accounting, while_stopped
 from distributed import Client
 
 from downpour_dask import DownpourSGD, Experiment, cli, datasets, models, runs
@@ -275,14 +275,20 @@ def test_a_streaming_replica_restarts_from_its_files_on_another_worker(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_killing_a_shards_worker_restores_the_shard_and_the_run_finishes(three_workers, mnist):
+@pytest.mark.parametrize("transport", ["auto", "one-sided"])
+def test_killing_a_shards_worker_restores_the_shard_and_the_run_finishes(
+    three_workers, mnist, transport
+):
+    """One-sided, replicas 0 and 2 write shard 1's memory themselves: once its worker is
+    killed they go to the replacement, and the fit's accounting holds (test_chaos.py)."""
     client = three_workers
     train, test = mnist
     workers = sorted(cluster_workers(client))
     kill = _KillAt(client, workers[1], pushes=200)  # shard 1 and replica 1 start there
-    est = _estimator(max_epochs=KILL_EPOCHS, checkpoint_every=0.5).fit(
+    est = _estimator(max_epochs=KILL_EPOCHS, checkpoint_every=0.5, transport=transport).fit(
         train, eval_data=test, client=client, callback=kill
     )
+    assert_no_split_brain_and_exact_accounting(est)
     assert kill.killed_at is not None
     kinds = _kinds(est)
     assert _data(est, "shard_lost")[0]["shard"] == 1
