@@ -253,3 +253,26 @@ def test_an_offer_that_does_not_hold_its_token_is_not_mapped():
     offer = asyncio.run(shard.open_one_sided(0, "s"))
     assert OneSidedShard.open({**offer, "token": b"x" * 16}, None) is None
     assert OneSidedShard.open({**offer, "pid": 2**22 + 17}, None) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_that_held_the_lock_when_the_shard_took_its_state_back_does_not_apply_its_push(
+    monkeypatch,
+):
+    """The replica took the lock, then (stopped) kept it past the lease: when it goes on, it
+    sees the body revoked before it changes anything, and its push goes over the wire."""
+    monkeypatch.setattr(ShardLock, "lease", 0.2)
+    shard = _shard()
+    line, wire, session = _line(shard)
+    _push(line, _grads(1)[0], 0, session)
+    assert line._enter()
+    waiting = threading.Thread(target=shard.counters)  # waits out the lease, then takes back
+    waiting.start()
+    waiting.join(30)
+    grad = _grads(1, seed=1)[0]
+    assert line._apply(grad, None, 0, 1, False, {}) is None
+    line._leave()
+    assert shard.version == 1 and not line.usable
+    assert [event[1] for event in asyncio.run(shard.events())] == ["one_sided_revoked"]
+    assert _push(line, grad, 1, session).accepted and wire.calls == [("push", 1)]
+    assert shard.version == 2

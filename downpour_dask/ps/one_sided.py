@@ -122,8 +122,8 @@ class OneSidedShard:
             reply = self._apply(grad, grad_sq, int(fetched_version), int(seq), clipped, kw)
         finally:
             self._leave()
-        if reply is None:  # it would overflow: the shard refuses it and records the event
-            return self._by_wire("push", grad, fetched_version, replica, **kw)
+        if reply is None:  # it would overflow (the shard refuses it, recording the event), or the
+            return self._by_wire("push", grad, fetched_version, replica, **kw)  # body was revoked
         return reply
 
     def pull(self, replica: int, session: str, out: np.ndarray) -> Any:
@@ -163,6 +163,11 @@ class OneSidedShard:
         staleness = max(0, int(head[VERSION]) - fetched)
         head[DIRTY] = self.ledger  # a torn push is found by these two (in this order)
         row[IN_PROGRESS] = seq
+        if head[REVOKED]:  # taken back while this process was stopped after _enter: not applied
+            row[IN_PROGRESS] = -1  # (the shard counts it as torn if it saw the mark: then the
+            head[DIRTY] = -1  # wire's push of the same number is a duplicate, counted once)
+            self.usable = False
+            return None
         overflow = self.guard.apply(
             self.body.values, grad, self.body.state, staleness=staleness, grad_sq=grad_sq
         )
