@@ -32,6 +32,7 @@ own process, back from a stopped worker, would answer at once), and from a retir
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -56,6 +57,9 @@ from .protocol import (
 )
 from .shard import ParameterServerShard
 from .wire import WireClient, WireError
+
+#: What :meth:`DaskShardChannel._look_up` returns while its look-up runs.
+_PENDING = object()
 
 
 class DaskShardChannel:
@@ -113,6 +117,7 @@ class DaskShardChannel:
         self.wire: WireClient | None = None
         self._next_seq = 0  # one past the highest push number sent
         self._checked = time.monotonic()
+        self._looking: Any = None  # a background look-up of the published replacement
         self.generation = int(generation)  # the newest known: older replies are refused
         self._attach(actor)
 
@@ -324,18 +329,39 @@ class DaskShardChannel:
 
     def _superseded(self, key: str) -> bool:
         """Whether the driver announced a newer incarnation than actor ``key`` (looked up at
-        most every :attr:`CHECK_EVERY` seconds; raises the known generation if so)."""
+        most every :attr:`CHECK_EVERY` seconds, in the background: a look-up goes through the
+        worker's event loop to the scheduler, tens of milliseconds on a busy machine, which
+        the replica's thread computes through; raises the known generation if so)."""
         now = time.monotonic()
         if self.replacements is None or now - self._checked < self.CHECK_EVERY:
             return False
-        self._checked = now
         if task_cancelled():  # let go: the fit may have deleted the variable, which would block
             return False
-        future = self._published(self.timeout)
-        if future is None or future.key == key:
+        found = self._look_up()
+        if found is _PENDING:
+            return False
+        self._checked = now
+        if found is None or found.key == key:
             return False
         self.generation = max(self.generation, self._published_generation())
         return True
+
+    def _look_up(self) -> Any:
+        """The future the driver published for this shard, once a look-up started by an
+        earlier call has finished (None if it could not be read), else :data:`_PENDING`."""
+        looking = self._looking
+        if looking is None:
+            client = worker_client()
+            variable = Variable(self.replacements, client=client)
+            asked = variable.get(timeout=self.timeout, asynchronous=True)  # a coroutine
+            self._looking = asyncio.run_coroutine_threadsafe(asked, client.loop.asyncio_loop)
+            return _PENDING
+        if not looking.done():
+            return _PENDING
+        self._looking = None
+        with contextlib.suppress(Exception):  # (a timeout, a closing client: not known)
+            return looking.result()
+        return None
 
     def _published_generation(self) -> int:
         """The generation the driver announced last for this shard (0 if it cannot be read
