@@ -276,3 +276,16 @@ def test_a_replica_that_held_the_lock_when_the_shard_took_its_state_back_does_no
     assert [event[1] for event in asyncio.run(shard.events())] == ["one_sided_revoked"]
     assert _push(line, grad, 1, session).accepted and wire.calls == [("push", 1)]
     assert shard.version == 2
+
+
+def test_an_exchange_pushes_then_pulls_the_result_in_one_call():
+    shard = _shard("sgd")
+    line, wire, session = _line(shard)
+    out = np.empty(SIZE, np.float32)
+    call = line.exchange(
+        _grads(1)[0], 0, 1, seq=0, session=session, examples=1, loss=1.0, out=out
+    )
+    pushed, pulled = call.result(5)
+    assert pushed.accepted and (pulled.version, pulled.applied_through) == (1, 0)
+    np.testing.assert_array_equal(out, shard.values)
+    assert not wire.calls

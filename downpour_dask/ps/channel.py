@@ -232,9 +232,13 @@ class DaskShardChannel:
     ) -> tuple[Any, Any]:
         self._next_seq = seq + 1
         kw = {"seq": seq - self._base, "session": self.session, "examples": examples, "loss": loss}
-        if self.local is not None:
-            pushed = self._here(self.local.apply_push, grad, fetched_version, self.replica, **kw)
-            return pushed, self.pull(into=into)
+        if self.local is not None:  # both under one hold of the shard's lock
+            out = self._buffer(None) if into is None else into
+            exchange = self.local.exchange_into
+            both = self._here(exchange, grad, fetched_version, self.replica, out, **kw)
+            if both.error is not None:
+                return both, both
+            return Done(both.value[0]), Done(both.value[1])
         try:
             if self.one_sided is not None or self.wire is not None:
                 call = (self.one_sided or self.wire).exchange(

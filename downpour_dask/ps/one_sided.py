@@ -99,6 +99,15 @@ class OneSidedShard:
     # -- the calls -------------------------------------------------------------------------------
     def push(self, grad: Any, fetched_version: int, replica: int, **kw: Any) -> Any:
         """Apply a push (the wire's arguments); over the wire when it cannot be done here."""
+        return self._push(grad, fetched_version, replica, None, kw)
+
+    def exchange(self, grad: Any, fetched_version: int, replica: int, **kw: Any) -> Any:
+        """A push, then a pull into ``kw["out"]`` under the same hold of the lock: one call
+        whose result is both replies."""
+        out = kw.pop("out")
+        return self._push(grad, fetched_version, replica, out, kw)
+
+    def _push(self, grad: Any, fetched: int, replica: int, out: Any, kw: dict) -> Any:
         if isinstance(grad, SparseGradient):
             grad = grad.dense()
         if grad.shape != self.body.values.shape:
@@ -108,23 +117,24 @@ class OneSidedShard:
             )
         seq = kw.get("seq")
         if seq is None or not self._here():
-            return self._by_wire("push", grad, fetched_version, replica, **kw)
+            return self._by_wire(grad, fetched, replica, out, kw)
         grad_sq = sum_of_squares(grad)
         if not math.isfinite(grad_sq) and not np.isfinite(grad).all():
-            return self._by_wire("push", grad, fetched_version, replica, **kw)  # refused there
+            return self._by_wire(grad, fetched, replica, out, kw)  # refused there
         clipped = False
         if self.max_grad_norm is not None:
             grad = np.array(grad, copy=True)
             clipped = clip_norm(grad, self.max_grad_norm) > self.max_grad_norm
         if not self._enter():
-            return self._by_wire("push", grad, fetched_version, replica, **kw)
+            return self._by_wire(grad, fetched, replica, out, kw)
         try:
-            reply = self._apply(grad, grad_sq, int(fetched_version), int(seq), clipped, kw)
+            reply = self._apply(grad, grad_sq, int(fetched), int(seq), clipped, kw)
+            pulled = None if out is None or reply is None else self._pull(out)
         finally:
             self._leave()
         if reply is None:  # it would overflow (the shard refuses it, recording the event), or the
-            return self._by_wire("push", grad, fetched_version, replica, **kw)  # body was revoked
-        return reply
+            return self._by_wire(grad, fetched, replica, out, kw)  # body was revoked
+        return reply if pulled is None else _Both(reply, pulled)
 
     def pull(self, replica: int, session: str, out: np.ndarray) -> Any:
         """Copy the values into ``out`` (over the wire when it cannot be done here)."""
@@ -134,12 +144,6 @@ class OneSidedShard:
             return self._pull(out)
         finally:
             self._leave()
-
-    def exchange(self, grad: Any, fetched_version: int, replica: int, **kw: Any) -> Any:
-        """A push, then a pull into ``kw["out"]``: one call whose result is both replies."""
-        out = kw.pop("out")
-        pushed = self.push(grad, fetched_version, replica, **kw)  # a push by wire: pulled so too
-        return _Both(pushed, self.pull(replica, kw.get("session", ""), out))
 
     def poll_warmstart(self) -> Any:
         head = self.body.head
@@ -245,8 +249,12 @@ class OneSidedShard:
         drop_file_lock(self.body.fd)  # type: ignore[arg-type]
         self._lock.release()
 
-    def _by_wire(self, name: str, *args: Any, **kw: Any) -> Any:
-        call = getattr(self.wire, name)(*args, **kw)
+    def _by_wire(self, grad: Any, fetched: int, replica: int, out: Any, kw: dict) -> Any:
+        """The push (with ``out``: the exchange) over the wire; later calls wait for it."""
+        if out is None:
+            call = self.wire.push(grad, fetched, replica, **kw)
+        else:
+            call = self.wire.exchange(grad, fetched, replica, out=out, **kw)
         seq = kw.get("seq")
         if seq is not None:
             self._pending, self._pending_seq = call, int(seq)

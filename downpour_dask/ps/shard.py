@@ -235,6 +235,19 @@ class ParameterServerShard(OneSidedHost, SavedState, InOrder, Incarnation):
         with self._lock:
             return self._apply_push(grad, fetched_version, replica, seq, session, examples, loss)
 
+    def exchange_into(
+        self, grad: np.ndarray, fetched_version: int, replica: int, out: np.ndarray, **kw: Any
+    ) -> tuple[PushReply, PullReply]:
+        """:meth:`apply_push`, then :meth:`snapshot_into` ``out``, under one hold of the lock:
+        a replica on this worker's exchange (one acquisition, and no other push between)."""
+        session = kw.get("session", "")
+        with self._lock:
+            pushed = self._apply_push(
+                grad, fetched_version, replica, kw.get("seq"), session,
+                kw.get("examples", 0), kw.get("loss", math.nan),
+            )  # fmt: skip
+            return pushed, self._snapshot(out, replica, session)
+
     def _apply_push(self, grad, fetched_version, replica, seq, session, examples, loss):
         self._serving()
         if isinstance(grad, SparseGradient):  # a top-k push (core/compression.py)
