@@ -32,17 +32,14 @@ own process, back from a stopped worker, would answer at once), and from a retir
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
 from typing import Any
 
 import numpy as np
-from distributed import Variable
 
 from ..core.params import DTYPE
-from ..runtime.dask_connect import worker_client
 from ..runtime.dask_internals import actor_result, local_actor, release_hold, task_cancelled
 from .calls import Done, Half
 from .one_sided import OneSidedShard
@@ -51,18 +48,15 @@ from .protocol import (
     PullReply,
     ShardLostError,
     TaskCancelled,
-    generation_variable,
     is_fenced,
     is_shard_lost,
 )
+from .replacement_lookups import ReplacementLookups
 from .shard import ParameterServerShard
 from .wire import WireClient, WireError
 
-#: What :meth:`DaskShardChannel._look_up` returns while its look-up runs.
-_PENDING = object()
 
-
-class DaskShardChannel:
+class DaskShardChannel(ReplacementLookups):
     """A :class:`~downpour_dask.ps.protocol.ShardChannel` to a shard actor (module docstring).
 
     Parameters
@@ -117,7 +111,6 @@ class DaskShardChannel:
         self.wire: WireClient | None = None
         self._next_seq = 0  # one past the highest push number sent
         self._checked = time.monotonic()
-        self._looking: Any = None  # a background look-up of the published replacement
         self.generation = int(generation)  # the newest known: older replies are refused
         self._attach(actor)
 
@@ -128,6 +121,7 @@ class DaskShardChannel:
         self.local = found if isinstance(found, ParameterServerShard) else None
         self.in_process = self.local is not None
         self.session = uuid.uuid4().hex
+        self._looking = None  # a look-up started for the actor left behind may name that one
         self._base = self._next_seq  # the replica's number of this session's push 0
         self._buffers: list[np.ndarray] = []
 
@@ -264,28 +258,6 @@ class DaskShardChannel:
         return seq <= reply.applied_through or seq in reply.applied_ahead
 
     # -- a lost shard ----------------------------------------------------------------------------
-    def _published(self, timeout: float) -> Any | None:
-        """The future the driver last published for this shard, if it can be read in time."""
-        if self.replacements is None:
-            return None
-        with contextlib.suppress(TimeoutError, OSError):
-            return Variable(self.replacements, client=worker_client()).get(timeout=timeout)
-        return None
-
-    def replaced(self, key: str, sent: float) -> bool:
-        """A call into a lost actor may never complete, so a call outstanding for more than
-        :attr:`STUCK` seconds makes the channel look (at most every :attr:`CHECK_EVERY`
-        seconds) at the variable where the driver publishes replacements."""
-        if self.key != key:
-            return True
-        now = time.monotonic()
-        early = now - sent < self.STUCK or now - self._checked < self.CHECK_EVERY
-        if self.replacements is None or early:
-            return False
-        self._checked = now
-        future = self._published(min(self.timeout, self.FROZEN))  # a deleted variable blocks
-        return future is not None and future.key != key
-
     def wait(self, call: Any, key: str, sent: float) -> Any:
         last = time.monotonic()
         deadline = last + self.timeout
@@ -330,67 +302,6 @@ class DaskShardChannel:
             )
         self.generation = generation
         return reply
-
-    def _superseded(self, key: str) -> bool:
-        """Whether the driver announced a newer incarnation than actor ``key`` (looked up at
-        most every :attr:`CHECK_EVERY` seconds, in the background: a look-up goes through the
-        worker's event loop to the scheduler, tens of milliseconds on a busy machine, which
-        the replica's thread computes through; raises the known generation if so)."""
-        now = time.monotonic()
-        if self.replacements is None or now - self._checked < self.CHECK_EVERY:
-            return False
-        if task_cancelled():  # let go: the fit may have deleted the variable, which would block
-            return False
-        found = self._look_up()
-        if found is _PENDING:
-            return False
-        self._checked = now
-        if found is None or found.key == key:
-            return False
-        self.generation = max(self.generation, self._published_generation())
-        return True
-
-    def _look_up(self) -> Any:
-        """The future the driver published for this shard, once a look-up started by an
-        earlier call has finished (None if it could not be read), else :data:`_PENDING`."""
-        looking = self._looking
-        if looking is None:
-            client = worker_client()
-            variable = Variable(self.replacements, client=client)
-            asked = variable.get(timeout=self.timeout, asynchronous=True)  # a coroutine
-            self._looking = asyncio.run_coroutine_threadsafe(asked, client.loop.asyncio_loop)
-            return _PENDING
-        if not looking.done():
-            return _PENDING
-        self._looking = None
-        with contextlib.suppress(Exception):  # (a timeout, a closing client: not known)
-            return looking.result()
-        return None
-
-    def _published_generation(self) -> int:
-        """The generation the driver announced last for this shard (0 if it cannot be read
-        within a second: it is set before the actor, so it is there once the actor is)."""
-        if self.replacements is None:
-            return 0
-        with contextlib.suppress(TimeoutError, OSError, TypeError, ValueError, RuntimeError):
-            name = generation_variable(self.replacements)
-            return int(Variable(name, client=worker_client()).get(timeout=1.0))
-        return 0
-
-    def _replacement(self, lost_key: str) -> Any | None:
-        """The actor replacing ``lost_key`` once the driver publishes it, or None if none
-        appears within ``2 * timeout`` seconds (the driver may take ``timeout`` to notice the
-        loss, and fences the old incarnation first)."""
-        if self.replacements is None:
-            return None
-        deadline = time.monotonic() + 2 * self.timeout
-        while True:
-            future = self._published(max(0.1, min(5.0, deadline - time.monotonic())))
-            if future is not None and future.key != lost_key:
-                return future.result(timeout=self.timeout)
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
 
     def switch(self, lost_key: str, error: BaseException) -> bool:
         """Wait for the driver to publish the lost shard's replacement, then talk to it.
