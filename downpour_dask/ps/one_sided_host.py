@@ -176,12 +176,6 @@ class OneSidedHost:
         self._body = body
         self._guard.store = body.bounds
 
-    def close_one_sided(self) -> None:
-        """Let go of the shared body's file (the memory goes once every replica has let go)."""
-        with self._lock:
-            if self._body.shared:
-                self._take_back(revoke=False)
-
     # -- folding the ledgers in (under the lock) ---------------------------------------------------
     def _fold(self) -> None:
         body = self._body
@@ -235,10 +229,10 @@ class OneSidedHost:
             ))  # fmt: skip
         body.head[DIRTY] = -1
 
-    def _take_back(self, revoke: bool = True) -> None:
+    def _take_back(self) -> None:
         """Move the body back into private memory: a one-sided process kept the lock past its
-        lease (``revoke``), or the shard is closing.  Replicas see the old body's ``REVOKED``
-        flag and go over the wire; a stopped one finishes its push into memory nobody reads."""
+        lease.  Replicas see the old body's ``REVOKED`` flag and go over the wire; a stopped
+        one finishes its push into memory nobody reads."""
         old = self._body
         old.head[REVOKED] = 1
         time.sleep(0.01)  # a holder's writes made before it saw the flag are visible after this
@@ -248,12 +242,11 @@ class OneSidedHost:
         self._settle_torn("its process kept the shard's lock past the lease")
         self._fold()
         self._lock.entered = None
-        if revoke:
-            self._events.append((
-                time.time(), "one_sided_revoked",
-                f"shard {self.shard_id}: a one-sided replica's process kept the lock over "
-                f"{self._lock.lease} s; every replica goes over the wire from now on", {},
-            ))  # fmt: skip
+        self._events.append((
+            time.time(), "one_sided_revoked",
+            f"shard {self.shard_id}: a one-sided replica's process kept the lock over "
+            f"{self._lock.lease} s; every replica goes over the wire from now on", {},
+        ))  # fmt: skip
         old.close()
 
     def _average_loss(self, loss: float) -> None:

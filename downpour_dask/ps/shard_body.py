@@ -212,16 +212,6 @@ class ShardBody:
                 self.mapping.close()
 
     # -- ledgers ---------------------------------------------------------------------------------
-    def ledger_of(self, session: str) -> int | None:
-        """The ledger of one-sided ``session``, if it has one."""
-        a, b = session_key(session)
-        found = np.flatnonzero(
-            (self.ledgers[:, REPLICA] >= 0)
-            & (self.ledgers[:, SESSION_A] == a)
-            & (self.ledgers[:, SESSION_B] == b)
-        )
-        return int(found[0]) if found.size else None
-
     def open_ledger(self, replica: int, session: str) -> int | None:
         """A new ledger for ``session`` (under the lock), or None if all are taken."""
         free = np.flatnonzero(self.ledgers[:, REPLICA] < 0)
@@ -234,10 +224,6 @@ class ShardBody:
         row[THROUGH] = row[IN_PROGRESS] = -1
         row[REPLICA] = replica
         return i
-
-    def ledger_rows(self) -> np.ndarray:
-        """The ledgers in use."""
-        return self.ledgers[self.ledgers[:, REPLICA] >= 0]
 
 
 def _close_quietly(fd: int) -> None:
