@@ -107,7 +107,7 @@ class OneSidedShard:
         out = kw.pop("out")
         return self._push(grad, fetched_version, replica, out, kw)
 
-    def _push(self, grad: Any, fetched: int, replica: int, out: Any, kw: dict) -> Any:
+    def _push(self, grad: Any, fetched: int, replica: int, out: Any, kw: dict[str, Any]) -> Any:
         if isinstance(grad, SparseGradient):
             grad = grad.dense()
         if grad.shape != self.body.values.shape:
@@ -160,7 +160,12 @@ class OneSidedShard:
         self.body.close()
 
     # -- the work --------------------------------------------------------------------------------
-    def _apply(self, grad, grad_sq, fetched, seq, clipped, kw) -> Done | None:  # noqa: ANN001
+    def _apply(
+        self, grad: np.ndarray, grad_sq: float | None, fetched: int, seq: int, clipped: bool,
+        kw: dict[str, Any],
+    ) -> Done | None:  # fmt: skip
+        """The shard's push, under the lock: a complete call, or None if it must go over the
+        wire (it would overflow, or the body is no longer the shard's)."""
         head, row = self.body.head, self.row
         if head[RETIRED_BY] >= 0:
             return Done(error=self._fenced())
@@ -249,7 +254,7 @@ class OneSidedShard:
         drop_file_lock(self.body.fd)  # type: ignore[arg-type]
         self._lock.release()
 
-    def _by_wire(self, grad: Any, fetched: int, replica: int, out: Any, kw: dict) -> Any:
+    def _by_wire(self, grad: Any, fetched: int, replica: int, out: Any, kw: dict[str, Any]) -> Any:
         """The push (with ``out``: the exchange) over the wire; later calls wait for it."""
         if out is None:
             call = self.wire.push(grad, fetched, replica, **kw)
