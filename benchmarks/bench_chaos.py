@@ -10,6 +10,8 @@ fit's progress callback once the shards applied ``--at`` pushes:
 - kill replica worker: SIGKILL worker 2;
 - kill shard worker: SIGKILL worker 1;
 - stop shard worker: SIGSTOP worker 0 (shard 0, replica 0) for 12 s (> ``timeout``), SIGCONT;
+- stop replica worker: SIGSTOP worker 2 (replica 2 only) for 12 s, SIGCONT (one-sided, it may
+  hold a shard's lock: the shard takes its state back after the lease);
 - double kill: SIGKILL worker 1, then worker 2 0.3 s later;
 - Sandblaster kill: SandblasterLBFGS (2 shards, ``timeout=10``, with ``eval_data``) with shard
   1's worker SIGKILLed at the second progress report (the worker may hold the evaluation data
@@ -30,6 +32,7 @@ Under a Downpour row, the number of ``replica_restarted`` events per run, if any
 the stopped worker is moved once its worker has been silent for 10 s).
 
     python benchmarks/bench_chaos.py [--runs 2] [--epochs 25] [--scenarios sandblaster]
+                                     [--transport one-sided]
 """
 
 from __future__ import annotations
@@ -93,16 +96,18 @@ DOWNPOUR = {
     "kill replica worker": kill(2),
     "kill shard worker": kill(1),
     "stop shard worker": stop(0),
+    "stop replica worker": stop(2),
     "double kill": kill(1, 2),
 }
 
 
-def downpour(client: Client, fault, epochs: int, seed: int) -> dict:
+def downpour(client: Client, fault, epochs: int, seed: int, transport: str = "auto") -> dict:
     train, test = datasets.load("mnist5k")
     est = DownpourSGD(
         models.MLP(784, (64,), 10), n_replicas=3, n_shards=2, optimizer="adagrad",
         learning_rate=0.05, batch_size=32, warmstart_steps=50, max_epochs=epochs,
         random_state=seed, eval_every=0.25, checkpoint_every=1.0, timeout=5,
+        transport=transport,
     )  # fmt: skip
     est.fit(train, eval_data=test, client=client, callback=fault)
     status, config = est.server_status_, est.experiment_.config
@@ -151,6 +156,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=25)
     parser.add_argument("--at", type=int, default=150, help="pushes before the fault")
+    parser.add_argument("--transport", default="auto", help="Downpour's transport")
     parser.add_argument(
         "--scenarios", default="all",
         help="which scenarios: 'all', 'downpour' or 'sandblaster' (each with its clean row)",
@@ -183,7 +189,7 @@ def main() -> None:
                     if is_sandblaster:
                         results.append(sandblaster(client, fault, run))
                     else:
-                        results.append(downpour(client, fault, args.epochs, run))
+                        results.append(downpour(client, fault, args.epochs, run, args.transport))
                 except Exception as err:  # noqa: BLE001 - a run that fails is a row's finding
                     errors.append(f"{type(err).__name__}: {str(err)[:150]}")
         rows.append((name, results, errors, (time.monotonic() - started) / args.runs))
