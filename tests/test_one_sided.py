@@ -25,7 +25,7 @@ from downpour_dask.ps.calls import Done
 from downpour_dask.ps.one_sided import OneSidedShard
 from downpour_dask.ps.protocol import FencedError
 from downpour_dask.ps.shard import ParameterServerShard
-from downpour_dask.ps.shard_body import DIRTY, IN_PROGRESS, REVOKED, ShardLock
+from downpour_dask.ps.shard_body import DIRTY, IN_PROGRESS, LEDGERS, REVOKED, ShardLock
 
 SIZE = 1000
 
@@ -289,3 +289,13 @@ def test_an_exchange_pushes_then_pulls_the_result_in_one_call():
     assert pushed.accepted and (pulled.version, pulled.applied_through) == (1, 0)
     np.testing.assert_array_equal(out, shard.values)
     assert not wire.calls
+
+
+def test_a_shard_whose_ledgers_are_all_taken_sends_a_new_session_over_the_wire_and_says_so():
+    shard = _shard()
+    offers = [asyncio.run(shard.open_one_sided(0, uuid.uuid4().hex)) for _ in range(LEDGERS)]
+    assert all(offer is not None for offer in offers)
+    assert len({offer["ledger"] for offer in offers}) == LEDGERS
+    assert asyncio.run(shard.open_one_sided(5, uuid.uuid4().hex)) is None
+    ((_, kind, _, data),) = asyncio.run(shard.events())
+    assert kind == "one_sided_refused" and data == {"replica": 5}

@@ -35,5 +35,6 @@ moved_to}, ``shard_migrated`` {shard, from_worker, worker, version, generation, 
 (:mod:`.elastic`),
 ``checkpoint`` {versions}, ``stop_requested`` {max_seconds}, ``stop`` {versions}; and the
 shards' own events ({shard, ...}): ``gradient_refused`` {replica, non_finite, reason},
-``stop_refused`` ...
+``stop_refused`` ..., and with ``transport="one-sided"`` (:mod:`downpour_dask.ps.one_sided`)
+``torn_push`` {replica, seq}, ``one_sided_revoked`` {} and ``one_sided_refused`` {replica}.
 """

@@ -39,6 +39,7 @@ from .shard_body import (
     EXAMPLES,
     IN_PROGRESS,
     LEDGERED,
+    LEDGERS,
     RECENT_LOSS,
     RELEASED,
     REPLICA,
@@ -155,7 +156,13 @@ class OneSidedHost:
             if not self._body.shared:
                 self._share()
             ledger = self._body.open_ledger(int(replica), str(session))
-            if ledger is None:
+            if ledger is None:  # (a ledger outlives its session: a stopped replica may write on)
+                self._events.append((
+                    time.time(), "one_sided_refused",
+                    f"shard {self.shard_id}: all {LEDGERS} one-sided ledgers are taken; replica "
+                    f"{replica}'s new session pushes over the wire",
+                    {"replica": int(replica)},
+                ))  # fmt: skip
                 return None
             self._folded[ledger] = self._body.ledgers[ledger].copy()
             self._ledger_sessions[ledger] = str(session)
