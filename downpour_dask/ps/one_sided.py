@@ -43,7 +43,6 @@ from .shard_body import (
     EXAMPLES,
     IN_PROGRESS,
     LEDGERED,
-    RECENT_LOSS,
     RELEASED,
     RETIRED_BY,
     REVOKED,
@@ -191,10 +190,7 @@ class OneSidedShard:
         row[STALENESS_MAX] = max(int(row[STALENESS_MAX]), staleness)
         row[CLIPPED] += int(clipped)
         head[VERSION] += 1
-        loss, recent = kw.get("loss", math.nan), self.body.float_head[RECENT_LOSS]
-        if math.isfinite(loss):  # the shard's moving average (one_sided_host._average_loss)
-            average = loss if math.isnan(recent) else 0.9 * recent + 0.1 * loss
-            self.body.float_head[RECENT_LOSS] = average
+        self.body.average_loss(kw.get("loss", math.nan))
         head[LEDGERED] += 1
         row[IN_PROGRESS] = -1
         head[DIRTY] = -1

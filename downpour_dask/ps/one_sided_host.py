@@ -19,7 +19,6 @@ keeps the lock past its lease, the shard takes its state back into private memor
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections import Counter
@@ -255,9 +254,3 @@ class OneSidedHost:
             f"{self._lock.lease} s; every replica goes over the wire from now on", {},
         ))  # fmt: skip
         old.close()
-
-    def _average_loss(self, loss: float) -> None:
-        """Fold ``loss`` into the moving average of recent training losses."""
-        if math.isfinite(loss):
-            recent = self.recent_loss
-            self.recent_loss = loss if math.isnan(recent) else 0.9 * recent + 0.1 * loss

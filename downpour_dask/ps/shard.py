@@ -288,7 +288,7 @@ class ParameterServerShard(OneSidedHost, SavedState, InOrder, Incarnation):
         self.version += 1
         self.accepted_by_replica[replica] += 1
         self.examples += int(examples)
-        self._average_loss(loss)  # a moving average over recent pushes, for progress displays
+        self._body.average_loss(loss)  # a moving average over recent pushes, for progress
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
         return self._reply(staleness, True)

@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import hashlib
 import hmac
+import math
 import mmap
 import os
 import stat
@@ -210,6 +211,13 @@ class ShardBody:
             self.bounds = self.ledgers = None  # type: ignore[assignment]
             with contextlib.suppress(BufferError):  # a view still held elsewhere: freed with it
                 self.mapping.close()
+
+    def average_loss(self, loss: float) -> None:
+        """Fold a push's training ``loss`` into the shard's moving average of recent losses
+        (for progress displays; the shard's pushes and one-sided ones alike)."""
+        if math.isfinite(loss):
+            recent = self.float_head[RECENT_LOSS]
+            self.float_head[RECENT_LOSS] = loss if math.isnan(recent) else 0.9 * recent + 0.1 * loss
 
     # -- ledgers ---------------------------------------------------------------------------------
     def open_ledger(self, replica: int, session: str) -> int | None:
