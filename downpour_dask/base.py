@@ -1,6 +1,6 @@
 """What every downpour-dask estimator shares: scikit-learn's parameter contract, predict/score on
-the learned parameter vector, argument checks, and the :class:`RunRecorder` that turns a run's
-events, evaluations and push rows into its :class:`~downpour_dask.log.Experiment` and
+the learned parameter vector, and the :class:`RunRecorder` that turns a run's events,
+evaluations and push rows into its :class:`~downpour_dask.log.Experiment` and
 :class:`~downpour_dask.log.Progress` snapshots.
 """
 
@@ -24,6 +24,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from ._version import __version__
 from .core import protocol
 from .core.specs import ALLOWED, is_classifier_spec, parse_spec
+from .core.validation import check_int
 from .data import targets
 from .data.dask_collections import is_dask_collection, map_rows
 from .data.datasets import Dataset, as_dataset
@@ -260,37 +261,6 @@ def predict_block(
 def proba_block(model: protocol.TrainableModel, params: np.ndarray, X: np.ndarray) -> np.ndarray:
     """Class probabilities (float64) for one block of rows."""
     return model.predict_proba(params, protocol.check_data(model, X)[0]).astype(np.float64)
-
-
-# -- argument checks (scikit-learn style messages) ------------------------------------------------
-
-
-def check_int(
-    name: str, value: Any, low: int, high: int | None = None, allow_none: bool = False
-) -> None:
-    """Raise TypeError/ValueError unless ``value`` is an int in ``[low, high]`` (or None)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        kind = "an int or None" if allow_none else "an int"
-        raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
-    if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"between {low} and {high}"
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-
-
-def check_positive(
-    name: str, value: Any, allow_none: bool = False, allow_zero: bool = False
-) -> None:
-    """Raise TypeError/ValueError unless ``value`` is a finite number > 0 (>= 0 if allowed)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    bad = not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)
-    if bad:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
 
 
 # -- the record of a run -------------------------------------------------------------------------

@@ -156,6 +156,38 @@ def test_no_import_loop_inside_a_layer():
             walk(node, [])
 
 
+#: What a worker process loads to run a fit's tasks and actors.  Kept free of scikit-learn: its
+#: import (with SciPy's parts it pulls) is a second of CPU in every new worker process, and a
+#: replica needs none of it.
+WORKER_SIDE = (
+    "downpour_dask.downpour.tasks",
+    "downpour_dask.downpour.sparse_task",
+    "downpour_dask.ps.shard",
+    "downpour_dask.ps.table",
+    "downpour_dask.sandblaster.tasks",
+    "downpour_dask.sandblaster.shard",
+)
+
+
+def test_what_runs_on_workers_imports_no_scikit_learn():
+    paths = dict(zip(IDS, MODULES))
+    imported = {name: [m for m, nested in _imports(path) if not nested]
+                for name, path in paths.items()}
+    todo, loaded = list(WORKER_SIDE), set()
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        # importing a module runs its packages' __init__ first
+        chain = [".".join(parts[:i]) + ".__init__" for i in range(1, len(parts))]
+        for module in [*chain, name]:
+            if module in paths and module not in loaded:
+                loaded.add(module)
+                todo.extend(m if m in paths else f"{m}.__init__" for m in imported[module])
+    assert len(loaded) > len(WORKER_SIDE)  # the walk followed the imports
+    sklearn = {m: [i for i in imported[m] if i.split(".")[0] == "sklearn"] for m in loaded}
+    assert not {m: found for m, found in sklearn.items() if found}
+
+
 @pytest.mark.parametrize("path", MODULES, ids=IDS)
 def test_modules_are_short_and_say_what_they_own(path):
     text = path.read_text()

@@ -28,6 +28,34 @@ def require_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def check_int(
+    name: str, value: Any, low: int, high: int | None = None, allow_none: bool = False
+) -> None:
+    """Raise TypeError/ValueError unless ``value`` is an int in ``[low, high]`` (or None)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        kind = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def check_positive(
+    name: str, value: Any, allow_none: bool = False, allow_zero: bool = False
+) -> None:
+    """Raise TypeError/ValueError unless ``value`` is a finite number > 0 (>= 0 if allowed)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    bad = not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)
+    if bad:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
+
+
 def require_l2(l2: Any) -> float:
     """The L2 penalty strength as a float, or a TypeError/ValueError unless finite and >= 0."""
     if isinstance(l2, bool) or not isinstance(l2, (int, float, np.integer, np.floating)):

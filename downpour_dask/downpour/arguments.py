@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base import check_int, check_positive
 from ..core import averaging, compression, consistency, optim, optimizer_spec
 from ..core.params import split_range
 from ..core.partition import PartitionPlan
 from ..core.protocol import TrainableModel
+from ..core.validation import check_int, check_positive
 from ..runtime.cluster import check_security
 from .checkpoints import check_path
 from .easgd_loop import check_elastic

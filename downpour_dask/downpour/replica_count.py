@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..base import check_int
+from ..core.validation import check_int
 from ..runtime.cluster import cluster_workers
 from .settings import FitSettings
 

@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from ..base import check_int, check_positive
 from ..core.params import DTYPE
 from ..core.sparse import SparseBatch, positions, scatter_sum, unique_rows
+from ..core.validation import check_int, check_positive
 from ..ps.rows import RowsLink, SparseLayout
 from .sparse_loop import push_replies
 

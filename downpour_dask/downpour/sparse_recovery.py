@@ -16,8 +16,9 @@ expects:
 - :class:`SparseSaved` -- the freshest saved state of a shard: the fit's incremental checkpoints
   replayed (:func:`~.sparse_checkpoints.read_sparse`), else the state the fit started from.
 
-:func:`await_replacement` is the replica's half: after a lost shard it waits for the announced
-next generation.  :func:`supervise` is the driver's loop while the replicas run.
+:func:`~downpour_dask.ps.replacement_lookups.await_replacement` is the replica's half: after a
+lost shard it waits for the announced next generation.  :func:`supervise` is the driver's loop
+while the replicas run.
 :func:`settle_acknowledged` makes the lost-update count exact at the end: the
 newest version each replaced incarnation acknowledged according to every replica's push records.
 """
@@ -32,15 +33,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from distributed import Client, Variable
 
 from ..ps.calls import Done
-from ..ps.protocol import ShardLostError, generation_variable
 from ..ps.rows import SparseLayout
 from ..ps.table import SparseShard
 from ..runtime.dask_internals import release_hold
 from .elastic import Elastic
-from .registry import shard_variable
 from .shard_recovery import ShardRecovery
 from .sparse_checkpoints import PREFIX, read_sparse, restore_arguments
 from .sparse_replicas import SparseTasks
@@ -223,26 +221,6 @@ def supervise(supervisor: Supervisor, replicas: SparseTasks, fit: Any,
             except Exception as err:  # noqa: BLE001 - recover_lost re-raises what is not a loss
                 recovery.recover_lost(err)
         time.sleep(SUPERVISE_EVERY)
-
-
-def await_replacement(client: Client, run: str, shard: int, generation: int,
-                      timeout: float) -> Any:
-    """In a replica task: wait up to ``timeout`` seconds for the driver to announce a
-    generation of ``shard`` newer than ``generation``; the new actor's handle.  Raises
-    ShardLostError if none comes."""
-    name = shard_variable(run, shard)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            announced = int(Variable(generation_variable(name), client=client).get(timeout=1.0))
-            if announced > generation:
-                future = Variable(name, client=client).get(timeout=1.0)
-                return future.result(timeout=max(1.0, deadline - time.monotonic()))
-        except TimeoutError:
-            pass
-        time.sleep(0.1)
-    raise ShardLostError(f"parameter-server shard {shard} was lost and no replacement was "
-                         f"announced within {timeout} s", shard)
 
 
 def settle_acknowledged(recovery: ShardRecovery, pushes: pd.DataFrame) -> None:

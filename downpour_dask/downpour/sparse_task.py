@@ -8,10 +8,10 @@ one that joined reads less from its next epoch, or file: :mod:`.shares`), opens 
 every shard (in-process, the direct wire or actor messages:
 :class:`~downpour_dask.ps.rows.RowsLink`) and runs :func:`~.sparse_loop.run_sparse_replica`
 (:class:`~.sparse_accrual.AccruingReplica` for ``n_fetch``/``n_push`` other than 1).  A shard
-lost mid-run is waited for (:func:`~.sparse_recovery.await_replacement`) and the replica goes
-on against its next generation.  Its push records are kept on the worker for the driver as they
-are made (:func:`~.sparse_replicas.keep_records`) and returned whole at the end.  A task
-Dask cancelled (its driver let it go or is gone) stops at its next batch; on a worker that is
+lost mid-run is waited for (:func:`~..ps.replacement_lookups.await_replacement`) and the
+replica goes on against its next generation.  Its push records are kept on the worker for the
+driver as they are made (:func:`~.sparse_replicas.keep_records`) and returned whole at the end.
+A task Dask cancelled (its driver let it go or is gone) stops at its next batch; on a worker that is
 leaving the cluster the replica pauses before its next batch, to be restarted elsewhere.
 """
 
@@ -30,14 +30,14 @@ from ..data.hashing import minibatches, read_hashed
 from ..ps.frames import WireError
 from ..ps.protocol import ShardLostError
 from ..ps.refs import ActorRef
+from ..ps.replacement_lookups import await_replacement
 from ..ps.rows import RowsLink, SparseLayout
 from ..ps.rows_wire import RowsWireClient
 from ..runtime.dask_connect import worker_client
 from ..runtime.dask_internals import CancelWatch, task_cancelled
-from .registry import assigned_share, is_leaving, keep_acked, replica_running
+from .registry import assigned_share, is_leaving, keep_acked, replica_running, shard_variable
 from .sparse_accrual import AccruingReplica
 from .sparse_loop import run_sparse_replica
-from .sparse_recovery import await_replacement
 from .sparse_replicas import keep_records
 
 #: Seconds between looks at whether the task was cancelled.
@@ -116,9 +116,9 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
     """One replica's whole run, as a Dask task (see :func:`fit_sparse`), from step
     ``start_step`` (a restarted replica skips the batches before it).  When a shard is lost it
     waits for the driver to announce the shard's next generation
-    (:func:`~.sparse_recovery.await_replacement`), opens fresh links to every shard and goes on
-    (the push in flight when the shard was lost is lost on it).  ``key``: the task's key, under
-    which its records are kept on the worker for the driver (:mod:`.sparse_replicas`)."""
+    (:func:`~..ps.replacement_lookups.await_replacement`), opens fresh links to every shard and
+    goes on (the push in flight when the shard was lost is lost on it).  ``key``: the task's key,
+    under which its records are kept on the worker for the driver (:mod:`.sparse_replicas`)."""
     secede()  # it runs for the whole fit: it must not hold one of the worker's task slots
     with replica_running(run):  # a lost driver's cleanup waits for it (.driver_loss)
         refs, records, generations = list(refs), [], [0] * len(refs)
@@ -161,8 +161,8 @@ def replica_task(model: Any, refs: list[Any], layout: SparseLayout, data: Any,
                 if task_cancelled():  # a lost driver's shards go too (.driver_loss)
                     break
                 generations[err.shard] = links[err.shard].generation
-                actor = await_replacement(worker_client(), run, err.shard,
-                                          generations[err.shard], timeout)
+                actor = await_replacement(worker_client(), shard_variable(run, err.shard),
+                                          err.shard, generations[err.shard], timeout)
                 generations[err.shard] += 1
                 refs[err.shard] = actor
                 start = max((r["step"] for r in records), default=start - 1) + 1

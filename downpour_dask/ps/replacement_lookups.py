@@ -9,6 +9,9 @@ seconds (:meth:`~ReplacementLookups._superseded`), in the background: a look-up 
 worker's event loop to the scheduler, tens of milliseconds on a busy machine, which the
 replica's thread computes through instead.  A look-up started before the channel switched to a
 new actor is dropped: its answer may name the actor the channel has just left.
+
+A sparse replica, whose links cannot switch on their own, waits for the replacement between
+two runs of its loop instead (:func:`await_replacement`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from distributed import Variable
 
 from ..runtime.dask_connect import worker_client
 from ..runtime.dask_internals import task_cancelled
-from .protocol import generation_variable
+from .protocol import ShardLostError, generation_variable
 
 #: What :meth:`ReplacementLookups._look_up` returns while its look-up runs.
 _PENDING = object()
@@ -124,3 +127,23 @@ class ReplacementLookups:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+
+def await_replacement(client: Any, replacements: str, shard: int, generation: int,
+                      timeout: float) -> Any:
+    """In a replica task: wait up to ``timeout`` seconds for the driver to announce, in the
+    variable ``replacements``, a generation of ``shard`` newer than ``generation``; the new
+    actor's handle.  Raises ShardLostError if none comes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            announced = int(
+                Variable(generation_variable(replacements), client=client).get(timeout=1.0))
+            if announced > generation:
+                future = Variable(replacements, client=client).get(timeout=1.0)
+                return future.result(timeout=max(1.0, deadline - time.monotonic()))
+        except TimeoutError:
+            pass
+        time.sleep(0.1)
+    raise ShardLostError(f"parameter-server shard {shard} was lost and no replacement was "
+                         f"announced within {timeout} s", shard)

@@ -19,8 +19,9 @@ import numpy as np
 from distributed import Client, Security
 from sklearn.exceptions import ConvergenceWarning
 
-from ..base import ParamServerEstimator, check_int, check_positive
+from ..base import ParamServerEstimator
 from ..core.protocol import TrainableModel
+from ..core.validation import check_int, check_positive
 from ..data.datasets import Dataset
 from ..data.shards import ShardedDataset
 from ..inputs import evaluation_data, is_distributed, prepare_before_cluster, prepare_fit
