@@ -68,11 +68,16 @@ get_mp_context().set_forkserver_preload(
 # Every test process keeps its shared cluster while it runs the tests that start their own, so
 # three idle clusters share the 2 cores with the work.  An idle 2-worker cluster took 10% of a
 # core (its processes' CPU over 10 s), most of it the event loops' 20 ms latency tick and the
-# nannies' 100 ms memory monitor; once a second each, it takes 3%.  Neither is a behaviour a
-# test relies on: the tick only measures how late the loop runs, the monitor enforces memory
-# limits, which no test sets.
+# nannies' 100 ms memory monitor; once a second each, it takes 3%.  The system monitor's
+# psutil reads every 500 ms (for the dashboard's plots) took 0.7-1% more; every 2 s, 2% is left.
+# None is a behaviour a test relies on: the tick only measures how late the loop runs, the
+# memory monitor enforces limits, which no test sets.
 dask.config.set(
-    {"distributed.admin.tick.interval": "1s", "distributed.worker.memory.monitor-interval": "1s"}
+    {
+        "distributed.admin.tick.interval": "1s",
+        "distributed.worker.memory.monitor-interval": "1s",
+        "distributed.admin.system-monitor.interval": "2s",
+    }
 )
 
 # On an interpreter where Dask's worker profiler can deadlock a worker (CPython before 3.11.9,
