@@ -1,5 +1,11 @@
 """The ``downpour-dask`` command: end to end as a user runs it (a subprocess; slow), and its
-parser in-process."""
+commands and parser in-process.
+
+A subprocess pays the command's imports (seconds of CPU: scikit-learn alone took 1.5 s) and
+starts its own workers, so the tests run one where the process is the behaviour -- a user's
+first run, the version, Ctrl-C, a kill -- and call :func:`downpour_dask.cli.main` in-process
+where the behaviour is the command's: its status, its output and what it writes.
+"""
 
 import argparse
 import json
@@ -29,6 +35,13 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         command + list(args), capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``downpour-dask ARGS`` in this process: its status and what it printed, as run_cli."""
+    status = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out, err)
 
 
 def config_of(run_dir: Path) -> dict:
@@ -66,14 +79,14 @@ def test_train_writes_a_complete_run_directory(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_config_file_sets_arguments_and_flags_override_it(tmp_path):
+def test_config_file_sets_arguments_and_flags_override_it(tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text(
         'dataset = "digits"\nmodel = "softmax"\nn_replicas = 3\nlearning-rate = 0.02\n'
         "max_epochs = 1\nwarmstart_steps = 0\n"
     )
-    done = run_cli(
-        "train", "--config", str(config), "--learning-rate", "0.03",
+    done = run_main(
+        capsys, "train", "--config", str(config), "--learning-rate", "0.03",
         "--out", str(tmp_path), "--name", "cfg", "--quiet",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -86,9 +99,9 @@ def test_config_file_sets_arguments_and_flags_override_it(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_scheduler_flag_trains_on_an_existing_cluster(tmp_path, cluster, client):
-    done = run_cli(
-        "train", *SMALL, "--scheduler", cluster.scheduler_address,
+def test_scheduler_flag_trains_on_an_existing_cluster(tmp_path, cluster, client, capsys):
+    done = run_main(
+        capsys, "train", *SMALL, "--scheduler", cluster.scheduler_address,
         "--out", str(tmp_path), "--name", "remote", "--quiet",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -174,9 +187,9 @@ def test_bad_input_is_one_line_a_nonzero_status_and_no_run_directory(
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_partitions_flag_splits_every_replica_over_two_workers(tmp_path, cluster):
-    done = run_cli(
-        "train", *SMALL, "--partitions", "2", "--scheduler", cluster.scheduler_address,
+def test_partitions_flag_splits_every_replica_over_two_workers(tmp_path, cluster, capsys):
+    done = run_main(
+        capsys, "train", *SMALL, "--partitions", "2", "--scheduler", cluster.scheduler_address,
         "--out", str(tmp_path), "--name", "split", "--quiet",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -188,26 +201,25 @@ def test_partitions_flag_splits_every_replica_over_two_workers(tmp_path, cluster
     assert model.score(params, test.X, test.y) > 0.6
 
 
-@pytest.mark.slow
-def test_an_existing_run_directory_is_not_overwritten(tmp_path):
+def test_an_existing_run_directory_is_not_overwritten(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
-    done = run_cli("train", *SMALL, "--out", str(tmp_path), "--name", "taken")
+    done = run_main(capsys, "train", *SMALL, "--out", str(tmp_path), "--name", "taken")
     assert done.returncode == 2
     assert "run directory" in done.stderr and "exists" in done.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_synthetic_writes_files_that_train_streams(tmp_path):
+def test_synthetic_writes_files_that_train_streams(tmp_path, capsys):
     data = tmp_path / "big"
-    done = run_cli(
-        "synthetic", str(data), "--rows", "6000", "--features", "16", "--classes", "3",
+    done = run_main(
+        capsys, "synthetic", str(data), "--rows", "6000", "--features", "16", "--classes", "3",
         "--files", "3",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in data.iterdir()) == [f"part-0000{i}.parquet" for i in range(3)]
-    done = run_cli(
-        "train", "--dataset", str(data), "--eval-dataset", str(data / "part-00000.parquet"),
+    done = run_main(
+        capsys, "train", "--dataset", str(data), "--eval-dataset", str(data / "part-00000.parquet"),
         "--model", "softmax", "--n-replicas", "3", "--max-epochs", "3", "--learning-rate", "0.2",
         "--out", str(tmp_path / "runs"), "--name", "streamed", "--quiet",
     )  # fmt: skip
@@ -238,7 +250,7 @@ def test_every_estimator_argument_has_a_flag():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_report_on_two_runs_writes_the_table_and_plots(tmp_path, client):
+def test_report_on_two_runs_writes_the_table_and_plots(tmp_path, client, capsys):
     for name, replicas in (("one", 1), ("two", 2)):
         runs.train(
             {"dataset": "digits", "model": "softmax", "n_replicas": replicas, "max_epochs": 1,
@@ -246,7 +258,8 @@ def test_report_on_two_runs_writes_the_table_and_plots(tmp_path, client):
             client=client,
         )  # fmt: skip
     out = tmp_path / "report"
-    done = run_cli("report", str(tmp_path / "one"), str(tmp_path / "two"), "--out", str(out))
+    done = run_main(capsys, "report", str(tmp_path / "one"), str(tmp_path / "two"), "--out",
+                    str(out))
     assert done.returncode == 0, done.stderr
     assert {p.name for p in out.iterdir()} == {
         "summary.csv",
@@ -261,18 +274,17 @@ def test_report_on_two_runs_writes_the_table_and_plots(tmp_path, client):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
-def test_report_names_a_directory_that_is_not_a_run(tmp_path):
-    done = run_cli("report", str(tmp_path))
+def test_report_names_a_directory_that_is_not_a_run(tmp_path, capsys):
+    done = run_main(capsys, "report", str(tmp_path))
     assert done.returncode == 2
     assert "is not a run directory: missing config.json" in done.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_sandblaster_from_the_command_line(tmp_path):
-    done = run_cli(
-        "train", "--algorithm", "sandblaster", "--dataset", "digits", "--model", "softmax",
+def test_sandblaster_from_the_command_line(tmp_path, capsys):
+    done = run_main(
+        capsys, "train", "--algorithm", "sandblaster", "--dataset", "digits", "--model", "softmax",
         "--max-iter", "15", "--eval-every-iter", "5", "--out", str(tmp_path), "--name", "sb",
         "--quiet",
     )  # fmt: skip
@@ -281,8 +293,8 @@ def test_sandblaster_from_the_command_line(tmp_path):
     assert float(done.stdout.split("test accuracy: ")[1].split()[0]) > 0.85
     config = config_of(tmp_path / "sb")
     assert config["estimator"] == "SandblasterLBFGS" and config["max_iter"] == 15
-    bad = run_cli(
-        "train", "--algorithm", "sandblaster", "--n-replicas", "4", "--out", str(tmp_path)
+    bad = run_main(
+        capsys, "train", "--algorithm", "sandblaster", "--n-replicas", "4", "--out", str(tmp_path)
     )
     assert bad.returncode == 2 and "unknown setting(s) n_replicas" in bad.stderr
 

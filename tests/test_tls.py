@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,15 +13,15 @@ from distributed import Client, LocalCluster, Security, deploy
 from downpour_dask import DownpourSGD, SandblasterLBFGS, cli, datasets, models
 from downpour_dask.runtime.cluster import cluster_workers
 
-SCRIPT = Path(sys.executable).with_name("downpour-dask")
 SMALL = ["--dataset", "digits", "--model", "softmax", "--max-epochs", "1", "--n-replicas", "2"]
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "downpour_dask"]
-    return subprocess.run(
-        command + list(args), capture_output=True, text=True, timeout=timeout, check=False
-    )
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``downpour-dask ARGS`` in this process (the command's own ``main``; tests/test_cli.py
+    runs it as a subprocess): its status and what it printed."""
+    status = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -146,19 +145,21 @@ def write_credentials(security: Security, directory: Path) -> dict[str, str]:
 
 @pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 @pytest.mark.timeout(180)
-def test_cli_trains_on_a_tls_scheduler_with_credential_files(tls_cluster, tmp_path):
+def test_cli_trains_on_a_tls_scheduler_with_credential_files(tls_cluster, tmp_path, capsys):
     credentials = write_credentials(tls_cluster.security, tmp_path)
     flags = [item for pair in credentials.items() for item in pair]
     address = tls_cluster.scheduler_address
     out = ["--out", str(tmp_path / "runs"), "--quiet"]
-    done = run_cli("train", *SMALL, *out, "--name", "tls", "--scheduler", address, *flags)
+    done = run_main(capsys, "train", *SMALL, *out, "--name", "tls", "--scheduler", address,
+                    *flags)
     assert done.returncode == 0, done.stderr
     assert "test accuracy" in done.stdout and (tmp_path / "runs" / "tls").is_dir()
     # without the credentials: exit 2 (a scheduler that cannot be reached), one line, no run
     # directory (--quiet leaves out the "connecting to" line)
-    done = run_cli(
-        "train", *SMALL, *out, "--name", "no", "--scheduler", address, "--connect-timeout", "5"
-    )
+    done = run_main(
+        capsys, "train", *SMALL, *out, "--name", "no", "--scheduler", address,
+        "--connect-timeout", "5",
+    )  # fmt: skip
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "cannot reach the Dask scheduler" in done.stderr
     assert not (tmp_path / "runs" / "no").exists()
@@ -181,7 +182,8 @@ def test_cli_tls_flag_misuse_is_a_usage_error(tmp_path, capsys):
 
 @pytest.mark.slow  # its own TLS cluster or a CLI subprocess
 @pytest.mark.timeout(180)
-def test_cli_tls_flag_trains_on_an_embedded_tls_cluster(tmp_path):
-    done = run_cli("train", *SMALL, "--tls", "--quiet", "--out", str(tmp_path), "--name", "t")
+def test_cli_tls_flag_trains_on_an_embedded_tls_cluster(tmp_path, capsys):
+    done = run_main(capsys, "train", *SMALL, "--tls", "--quiet", "--out", str(tmp_path), "--name",
+                    "t")
     assert done.returncode == 0, done.stderr
     assert '"tls": true' in (tmp_path / "t" / "config.json").read_text()
