@@ -1,4 +1,6 @@
-"""Checks of user input for the models: constructor arguments, features, labels and targets.
+"""Checks of user input: the models' constructor arguments, features, labels and targets, and
+the estimators' numeric arguments (:func:`check_int`, :func:`check_positive`: here, not with the
+estimators, so that the modules a worker loads can use them without scikit-learn).
 
 Every model validates user data once, through :meth:`~downpour_dask.core.model.Model.check_data`,
 and its hot path (``loss_and_grad``) then trusts it.  The checks here turn bad input into a
