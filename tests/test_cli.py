@@ -349,6 +349,7 @@ def test_a_config_file_with_the_other_algorithms_interval_names_the_setting_to_u
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # two subprocesses
 def test_version_answers_without_importing_dask_or_scikit_learn():
     probe = (
         "import sys; from downpour_dask.cli import main; status = main(['--version']); "

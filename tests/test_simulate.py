@@ -299,6 +299,7 @@ def _fit(client, n_replicas):
 STALLED_RUNS_REFITTED = 3
 
 
+@pytest.mark.slow  # two fits of 30 epochs (seconds of training): out of the quick loop
 def test_calibrated_on_two_replicas_predicts_four_on_the_local_cluster(client, tmp_path):
     # Calibrated on a run with replicas on both workers: one reaches the shard over the wire.
     two, four = _fit(client, 2), _fit(client, 4)
