@@ -291,6 +291,25 @@ def test_an_exchange_pushes_then_pulls_the_result_in_one_call():
     assert not wire.calls
 
 
+def test_a_closed_sessions_ledger_is_counted_in_full_then_given_to_a_new_session():
+    shard = _shard()
+    lines = [_line(shard, replica=r % 4) for r in range(LEDGERS)]  # every ledger taken
+    for line, _, session in lines[:2]:
+        for seq, grad in enumerate(_grads(3)):
+            _push(line, grad, seq, session)
+    closed = lines[0][0]
+    ledger = closed.ledger
+    closed.close()  # its pushes are not folded in yet: the shard has not taken its lock since
+    offer = asyncio.run(shard.open_one_sided(7, uuid.uuid4().hex))
+    assert offer is not None and offer["ledger"] == ledger  # the closed session's ledger
+    counters = shard.counters()
+    assert counters["accepted"] == 6 and shard.version == 6  # both sessions counted in full
+    assert counters["accepted_by_replica"][0] == 3 and counters["accepted_by_replica"][1] == 3
+    assert asyncio.run(shard.open_one_sided(8, uuid.uuid4().hex)) is None  # the open ones stay
+    for line, _, _ in lines[1:]:
+        line.close()
+
+
 def test_a_shard_whose_ledgers_are_all_taken_sends_a_new_session_over_the_wire_and_says_so():
     shard = _shard()
     offers = [asyncio.run(shard.open_one_sided(0, uuid.uuid4().hex)) for _ in range(LEDGERS)]

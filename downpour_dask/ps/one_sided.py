@@ -19,6 +19,7 @@ the shard took its state back (``REVOKED``) or its process is gone (both looked 
 logic then apply), and a call for which another process holds the lock longer than
 :attr:`OneSidedShard.WAIT` seconds.  A retired shard's head says so:
 the call fails with :class:`~downpour_dask.ps.protocol.FencedError`, as it would over the wire.
+Closing the line closes the session's ledger, which the shard then frees for a new session.
 
 Linux only.  This module does not import Dask.
 """
@@ -44,6 +45,7 @@ from .shard_body import (
     IN_PROGRESS,
     LEDGERED,
     RELEASED,
+    REPLICA,
     RETIRED_BY,
     REVOKED,
     STALENESS_MAX,
@@ -52,6 +54,7 @@ from .shard_body import (
     THROUGH,
     VERSION,
     ShardBody,
+    closed_mark,
     drop_file_lock,
     take_file_lock,
 )
@@ -153,6 +156,15 @@ class OneSidedShard:
         return Done((int(head[VERSION]), bool(head[STOPPED]), bool(head[RELEASED])))
 
     def close(self) -> None:
+        """Let go of the shard: this session's ledger is marked closed, which the shard folds
+        in and frees for a new session, if the lock can be had (a ledger left marked open stays
+        taken)."""
+        if self.usable and self._enter():
+            try:
+                self.row[REPLICA] = closed_mark(int(self.row[REPLICA]))
+                self.body.head[LEDGERED] += 1
+            finally:
+                self._leave()
         self.usable = False
         self.row = None  # type: ignore[assignment]
         self.guard = None  # type: ignore[assignment]

@@ -8,7 +8,8 @@ the body moves into shared memory and the replica gets a ledger; from then on ev
 shard takes its lock it *folds* what one-sided replicas did since (their ledgers' new pushes)
 into its own counters, sequence trackers and clocks, so everything that reads them under the
 lock -- status, checkpoints, retirement, the replicas' clocks, duplicate detection -- counts
-one-sided pushes exactly like the others.
+one-sided pushes exactly like the others.  A ledger whose replica closed its session is folded
+in a last time and freed for the next session.
 
 A ledger still marked in the middle of a push when the shard holds the lock belongs to a
 process that died there (or that the shard took its state back from): that push counts as
@@ -36,6 +37,7 @@ from .shard_body import (
     CLIPPED,
     DIRTY,
     EXAMPLES,
+    FREE,
     IN_PROGRESS,
     LEDGERED,
     LEDGERS,
@@ -51,6 +53,7 @@ from .shard_body import (
     VERSION,
     ShardBody,
     ShardLock,
+    closed_mark,
 )
 
 #: ``DOWNPOUR_DASK_ONE_SIDED=0`` makes every shard refuse one-sided replicas.
@@ -155,7 +158,8 @@ class OneSidedHost:
             if not self._body.shared:
                 self._share()
             ledger = self._body.open_ledger(int(replica), str(session))
-            if ledger is None:  # (a ledger outlives its session: a stopped replica may write on)
+            if ledger is None:  # (a session not closed keeps its ledger: a stopped replica may
+                # still write in it)
                 self._events.append((
                     time.time(), "one_sided_refused",
                     f"shard {self.shard_id}: all {LEDGERS} one-sided ledgers are taken; replica "
@@ -191,14 +195,19 @@ class OneSidedHost:
         if ledgered == self._ledgered:
             return
         self._ledgered = ledgered
-        for i in np.flatnonzero(body.ledgers[:, REPLICA] >= 0).tolist():
+        for i in np.flatnonzero(body.ledgers[:, REPLICA] != FREE).tolist():
             row, before = body.ledgers[i], self._folded.get(i)
-            if before is None or (row[_FOLDED,] == before[_FOLDED,]).all():
-                continue
-            self._fold_row(i, row.copy(), before)
+            if before is not None and not (row[_FOLDED,] == before[_FOLDED,]).all():
+                self._fold_row(i, row.copy(), before)
+            if row[REPLICA] < FREE:  # its session closed: counted in full, free for a new one
+                row[REPLICA] = FREE
+                self._folded.pop(i, None)
+                self._ledger_sessions.pop(i, None)
 
     def _fold_row(self, i: int, row: np.ndarray, before: np.ndarray) -> None:
         replica, session = int(row[REPLICA]), self._ledger_sessions.get(i, "")
+        if replica < FREE:
+            replica = closed_mark(replica)
         accepted = int(row[ACCEPTED] - before[ACCEPTED])
         self.accepted_by_replica[replica] += accepted
         for _ in range(accepted):

@@ -55,6 +55,15 @@ BOUNDS = 8
 LEDGER = 10
 #: One-sided sessions a shard serves at once (a replica restarted or switched gets a new one).
 LEDGERS = 64
+#: A ledger's REPLICA while it is free; a replica that closes its session marks it
+#: ``closed_mark(replica)``, and the shard frees it once it has folded its last counts in.
+FREE = -1
+
+
+def closed_mark(replica: int) -> int:
+    """The REPLICA value of replica ``replica``'s closed ledger (and back: it is its own
+    inverse), below FREE so that open ledgers stay ``>= 0``."""
+    return -2 - replica
 TOKEN_BYTES = 16
 _ALIGN = 64
 
@@ -222,7 +231,7 @@ class ShardBody:
     # -- ledgers ---------------------------------------------------------------------------------
     def open_ledger(self, replica: int, session: str) -> int | None:
         """A new ledger for ``session`` (under the lock), or None if all are taken."""
-        free = np.flatnonzero(self.ledgers[:, REPLICA] < 0)
+        free = np.flatnonzero(self.ledgers[:, REPLICA] == FREE)
         if not free.size:
             return None
         i = int(free[0])
