@@ -158,8 +158,7 @@ class OneSidedHost:
             if not self._body.shared:
                 self._share()
             ledger = self._body.open_ledger(int(replica), str(session))
-            if ledger is None:  # (a session not closed keeps its ledger: a stopped replica may
-                # still write in it)
+            if ledger is None:  # (an unclosed session's replica may be stopped, not gone)
                 self._events.append((
                     time.time(), "one_sided_refused",
                     f"shard {self.shard_id}: all {LEDGERS} one-sided ledgers are taken; replica "

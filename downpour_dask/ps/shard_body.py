@@ -58,14 +58,14 @@ LEDGERS = 64
 #: A ledger's REPLICA while it is free; a replica that closes its session marks it
 #: ``closed_mark(replica)``, and the shard frees it once it has folded its last counts in.
 FREE = -1
+TOKEN_BYTES = 16
+_ALIGN = 64
 
 
 def closed_mark(replica: int) -> int:
     """The REPLICA value of replica ``replica``'s closed ledger (and back: it is its own
     inverse), below FREE so that open ledgers stay ``>= 0``."""
     return -2 - replica
-TOKEN_BYTES = 16
-_ALIGN = 64
 
 
 def session_key(session: str) -> tuple[int, int]:
