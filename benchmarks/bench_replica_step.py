@@ -19,10 +19,21 @@ n_fetch = n_push of 1 and 4:
   remote: their fetch goes through a buffer, is installed and has the replica's missing pushes
   re-applied, and the local step covers that shard's slice.
 - *both shards in the process*: a fit whose shards all sit beside the replica.
+- *one shard in the process, one one-sided*: what a replica of a 2 x 2 fit with
+  ``transport="one-sided"`` does on its worker.  The second shard is reached through a
+  :class:`~downpour_dask.ps.one_sided.OneSidedShard` on its shared body, as a replica on another
+  worker of the host reaches it: the replica applies its pushes under the shard's file lock and
+  copies the values back itself.  Both shards take file locks, as they do once a replica of the
+  other worker pushes to them.
+
+``--model softmax`` runs the same rows with multinomial logistic regression (784 x 10, 7,850
+parameters) instead of the MLP: a model whose gradient takes tens of microseconds, so a step is
+mostly the loop's own work.  The last columns give each row's best step in microseconds and
+what it takes beyond the serial loop's best step: the library's cost per step, pushes included.
 
 ``bench_code_ab.py --script bench_replica_step.py`` runs it with two versions of the library.
 
-    python benchmarks/bench_replica_step.py [--repeats 9] [--steps 300]
+    python benchmarks/bench_replica_step.py [--repeats 9] [--steps 300] [--model softmax]
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import asyncio  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -44,7 +56,8 @@ from bench_downpour import BATCH, serial_examples_per_s  # noqa: E402
 from downpour_dask import datasets, models, optim  # noqa: E402
 from downpour_dask.data.stream import ArraySource  # noqa: E402
 from downpour_dask.downpour.replica_loop import ReplicaConfig, ReplicaLoop  # noqa: E402
-from downpour_dask.ps.calls import Done  # noqa: E402
+from downpour_dask.ps.calls import Done, Half  # noqa: E402
+from downpour_dask.ps.one_sided import OneSidedShard  # noqa: E402
 from downpour_dask.ps.shard import ParameterServerShard  # noqa: E402
 
 LEARNING_RATE = 0.01
@@ -92,6 +105,44 @@ class InstantChannel:
         pass
 
 
+class NoWire:
+    """The wire a one-sided line falls back to, never used here (no call fails one-sided)."""
+
+    _broken = False
+
+
+class OneSidedChannel(InstantChannel):
+    """A ``ShardChannel`` to a shard of this process through a one-sided line on its shared
+    body, as a replica on another worker of the host has (``ps/one_sided.py``)."""
+
+    transport = "one-sided"
+
+    def __init__(self, shard: ParameterServerShard):
+        super().__init__(shard, in_process=False)
+        offer = asyncio.run(shard.open_one_sided(0, self.session))
+        self.line = OneSidedShard.open(offer, NoWire())  # every call here is one-sided
+        if self.line is None:
+            raise RuntimeError("the shard offered no one-sided line")
+
+    def _into(self, avoid):
+        return self.buffers[1] if avoid is self.buffers[0] else self.buffers[0]
+
+    def pull(self, avoid=None, into=None):
+        return self.line.pull(0, self.session, self._into(avoid))
+
+    def push(self, grad, fetched_version, seq, examples, loss):
+        kw = {"seq": seq, "session": self.session, "examples": examples, "loss": loss}
+        return self.line.push(grad, fetched_version, 0, **kw)
+
+    def exchange(self, grad, fetched_version, seq, examples, loss, avoid=None, into=None):
+        kw = {"seq": seq, "session": self.session, "examples": examples, "loss": loss}
+        call = self.line.exchange(grad, fetched_version, 0, out=self._into(avoid), **kw)
+        return Half(call, 0), Half(call, 1)
+
+    def close(self):
+        self.line.close()
+
+
 class NoSink:
     """A ``ReplicaSink`` that keeps nothing: no driver reads it here."""
 
@@ -108,16 +159,23 @@ class NoSink:
         return False
 
 
-def replica_examples_per_s(model, source, initial, every: int, local: int, steps: int) -> float:
+def replica_examples_per_s(
+    model, source, initial, every: int, local: int, steps: int, one_sided: bool = False
+) -> float:
     """Examples/s of ``steps`` steps of one ``ReplicaLoop`` over two shards, the first ``local``
-    of them in its process (the others as if on another worker)."""
+    of them in its process (the others as if on another worker; with ``one_sided``, reached
+    one-sided, and the in-process one with a one-sided line open too, as on a 2 x 2 fit)."""
     bounds = [0, initial.size // 2, initial.size]
     ranges = list(zip(bounds[:-1], bounds[1:]))
     shards = [
         ParameterServerShard(i, lo, hi, initial[lo:hi], optim.sgd(LEARNING_RATE))
         for i, (lo, hi) in enumerate(ranges)
     ]
-    channels = [InstantChannel(shard, i < local) for i, shard in enumerate(shards)]
+    if one_sided:
+        idle = OneSidedChannel(shards[0])  # shard 0 shared, as another worker's replica has it
+        channels = [InstantChannel(shards[0], True), OneSidedChannel(shards[1])]
+    else:
+        channels = [InstantChannel(shard, i < local) for i, shard in enumerate(shards)]
     config = ReplicaConfig(
         replica=0, batch_size=BATCH, n_fetch=every, n_push=every,
         local_learning_rate=LEARNING_RATE, seed=0, t0=time.time(), max_steps=steps,
@@ -126,6 +184,9 @@ def replica_examples_per_s(model, source, initial, every: int, local: int, steps
     start = time.perf_counter()
     result = loop.run(source)
     elapsed = time.perf_counter() - start
+    if one_sided:
+        for channel in (idle, channels[1]):
+            channel.close()
     return result["steps"] * BATCH / elapsed
 
 
@@ -133,45 +194,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=300, help="steps per replica measurement")
+    parser.add_argument("--model", choices=["mlp", "softmax"], default="mlp")
     args = parser.parse_args()
     train, _ = datasets.load("mnist5k")
-    model = models.MLP(784, (256,), 10)
+    if args.model == "mlp":
+        model = models.MLP(784, (256,), 10)
+    else:
+        model = models.SoftmaxRegression(784, 10)
     source = ArraySource(train.X, train.y, BATCH)
     initial = model.init(np.random.default_rng(0))
     rows = {
-        (f"replica, {local} of 2 shards in the process", every): (every, local)
+        (f"replica, {local} of 2 shards in the process", every): (every, local, False)
         for local in (1, 2)
         for every in (1, 4)
     }
+    for every in (1, 4):
+        rows[("replica, 1 in the process, 1 one-sided", every)] = (every, 1, True)
     serial: list[float] = []
     rates: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
     replica_examples_per_s(model, source, initial, 1, 1, 20)  # first calls, workspaces
     for _ in range(args.repeats):
         serial.append(serial_examples_per_s(model, source.X, source.y, 1.0, LEARNING_RATE))
-        for key, (every, local) in rows.items():
+        for key, (every, local, one_sided) in rows.items():
             rates[key].append(
-                replica_examples_per_s(model, source, initial, every, local, args.steps)
+                replica_examples_per_s(model, source, initial, every, local, args.steps, one_sided)
             )
     base, best = statistics.median(serial), max(serial)
+    step_us = BATCH / best * 1e6  # the serial loop's best step
     print(
         f"{platform.processor() or platform.machine()}, numpy {np.__version__}; "
-        f"{args.repeats} repeats, rows interleaved; load {os.getloadavg()[0]:.1f}"
+        f"{model.n_params:,} parameters; {args.repeats} repeats, rows interleaved; "
+        f"load {os.getloadavg()[0]:.1f}"
     )
     print(
         f"{'row':44s} {'n':>2s} {'examples/s':>11s} {'of serial':>10s} {'range':>12s} "
-        f"{'best':>8s} {'best/best':>10s}"
+        f"{'best':>8s} {'best/best':>10s} {'us/step':>8s} {'beyond':>7s}"
     )
     print(
         f"{'serial loop (gradient and SGD step only)':44s} {'-':>2s} {base:11,.0f} {1:10.2f} "
-        f"{'':12s} {best:8,.0f} {1:10.2f}"
+        f"{'':12s} {best:8,.0f} {1:10.2f} {step_us:8.1f} {'-':>7s}"
     )
     for (name, every), values in rates.items():
         shares = [v / s for v, s in zip(values, serial)]
         low, high = min(shares), max(shares)
+        row_us = BATCH / max(values) * 1e6
         print(
             f"{name:44s} {every:2d} {statistics.median(values):11,.0f} "
             f"{statistics.median(shares):10.2f} {low:5.2f}-{high:.2f} "
-            f"{max(values):8,.0f} {max(values) / best:10.2f}"
+            f"{max(values):8,.0f} {max(values) / best:10.2f} {row_us:8.1f} {row_us - step_us:7.1f}"
         )
 
 
