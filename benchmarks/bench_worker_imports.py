@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_code_ab import ROOT, export
 
 #: The modules whose functions and actors the fits send to workers (tests/test_layers.py keeps
 #: them free of scikit-learn).
@@ -58,12 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        base = Path(scratch)
-        archive = subprocess.run(
-            ["git", "archive", args.base, "downpour_dask"], cwd=ROOT, capture_output=True,
-            check=True,
-        ).stdout  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        base = export(args.base, Path(scratch) / "base")
         runs: dict[tuple[str, str], list[dict]] = {}
         for _ in range(args.rounds):
             for module in MODULES:

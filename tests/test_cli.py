@@ -23,7 +23,7 @@ from distributed import Client, LocalCluster
 
 import downpour_dask
 from downpour_dask import DownpourSGD, cli, models, runs
-from downpour_dask.cli import commands, connection, parser
+from downpour_dask.cli import connection, flags, parser, training
 from downpour_dask.runtime.cluster import cluster_workers
 
 SCRIPT = Path(sys.executable).with_name("downpour-dask")
@@ -241,11 +241,11 @@ def test_every_estimator_argument_has_a_flag():
     dests = {action.dest for action in train_parser()._actions}
     # Deliberately flag-less: ``security`` (a distributed.Security object, not a scalar) is set
     # by --tls (embedded TLS-only cluster) or given to the client by --tls-ca-file/-cert/-key.
-    assert set(parser.FLAGLESS_ARGUMENTS) == {"security"}
+    assert set(flags.FLAGLESS_ARGUMENTS) == {"security"}
     assert {"tls", "tls_ca_file", "tls_cert", "tls_key"} <= dests
     for algorithm in runs.ALGORITHMS:
         missing = set(runs.estimator_arguments(algorithm)) - dests
-        assert missing == set(parser.FLAGLESS_ARGUMENTS), f"{algorithm} arguments without a flag"
+        assert missing == set(flags.FLAGLESS_ARGUMENTS), f"{algorithm} arguments without a flag"
 
 
 @pytest.mark.slow
@@ -371,6 +371,30 @@ def test_version_answers_without_importing_dask_or_scikit_learn():
         downpour_dask.DownpourSGDD  # noqa: B018
 
 
+@pytest.mark.slow  # a subprocess
+def test_commands_that_train_nothing_start_without_the_estimators():
+    """``watch``, ``report``, ``synthetic`` and the help load their own module only: no
+    estimator, so no scikit-learn (over a second of imports); ``train``'s flags still come from
+    the estimators."""
+    probe = (
+        "import sys; from downpour_dask.cli import main\n"
+        "for argv in (['--help'], ['watch', '--help'], ['report', '--help'], "
+        "['synthetic', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit as exit:\n"
+        "        assert exit.code == 0, argv\n"
+        "print('scikit-learn loaded:', 'sklearn' in sys.modules, file=sys.stderr)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stderr.strip() == "scikit-learn loaded: False", done.stderr
+    for command in ("train", "watch", "synthetic", "train-sparse", "report", "simulate"):
+        assert f"    {command} " in done.stdout  # every command listed by --help
+    assert "--scheduler" in done.stdout and "--target" in done.stdout  # watch's and report's
+    train_flags = parser.build_parser(load=["train"])._subparsers._group_actions[0]
+    assert "--n-replicas" in train_flags.choices["train"].format_help()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -400,8 +424,8 @@ def test_each_flag_has_its_own_help_line():
 
 def parsed_job(*argv: str) -> runs.Job:
     args = parser.build_parser().parse_args(["train", *argv])
-    settings, _ = commands.job_settings(args)
-    return commands.prepare_job(settings)
+    settings, _ = training.job_settings(args)
+    return training.prepare_job(settings)
 
 
 def test_max_seconds_alone_bounds_the_run_by_time_only(tmp_path):

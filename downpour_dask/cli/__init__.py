@@ -10,11 +10,12 @@
     downpour-dask watch mnist --scheduler tcp://10.0.0.5:8786 --wait   # fit(..., publish="mnist")
     downpour-dask simulate --from runs/a --replicas 10,100,1000 --shards 1,4,16
 
-:func:`main` answers ``--version`` at once, before the estimators -- and with them Dask -- are
-imported (a deliberate deferred import, allowed by ``tests/test_layers.py``); everything else is
-:mod:`.app` (exit statuses), :mod:`.parser` (commands and flags), :mod:`.flags` (a flag per
-estimator argument), :mod:`.commands` (what each command does) and :mod:`.connection`
-(reaching ``--scheduler``) and :mod:`.simulation` (``simulate``).
+:func:`main` answers ``--version`` at once, before Dask is imported (a deliberate deferred
+import, allowed by ``tests/test_layers.py``); everything else is :mod:`.app` (exit statuses),
+:mod:`.parser` (the commands, each one's module loaded only when it runs), one module per
+command (:mod:`.training`, :mod:`.watching`, :mod:`.synthetic`, :mod:`.sparse`,
+:mod:`.reporting`, :mod:`.simulation`), :mod:`.flags` (a ``train`` flag per estimator argument)
+and :mod:`.connection` (reaching ``--scheduler``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     if args == ["--version"]:
         print(VERSION)
         return 0
-    from .app import run  # deferred: every command but --version needs the estimators (Dask)
+    from .app import run  # deferred: every command but --version needs Dask
 
     return run(args)

@@ -25,12 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import Interrupted, Unreachable, one_line
-from .parser import PROG, build_parser
+from .parser import PROG, build_parser, named_command
 
 
 def run(argv: list[str]) -> int:
     """Run the command ``argv`` (without the program name); return the exit status."""
-    parser = build_parser()
+    command = named_command(argv)
+    parser = build_parser(load=[command] if command is not None else [])
     args = parser.parse_args(argv)
     where = f"{PROG} {args.command}"
     try:

@@ -1,16 +1,14 @@
-"""What each command does: ``train``, ``watch``, ``synthetic`` and ``report``.
+"""``downpour-dask train``: its arguments, and running a training job.
 
-Each handler takes the parsed arguments and returns the exit status; the work itself lives in
-:mod:`downpour_dask.runs` (training jobs and run directories), :mod:`downpour_dask.live`
-(published runs), :mod:`downpour_dask.data.datasets` and :mod:`downpour_dask.report`.  Input
-errors are raised before any cluster is involved, and a failed job leaves no run directory.
+The work itself lives in :mod:`downpour_dask.runs` (training jobs and run directories); a train
+flag per estimator argument comes from :mod:`.flags`.  Input errors are raised before any
+cluster is involved, and a failed job leaves no run directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,16 +19,11 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from ..checkpoint import has_checkpoint
-from ..data import datasets
-from ..data.criteo import write_criteo
-from ..live import attach, check_name, follow, is_published
 from ..progress import ProgressBar
-from ..publishing import DRIVER_LOST, end_reason
-from ..report import format_table, report
-from ..runs import DEFAULTS, Job, RunResult, misnamed_interval, prepare, resume, run
-from .connection import connect, tls_credentials_given
+from ..runs import ALGORITHMS, DEFAULTS, Job, RunResult, misnamed_interval, prepare, resume, run
+from .connection import add_connection_flags, connect, tls_credentials_given
 from .errors import Interrupted, UsageError
-from .flags import flag
+from .flags import add_estimator_flags, flag
 from .interrupts import DeferredInterrupt
 from .program import PROG
 
@@ -165,90 +158,74 @@ def print_result(result: RunResult) -> None:
         )
 
 
-def watch(args: argparse.Namespace) -> int:
-    """``downpour-dask watch NAME``: print a published run's progress until it ends."""
-    check_name(args.name)
-    if not args.interval > 0:
-        raise UsageError(f"--interval must be > 0, got {args.interval:g}")
-    if args.wait is not None and not args.wait >= 0:
-        raise UsageError(f"--wait must be a number of seconds >= 0, got {args.wait:g}")
-    with connect(args.scheduler, args) as client:
-        if args.wait is not None:
-            wait_published(client, args.name, args.wait)
-        view = attach(args.name, client)  # ValueError naming the published runs if absent
-        info = view.info
-        print(
-            f"watching {args.name!r}: {info.get('estimator')}, {info.get('n_replicas')} "
-            f"replicas, {info.get('n_shards')} shards on {args.scheduler}",
-            flush=True,
-        )
-        del view  # watching needs only the event topic; do not hold the run's actors
-        finished = follow(client, args.name, sys.stdout, args.interval)
-        lost = not finished and end_reason(client, args.name) == DRIVER_LOST
-    if lost:
-        raise RuntimeError(
-            f"run {args.name!r} ended without finishing: its driver died, and the scheduler "
-            f"let go of the run"
-        )
-    if not finished:
-        raise RuntimeError(f"run {args.name!r} ended without finishing (its fit failed)")
-    print(f"run {args.name!r} finished", flush=True)
-    return 0
-
-
-def wait_published(client: Any, name: str, seconds: float) -> None:
-    """Wait up to ``seconds`` for a run to be published as ``name`` (``watch --wait``); return
-    at once if it is, else let :func:`attach` say that it is not."""
-    if is_published(client, name):
-        return
-    print(f"waiting up to {seconds:g} s for a run published as {name!r}", file=sys.stderr)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not is_published(client, name):
-        time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
-
-
-def synthetic(args: argparse.Namespace) -> int:
-    """``downpour-dask synthetic PATH``: write a learnable dataset as parquet files (with
-    ``--criteo`` a Criteo-shaped click log, :mod:`downpour_dask.data.criteo`)."""
-    if args.criteo:
-        return synthetic_criteo(args)
-    if args.features is None:
-        raise UsageError("--features is required (or --criteo for click data)")
-    dataset = datasets.synthetic(
-        args.path, args.rows, args.features, args.classes, seed=args.seed, n_files=args.files
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    job = parser.add_argument_group("job")
+    job.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
+    job.add_argument(
+        "--algorithm",
+        choices=list(ALGORITHMS),
+        default=argparse.SUPPRESS,
+        help="downpour (Downpour SGD) or sandblaster (Sandblaster L-BFGS); default downpour",
     )
-    print(f"wrote {dataset!r} to {args.path}")
-    return 0
-
-
-def synthetic_criteo(args: argparse.Namespace) -> int:
-    """``synthetic PATH --criteo``: the click log in ``--files`` files (default: 10^6 rows
-    each), into a folder that holds no parquet file yet (nothing is replaced)."""
-    if args.features is not None:
-        raise UsageError("--criteo writes 13 integer and 26 categorical columns; drop --features")
-    if args.rows < 1 or (args.files is not None and not 1 <= args.files <= args.rows):
-        raise UsageError(f"--rows must be >= 1 and --files in [1, --rows], got --rows "
-                         f"{args.rows} --files {args.files}")
-    out = Path(args.path)
-    if out.exists() and (not out.is_dir() or any(out.glob("*.parquet"))):
-        raise UsageError(f"{str(out)!r} is a file or already holds parquet files; give an "
-                         f"empty or new folder")
-    paths = write_criteo(out, args.rows, seed=args.seed, max_cardinality=args.max_cardinality,
-                         n_files=args.files)
-    print(f"wrote {args.rows} click rows in {len(paths)} files to {out} (label click, "
-          f"numeric I1..I13, categorical C1..C26)")
-    return 0
-
-
-def compare(args: argparse.Namespace) -> int:
-    """``downpour-dask report RUN_DIR...``: print the summary table and write it and the plots."""
-    for path in args.run_dirs:
-        if not Path(path).is_dir():
-            raise UsageError(f"RUN_DIR {path!r} is not a directory")
-    table, target, written = report(args.run_dirs, args.out, args.target)
-    if target is not None:
-        print(f"time_to_target: seconds from the start of fit until test score >= {target:g}")
-    print(format_table(table))
-    for path in written:
-        print(f"wrote {path}")
-    return 0
+    job.add_argument(
+        "--dataset",
+        default=argparse.SUPPRESS,
+        metavar="NAME|PATH",
+        help="a shipped dataset (digits, mnist5k) or parquet/CSV file(s) with a label column "
+        "(see --label; default mnist5k)",
+    )
+    job.add_argument(
+        "--eval-dataset",
+        default=argparse.SUPPRESS,
+        metavar="NAME|PATH",
+        help="evaluation data (default: the shipped dataset's test split)",
+    )
+    job.add_argument(
+        "--label",
+        default=argparse.SUPPRESS,
+        metavar="COLUMN",
+        help="the label column of --dataset/--eval-dataset files (default label)",
+    )
+    job.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        metavar="SPEC",
+        help="mlp:128,64 | mlp | softmax | logistic | linear | cnn (JAX) | "
+        "package.module:factory, called as factory(n_features=, n_classes=) (default mlp:128)",
+    )
+    job.add_argument("--out", default=argparse.SUPPRESS, help="parent of run directories (runs)")
+    job.add_argument("--name", default=argparse.SUPPRESS, help="run directory name")
+    job.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="replace an existing run directory of the same name",
+    )
+    job.add_argument(
+        "--scheduler",
+        default=None,
+        metavar="ADDRESS",
+        help="train on an existing Dask cluster (e.g. tcp://host:8786) instead of an embedded one",
+    )
+    job.add_argument(
+        "--publish", default=argparse.SUPPRESS, metavar="NAME",
+        help="publish the running job on the cluster as NAME, for downpour-dask watch NAME and "
+        "downpour_dask.attach (downpour only)",
+    )  # fmt: skip
+    job.add_argument(
+        "--quiet", action="store_true", help="no progress bar and no 'connecting to' message"
+    )
+    job.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the interrupted job that was writing RUN_DIR from its latest checkpoint "
+        "(with that job's settings: give no other settings)",
+    )
+    job.add_argument(
+        "--tls",
+        action="store_true",
+        help="run the embedded cluster on TLS only, with temporary self-signed certificates",
+    )
+    add_connection_flags(parser)
+    add_estimator_flags(parser)
