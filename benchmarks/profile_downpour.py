@@ -7,7 +7,10 @@ Then it sorts the samples of the replica threads (those inside ``ReplicaLoop.run
 items issue 23 names -- the gradient, ``_push`` and within it the hand-off to the wire's sender
 thread, the waits for acknowledgements, the in-process shard's apply, and the fencing
 look-ups (``Variable.get`` on the replica thread) -- and prints each one's share per worker.
-py-spy needs ptrace rights (root, or ``kernel.yama.ptrace_scope = 0``).
+py-spy needs ptrace rights (root, or ``kernel.yama.ptrace_scope = 0``).  It stops a process for
+every sample: with ``--transport one-sided`` a worker stopped while it holds a shard's lock
+makes the other replica wait, so the lock waits here are overstated; ``profile_fit_cpu.py``
+measures them (and the threads' CPU) without stopping anything.
 
     python benchmarks/profile_downpour.py [--every 1] [--duration 10] [--out DIR] [--pinned]
                                           [--transport {auto,one-sided}]

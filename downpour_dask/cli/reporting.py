@@ -13,6 +13,7 @@ from .errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``report`` arguments: the run directories, ``--out`` and ``--target``."""
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", default="report", help="directory for the table and plots")
     parser.add_argument(

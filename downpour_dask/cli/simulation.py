@@ -47,6 +47,7 @@ def counts(text: str, flag: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``simulate`` arguments: the run to calibrate on and the scales to predict."""
     parser.add_argument(
         "--from",
         dest="run_dir",

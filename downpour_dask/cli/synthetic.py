@@ -15,6 +15,7 @@ from .errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``synthetic`` arguments: the folder, the data's shape and seed, ``--criteo``."""
     parser.add_argument("path", metavar="PATH", help="directory to create")
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--features", type=int, default=None,

@@ -159,6 +159,8 @@ def print_result(result: RunResult) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``train`` arguments: the job's (data, model, run directory, cluster) and a flag per
+    estimator argument (:mod:`.flags`)."""
     job = parser.add_argument_group("job")
     job.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
     job.add_argument(

@@ -17,6 +17,7 @@ from .errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``watch`` arguments: the published name, the scheduler, the interval, ``--wait``."""
     parser.add_argument("name", metavar="NAME", help="the name given to fit(..., publish=)")
     parser.add_argument(
         "--scheduler",
