@@ -9,7 +9,9 @@ where a stopped or killed holder matters.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -308,6 +310,62 @@ def test_a_closed_sessions_ledger_is_counted_in_full_then_given_to_a_new_session
     assert asyncio.run(shard.open_one_sided(8, uuid.uuid4().hex)) is None  # the open ones stay
     for line, _, _ in lines[1:]:
         line.close()
+
+
+_PUSHER = """
+import base64, pickle, sys, time
+import numpy as np
+from downpour_dask.ps.one_sided import OneSidedShard
+
+class NoWire:
+    _broken = False
+
+offer, session = pickle.loads(base64.b64decode(sys.stdin.readline()))
+line = OneSidedShard.open(offer, NoWire())
+rng = np.random.default_rng(1)
+for seq in range(3):
+    grad = rng.standard_normal(line.body.values.size).astype(np.float32)
+    call = line.push(grad, 0, 2, seq=seq, session=session, examples=32, loss=1.0)
+    assert call.result(5).accepted
+print("pushed", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow  # a child process, stopped and killed
+@pytest.mark.timeout(60)
+def test_the_ledger_of_a_killed_replica_process_is_counted_and_freed_when_ledgers_run_out():
+    """A replica's process killed mid-session never closes its ledger.  Once every ledger is
+    taken, the shard frees those whose process is gone (after counting their pushes in full);
+    a stopped process keeps its ledger, as it may still write there."""
+    shard = _shard()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PUSHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        session = uuid.uuid4().hex
+        offer = asyncio.run(shard.open_one_sided(2, session, child.pid))
+        child.stdin.write(base64.b64encode(pickle.dumps((offer, session))).decode() + "\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "pushed"
+        mine = os.getpid()
+        for _ in range(LEDGERS - 1):  # every ledger taken
+            assert asyncio.run(shard.open_one_sided(0, uuid.uuid4().hex, mine)) is not None
+        os.kill(child.pid, signal.SIGSTOP)
+        assert asyncio.run(shard.open_one_sided(5, uuid.uuid4().hex, mine)) is None  # stopped
+        child.kill()
+        os.kill(child.pid, signal.SIGCONT)
+        child.wait(10)
+        new = asyncio.run(shard.open_one_sided(5, uuid.uuid4().hex, mine))
+    finally:
+        child.kill()
+        child.wait(10)
+    assert new is not None and new["ledger"] == offer["ledger"]  # the killed process's ledger
+    counters = shard.counters()
+    assert counters["accepted_by_replica"] == {2: 3} and shard.version == 3  # counted in full
+    kinds = [event[1] for event in asyncio.run(shard.events())]
+    assert kinds == ["one_sided_refused", "one_sided_freed"]
+    assert asyncio.run(shard.open_one_sided(6, uuid.uuid4().hex, mine)) is None  # the live stay
 
 
 def test_a_shard_whose_ledgers_are_all_taken_sends_a_new_session_over_the_wire_and_says_so():

@@ -33,6 +33,7 @@ own process, back from a stopped worker, would answer at once), and from a retir
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import uuid
 from typing import Any
@@ -158,7 +159,7 @@ class DaskShardChannel(ReplacementLookups):
             if endpoint is not None:
                 self.wire = WireClient(endpoint, min(10.0, self.timeout), self.secret)
             if self.one_sided_wanted and self.shared:  # the shard is on this host
-                asked_offer = self.actor.open_one_sided(self.replica, self.session)
+                asked_offer = self.actor.open_one_sided(self.replica, self.session, os.getpid())
                 offer = self.wait(asked_offer, self.key, sent)
                 self.one_sided = OneSidedShard.open(offer, self.wire)
         except (ShardLostError, WireError, OSError):

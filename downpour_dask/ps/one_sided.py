@@ -42,6 +42,7 @@ from .shard_body import (
     CLIPPED,
     DIRTY,
     EXAMPLES,
+    GONE,
     IN_PROGRESS,
     LEDGERED,
     RELEASED,
@@ -56,11 +57,9 @@ from .shard_body import (
     ShardBody,
     closed_mark,
     drop_file_lock,
+    process_state,
     take_file_lock,
 )
-
-#: Process states in ``/proc/<pid>/stat`` of a shard's process that is gone ("": no process).
-_GONE = ("", "Z", "X", "x")
 
 
 class OneSidedShard:
@@ -238,8 +237,8 @@ class OneSidedShard:
         now = time.monotonic()
         if now - self._looked >= self.LOOK_EVERY:
             self._looked = now
-            state = _state(self.pid)
-            if self.body.head[REVOKED] or state in _GONE or self.wire._broken:
+            state = process_state(self.pid)
+            if self.body.head[REVOKED] or state in GONE or self.wire._broken:
                 self.usable = False
             self._paused = state == "T"  # SIGSTOP: over the wire until it runs again
         return self.usable and not self._paused
@@ -287,15 +286,3 @@ class _Both:
 
     def result(self, timeout: float | None = None) -> tuple[Any, Any]:
         return self.pushed.result(timeout), self.pulled.result(timeout)
-
-
-def _state(pid: int) -> str:
-    """Process ``pid``'s state letter in ``/proc/<pid>/stat`` ("" if there is no such process).
-    A profiler's samples (ptrace) show as "t": that process runs on."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            text = stat.read()
-    except OSError:
-        return ""
-    end = text.rfind(b")")
-    return text[end + 2 : end + 3].decode()

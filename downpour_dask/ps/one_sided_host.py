@@ -9,7 +9,8 @@ shard takes its lock it *folds* what one-sided replicas did since (their ledgers
 into its own counters, sequence trackers and clocks, so everything that reads them under the
 lock -- status, checkpoints, retirement, the replicas' clocks, duplicate detection -- counts
 one-sided pushes exactly like the others.  A ledger whose replica closed its session is folded
-in a last time and freed for the next session.
+in a last time and freed for the next session; so is one whose replica's process is gone (it
+could not close it), when a new session finds no ledger free.
 
 A ledger still marked in the middle of a push when the shard holds the lock belongs to a
 process that died there (or that the shard took its state back from): that push counts as
@@ -38,9 +39,11 @@ from .shard_body import (
     DIRTY,
     EXAMPLES,
     FREE,
+    GONE,
     IN_PROGRESS,
     LEDGERED,
     LEDGERS,
+    PID,
     RECENT_LOSS,
     RELEASED,
     REPLICA,
@@ -54,6 +57,7 @@ from .shard_body import (
     ShardBody,
     ShardLock,
     closed_mark,
+    process_state,
 )
 
 #: ``DOWNPOUR_DASK_ONE_SIDED=0`` makes every shard refuse one-sided replicas.
@@ -144,11 +148,14 @@ class OneSidedHost:
             and not isinstance(innermost(self.rule), DelayCompensated)
         )
 
-    async def open_one_sided(self, replica: int, session: str) -> dict[str, Any] | None:
+    async def open_one_sided(
+        self, replica: int, session: str, pid: int = 0
+    ) -> dict[str, Any] | None:
         """What a replica on this host needs to push to this shard one-sided
         (:class:`~downpour_dask.ps.one_sided.OneSidedShard`): the shared body's offer, its
         ledger, the rule, the norm cap and the generation; None if this shard cannot take
-        one-sided pushes, has taken its state back, or has no free ledger."""
+        one-sided pushes, has taken its state back, or has no free ledger.  ``pid``: the
+        replica's process; when no ledger is free, those of processes gone are freed first."""
         if not self.one_sided_possible():
             return None
         with self._lock:
@@ -157,7 +164,9 @@ class OneSidedHost:
                 return None
             if not self._body.shared:
                 self._share()
-            ledger = self._body.open_ledger(int(replica), str(session))
+            ledger = self._body.open_ledger(int(replica), str(session), int(pid))
+            if ledger is None and self._free_ledgers_of_the_gone():
+                ledger = self._body.open_ledger(int(replica), str(session), int(pid))
             if ledger is None:  # (an unclosed session's replica may be stopped, not gone)
                 self._events.append((
                     time.time(), "one_sided_refused",
@@ -173,6 +182,30 @@ class OneSidedHost:
                 "max_grad_norm": self.max_grad_norm, "generation": self.generation,
                 "shard": self.shard_id,
             }  # fmt: skip
+
+    def _free_ledgers_of_the_gone(self) -> int:
+        """Close the open ledgers whose process is gone (killed, it could not close them) and
+        fold them in a last time, which frees them (under the lock); how many.  A ledger whose
+        process is only stopped stays: it may still write there."""
+        body, gone = self._body, 0
+        for i in np.flatnonzero(body.ledgers[:, REPLICA] > FREE).tolist():
+            row = body.ledgers[i]
+            pid = int(row[PID])
+            if pid <= 0 or process_state(pid) not in GONE:
+                continue
+            replica = int(row[REPLICA])
+            row[REPLICA] = closed_mark(replica)
+            body.head[LEDGERED] += 1
+            gone += 1
+            self._events.append((
+                time.time(), "one_sided_freed",
+                f"shard {self.shard_id}: replica {replica}'s one-sided session ended with its "
+                f"process {pid}; its ledger, counted in full, is free for a new session",
+                {"replica": replica, "pid": pid},
+            ))  # fmt: skip
+        if gone:
+            self._fold()
+        return gone
 
     def _share(self) -> None:
         """Move the body into shared memory (under the lock)."""

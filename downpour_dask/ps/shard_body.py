@@ -7,8 +7,8 @@ the shard's arrays itself, in shared memory, under a lock both processes take.  
 must therefore live in that memory, laid out the same in both processes: the values, the update
 rule's state, the guard's bounds (:class:`~downpour_dask.core.guard.GuardedUpdate`), the version,
 the stop, warmstart and retirement flags, and one *ledger* per one-sided replica session (its
-last applied push number, its counters, the push it is in the middle of).  :class:`ShardBody`
-holds them, in a private allocation until the first one-sided replica asks
+process, its last applied push number, its counters, the push it is in the middle of).
+:class:`ShardBody` holds them, in a private allocation until the first one-sided replica asks
 (:meth:`ShardBody.shared_copy`); the shard reads and writes them through it either way.
 
 :class:`ShardLock` is the shard's lock: a thread lock, plus, once the body is shared, an
@@ -50,9 +50,10 @@ FLOAT_HEAD = 2
 #: Guard bounds (float64, NaN: not measured) for at most this many arrays.
 BOUNDS = 8
 # -- one ledger per one-sided replica session (int64) ---------------------------------------------
+# PID: the replica's process (0: not known), whose ledger is freed once it is gone.
 (REPLICA, SESSION_A, SESSION_B, THROUGH, IN_PROGRESS, ACCEPTED, EXAMPLES, STALENESS_SUM,
- STALENESS_MAX, CLIPPED) = range(10)  # fmt: skip
-LEDGER = 10
+ STALENESS_MAX, CLIPPED, PID) = range(11)  # fmt: skip
+LEDGER = 11
 #: One-sided sessions a shard serves at once (a replica restarted or switched gets a new one).
 LEDGERS = 64
 #: A ledger's REPLICA while it is free; a replica that closes its session marks it
@@ -229,8 +230,9 @@ class ShardBody:
             self.float_head[RECENT_LOSS] = loss if math.isnan(recent) else 0.9 * recent + 0.1 * loss
 
     # -- ledgers ---------------------------------------------------------------------------------
-    def open_ledger(self, replica: int, session: str) -> int | None:
-        """A new ledger for ``session`` (under the lock), or None if all are taken."""
+    def open_ledger(self, replica: int, session: str, pid: int = 0) -> int | None:
+        """A new ledger for ``session`` of process ``pid`` (under the lock), or None if all are
+        taken."""
         free = np.flatnonzero(self.ledgers[:, REPLICA] == FREE)
         if not free.size:
             return None
@@ -239,6 +241,7 @@ class ShardBody:
         row[:] = 0
         row[SESSION_A], row[SESSION_B] = session_key(session)
         row[THROUGH] = row[IN_PROGRESS] = -1
+        row[PID] = pid
         row[REPLICA] = replica
         return i
 
@@ -264,6 +267,23 @@ def _mapped(mapping: mmap.mmap, n_values: int, spec: list, layout: dict[str, Any
     ledgers = view(np.int64, LEDGERS * LEDGER, parts["ledgers"]).reshape(LEDGERS, LEDGER)
     values = view(DTYPE, n_values, parts["values"])
     return ShardBody(values, state, head, float_head, bounds, ledgers, mapping)
+
+
+# -- the processes sharing a body ------------------------------------------------------------------
+#: Process states in ``/proc/<pid>/stat`` of a process that is gone ("": no such process).
+GONE = ("", "Z", "X", "x")
+
+
+def process_state(pid: int) -> str:
+    """Process ``pid``'s state letter in ``/proc/<pid>/stat`` ("" if there is no such process).
+    A profiler's samples (ptrace) show as "t": that process runs on."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return ""
+    end = text.rfind(b")")
+    return text[end + 2 : end + 3].decode()
 
 
 # -- the lock --------------------------------------------------------------------------------------
