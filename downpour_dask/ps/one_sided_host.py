@@ -168,12 +168,12 @@ class OneSidedHost:
             if ledger is None and self._free_ledgers_of_the_gone():
                 ledger = self._body.open_ledger(int(replica), str(session), int(pid))
             if ledger is None:  # (an unclosed session's replica may be stopped, not gone)
-                self._events.append((
-                    time.time(), "one_sided_refused",
+                self._event(
+                    "one_sided_refused",
                     f"shard {self.shard_id}: all {LEDGERS} one-sided ledgers are taken; replica "
                     f"{replica}'s new session pushes over the wire",
                     {"replica": int(replica)},
-                ))  # fmt: skip
+                )  # fmt: skip
                 return None
             self._folded[ledger] = self._body.ledgers[ledger].copy()
             self._ledger_sessions[ledger] = str(session)
@@ -182,6 +182,10 @@ class OneSidedHost:
                 "max_grad_norm": self.max_grad_norm, "generation": self.generation,
                 "shard": self.shard_id,
             }  # fmt: skip
+
+    def _event(self, kind: str, detail: str, data: dict[str, Any]) -> None:
+        """Record a shard event (``events()``; the driver logs them)."""
+        self._events.append((time.time(), kind, detail, data))
 
     def _free_ledgers_of_the_gone(self) -> int:
         """Close the open ledgers whose process is gone (killed, it could not close them) and
@@ -197,12 +201,12 @@ class OneSidedHost:
             row[REPLICA] = closed_mark(replica)
             body.head[LEDGERED] += 1
             gone += 1
-            self._events.append((
-                time.time(), "one_sided_freed",
+            self._event(
+                "one_sided_freed",
                 f"shard {self.shard_id}: replica {replica}'s one-sided session ended with its "
                 f"process {pid}; its ledger, counted in full, is free for a new session",
                 {"replica": replica, "pid": pid},
-            ))  # fmt: skip
+            )  # fmt: skip
         if gone:
             self._fold()
         return gone
@@ -268,12 +272,12 @@ class OneSidedHost:
             row[IN_PROGRESS] = -1
             body.head[LEDGERED] += 1  # folded next, whether its process got to count it or not
             replica = int(row[REPLICA])
-            self._events.append((
-                time.time(), "torn_push",
+            self._event(
+                "torn_push",
                 f"shard {self.shard_id}: replica {replica}'s one-sided push {seq} was cut short "
                 f"({why}); it counts as applied, part of it may not be",
                 {"replica": replica, "seq": seq},
-            ))  # fmt: skip
+            )  # fmt: skip
         body.head[DIRTY] = -1
 
     def _take_back(self) -> None:
@@ -289,9 +293,9 @@ class OneSidedHost:
         self._settle_torn("its process kept the shard's lock past the lease")
         self._fold()
         self._lock.entered = None
-        self._events.append((
-            time.time(), "one_sided_revoked",
+        self._event(
+            "one_sided_revoked",
             f"shard {self.shard_id}: a one-sided replica's process kept the lock over "
             f"{self._lock.lease} s; every replica goes over the wire from now on", {},
-        ))  # fmt: skip
+        )  # fmt: skip
         old.close()
