@@ -158,25 +158,26 @@ class OneSidedHost:
         replica's process; when no ledger is free, those of processes gone are freed first."""
         if not self.one_sided_possible():
             return None
+        replica, session, pid = int(replica), str(session), int(pid)
         with self._lock:
             self._serving()  # type: ignore[attr-defined]
             if int(self._body.head[REVOKED]):
                 return None
             if not self._body.shared:
                 self._share()
-            ledger = self._body.open_ledger(int(replica), str(session), int(pid))
+            ledger = self._body.open_ledger(replica, session, pid)
             if ledger is None and self._free_ledgers_of_the_gone():
-                ledger = self._body.open_ledger(int(replica), str(session), int(pid))
+                ledger = self._body.open_ledger(replica, session, pid)
             if ledger is None:  # (an unclosed session's replica may be stopped, not gone)
                 self._event(
                     "one_sided_refused",
                     f"shard {self.shard_id}: all {LEDGERS} one-sided ledgers are taken; replica "
                     f"{replica}'s new session pushes over the wire",
-                    {"replica": int(replica)},
+                    {"replica": replica},
                 )  # fmt: skip
                 return None
             self._folded[ledger] = self._body.ledgers[ledger].copy()
-            self._ledger_sessions[ledger] = str(session)
+            self._ledger_sessions[ledger] = session
             return {
                 **self._body.offer(), "ledger": ledger, "rule": self.rule,
                 "max_grad_norm": self.max_grad_norm, "generation": self.generation,
